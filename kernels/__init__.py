@@ -1,0 +1,55 @@
+"""Kernels of the forward pass, imported as `loraplex.kernels`.
+
+`select_ops(device)` returns the op set for a device: the Triton kernels on CUDA, the torch
+reference (`reference.py`) on CPU. Both sets have the same signatures, documented in
+reference.py. This package never imports the rest of loraplex.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Ops:
+    """One implementation of every op the model calls."""
+
+    name: str
+    rms_norm: Callable
+    fused_add_rms_norm: Callable
+    rotary_store_kv: Callable
+    paged_attention: Callable
+    paged_decode_attention: Callable
+    silu_and_mul: Callable
+    lora_shrink: Callable
+    lora_expand: Callable
+    sample: Callable
+
+
+def reference_ops() -> Ops:
+    from loraplex.kernels import reference as r
+
+    return Ops(
+        name="reference",
+        rms_norm=r.rms_norm,
+        fused_add_rms_norm=r.fused_add_rms_norm,
+        rotary_store_kv=r.rotary_store_kv,
+        paged_attention=r.paged_attention,
+        paged_decode_attention=r.paged_decode_attention,
+        silu_and_mul=r.silu_and_mul,
+        lora_shrink=r.lora_shrink,
+        lora_expand=r.lora_expand,
+        sample=r.sample,
+    )
+
+
+def select_ops(device: torch.device | str) -> Ops:
+    """The op set for `device`: Triton on CUDA, the torch reference elsewhere."""
+    if torch.device(device).type == "cuda":
+        from loraplex.kernels.triton_ops import triton_ops
+
+        return triton_ops()
+    return reference_ops()

@@ -1,0 +1,230 @@
+"""Torch reference for every op of the forward pass: the CPU path of the engine and the oracle
+the Triton kernels are tested against. Plain, readable torch; no Triton, nothing from the rest
+of loraplex.
+
+Layout conventions shared with the Triton kernels:
+- KV cache: one tensor `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`
+  (block-major); ops take the layer's view `kv_cache[:, layer]`, shape
+  `[num_blocks, 2, block_size, num_kv_heads, head_dim]` (index 0 = K, 1 = V), not contiguous.
+- A token's cache slot is `block_id * block_size + offset`.
+- LoRA slot buffers, per layer and module group (qkv, o, gate_up, down): A
+  `[num_slots, num_slices, max_rank, in_features]`, B `[num_slots, out_features, max_rank]`
+  with the scaling folded into B, and the true rank of each (slot, slice) in
+  `ranks [num_slots, num_slices]`; slot 0 means "no adapter" and is never read. The output
+  rows of B are the slices' outputs laid end to end (`slice_offsets`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [num_tokens, hidden], weight [hidden] -> [num_tokens, hidden]. Normalises in float32
+    and rounds to x's dtype before the weight multiply, as Hugging Face Llama does."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual <- x + residual; returns (rms_norm(residual), residual). Shapes
+    [num_tokens, hidden]."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim]
+    by position (the "rotate half" layout of Hugging Face Llama). cos_sin_cache
+    [max_positions, head_dim] holds cos in the first half of each row and sin in the second,
+    in float32."""
+    cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)  # [num_tokens, head_dim / 2]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write k, v [num_tokens, num_kv_heads, head_dim] into the layer's cache view at
+    slot_mapping [num_tokens] (int64); negative slots are skipped (padding)."""
+    block_size = kv_layer.shape[2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_layer[blocks, 0, offsets] = k[valid].to(kv_layer.dtype)
+    kv_layer[blocks, 1, offsets] = v[valid].to(kv_layer.dtype)
+
+
+def rotary_store_kv(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    cos_sin_cache: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotary on q and k, then k and v written to the cache. Returns the rotated q."""
+    q, k = rotary_embedding(positions, q, k, cos_sin_cache)
+    store_kv(k, v, kv_layer, slot_mapping)
+    return q
+
+
+def gather_kv(
+    kv_layer: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first seq_len keys and values of one sequence: each [seq_len, num_kv_heads, head_dim]."""
+    block_size = kv_layer.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    blocks = kv_layer[block_table[:num_blocks].long()]  # [n, 2, block_size, kv_heads, head_dim]
+    k = blocks[:, 0].flatten(0, 1)[:seq_len]
+    v = blocks[:, 1].flatten(0, 1)[:seq_len]
+    return k, v
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, first_position: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of q [n, heads, d] at positions first_position.. over k, v
+    [seq_len, kv_heads, d]. Returns (out [n, heads, d], lse [n, heads]) in float32."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    group = num_heads // num_kv_heads
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [heads, n, seq_len]
+    query_pos = first_position + torch.arange(q.shape[0]).unsqueeze(1)
+    key_pos = torch.arange(k.shape[0]).unsqueeze(0)
+    scores = scores.masked_fill((key_pos > query_pos).unsqueeze(0), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [heads, n]
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    out = torch.einsum("hqk,khd->qhd", probs, v)
+    return out, lse.transpose(0, 1)
+
+
+def paged_attention(
+    q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention for a batch of sequences over the paged cache, the new tokens already
+    stored. q [num_tokens, num_heads, head_dim] holds each sequence's new tokens in turn
+    (sequence i owns rows query_start_loc[i]:query_start_loc[i+1]); seq_lens [num_seqs] counts
+    each sequence's tokens including the new ones, so its new tokens sit at the last positions.
+    block_tables [num_seqs, max_blocks] int32. Returns out [num_tokens, num_heads, head_dim] in
+    q's dtype, and with return_lse the log-sum-exp of the scores [num_tokens, num_heads]."""
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        begin, end = starts[i], starts[i + 1]
+        if end == begin:
+            continue
+        k, v = gather_kv(kv_layer, block_tables[i], seq_len)
+        o, s = _attend(q[begin:end], k, v, scale, seq_len - (end - begin))
+        out[begin:end], lse[begin:end] = o.to(q.dtype), s
+    return (out, lse) if return_lse else out
+
+
+def paged_decode_attention(
+    q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """One new token per sequence: q [batch, num_heads, head_dim], seq_lens [batch] including
+    the new token. Sequences with seq_len 0 (padding) give zeros."""
+    out = torch.zeros_like(q)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len > 0:
+            k, v = gather_kv(kv_layer, block_tables[i], seq_len)
+            out[i] = _attend(q[i:i + 1], k, v, scale, seq_len - 1)[0][0].to(q.dtype)
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, 2 * intermediate] (gate | up) -> silu(gate) * up [num_tokens, intermediate]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def lora_shrink(
+    x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, ranks: torch.Tensor
+) -> torch.Tensor:
+    """x [num_tokens, in], lora_a [num_slots, num_slices, max_rank, in], token_slots
+    [num_tokens] (0 = no adapter), ranks [num_slots, num_slices] -> float32
+    [num_slices, num_tokens, max_rank]; entries past a slot's rank, and rows of tokens with no
+    adapter, are 0."""
+    num_slices, max_rank = lora_a.shape[1], lora_a.shape[2]
+    out = torch.zeros(num_slices, x.shape[0], max_rank, dtype=torch.float32, device=x.device)
+    for slot in token_slots.unique().tolist():
+        if slot == 0:
+            continue
+        rows = (token_slots == slot).nonzero().squeeze(1)
+        xs = x[rows].float()
+        for s in range(num_slices):
+            r = int(ranks[slot, s])
+            if r > 0:
+                out[s, rows, :r] = xs @ lora_a[slot, s, :r].float().T
+    return out
+
+
+def lora_expand(
+    y: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor,
+    ranks: torch.Tensor, slice_offsets: tuple[int, ...],
+) -> torch.Tensor:
+    """y [num_tokens, out] += per slice s: shrunk[s] @ lora_b[slot, off_s:off_{s+1}, :rank].T,
+    in place. shrunk [num_slices, num_tokens, max_rank] float32, lora_b
+    [num_slots, out, max_rank], slice_offsets (num_slices + 1 ints, last = out)."""
+    for slot in token_slots.unique().tolist():
+        if slot == 0:
+            continue
+        rows = (token_slots == slot).nonzero().squeeze(1)
+        for s in range(len(slice_offsets) - 1):
+            r = int(ranks[slot, s])
+            if r == 0:
+                continue
+            lo, hi = slice_offsets[s], slice_offsets[s + 1]
+            delta = shrunk[s, rows, :r] @ lora_b[slot, lo:hi, :r].float().T
+            y[rows, lo:hi] += delta.to(y.dtype)
+    return y
+
+
+def sampling_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exponential(1) noise [batch, vocab] drawn from each row's (seed, offset) alone, so a
+    request's draws do not depend on what else is in the batch or on recomputation."""
+    noise = torch.empty(len(seeds), vocab_size, dtype=torch.float32)
+    for i, (seed, offset) in enumerate(zip(seeds.tolist(), offsets.tolist())):
+        generator = torch.Generator().manual_seed((seed * 1_000_003 + offset) % (2**63))
+        noise[i].exponential_(generator=generator)
+    return noise.to(seeds.device)
+
+
+def sample(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+    seeds: torch.Tensor, offsets: torch.Tensor,
+) -> torch.Tensor:
+    """Sample one token per row of logits [batch, vocab]. temperature [batch] (0 = greedy),
+    top_k [batch] int (<= 0 = off), top_p [batch] (1 = off), seeds and offsets [batch] int64
+    pick the noise (the offset is the index of the token being sampled). Top-k is applied
+    before top-p. Returns int64 [batch]."""
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)
+    vocab = logits.shape[-1]
+    scaled = logits / temperature.clamp_min(1e-6).unsqueeze(1)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    filtered = torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits)
+    probs = filtered.softmax(dim=-1)
+    noise = sampling_noise(seeds, offsets, vocab)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(temperature > 0, sampled, greedy)

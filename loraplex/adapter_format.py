@@ -1,0 +1,429 @@
+"""PEFT LoRA adapters: parsing and validation, the one code path that the engine (loading) and
+the registry (uploads) share. Torch-free: safetensors files are parsed here by hand, with every
+header field checked, and values are read into numpy (bf16 widened to float32 by bit shift).
+Nothing is ever unpickled.
+
+An adapter is refused with an AdapterError naming the problem: not LoRA, DoRA, modules_to_save,
+unsupported target modules, rank above the limit, shapes that do not fit the base model,
+NaN/Inf, disallowed dtypes, a malformed or oversized safetensors header, or only a pickle file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loraplex.errors import AdapterError
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PICKLE_NAMES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
+
+MAX_CONFIG_BYTES = 64 * 1024
+MAX_HEADER_BYTES = 4 * 1024 * 1024
+MAX_TENSORS = 8192
+MAX_PATTERN_LENGTH = 256
+
+_DTYPES: dict[str, tuple[np.dtype, int]] = {
+    "F32": (np.dtype("<f4"), 4),
+    "F16": (np.dtype("<f2"), 2),
+    "BF16": (np.dtype("<u2"), 2),  # widened to float32 on read
+}
+_KEY = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)\.lora_(A|B)\.weight$"
+)
+_MODULE_PATH = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
+# Config keys that change the math of inference; PEFT features we do not implement.
+_UNSUPPORTED_FEATURES = (
+    "layer_replication", "trainable_token_indices", "target_parameters",
+    "alora_invocation_tokens", "lora_bias", "use_qalora",
+)
+
+
+@dataclass(frozen=True)
+class BaseModelShape:
+    """The dimensions of the served base model that an adapter must fit."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def features(self, module: str) -> tuple[int, int]:
+        """(in_features, out_features) of a target module."""
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {
+            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+        }[module]
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One adapted module of one layer. `a` is [rank, in_features], `b` [out_features, rank],
+    both float32; the output is `x @ a.T @ b.T * scaling`."""
+
+    layer: int
+    module: str
+    a: np.ndarray
+    b: np.ndarray
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """The fields of adapter_config.json that inference uses."""
+
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...] | str
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+    base_model_name: str | None
+
+    def scaling(self, module_path: str) -> tuple[int, float]:
+        """(rank, scaling) that PEFT would give the module at `module_path`
+        (e.g. `model.layers.3.self_attn.q_proj`)."""
+        rank = self.rank_pattern.get(_pattern_key(self.rank_pattern, module_path), self.rank)
+        alpha = self.alpha_pattern.get(_pattern_key(self.alpha_pattern, module_path), self.alpha)
+        return rank, alpha / (math.sqrt(rank) if self.use_rslora else rank)
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A validated adapter. `digest` is its identity everywhere: the sha256 of its canonical
+    tensors (name, dtype, shape, bytes, in name order) and the scaling applied to each."""
+
+    digest: str
+    config: AdapterConfig
+    modules: dict[tuple[int, str], LoraModule]
+    num_bytes: int
+
+    @property
+    def rank(self) -> int:
+        return max(m.rank for m in self.modules.values())
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        present = {module for _, module in self.modules}
+        return tuple(m for m in SUPPORTED_MODULES if m in present)
+
+
+def load_adapter_dir(path: str | Path, base: BaseModelShape, max_rank: int) -> LoraAdapter:
+    """Load and validate a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise AdapterError(f"adapter folder {folder} does not exist")
+    config_path, weights_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
+    if not weights_path.is_file():
+        pickles = [name for name in PICKLE_NAMES if (folder / name).is_file()]
+        if pickles:
+            raise AdapterError(
+                f"{folder} holds only {pickles[0]}, a pickle file, which loraplex never loads; "
+                f"save the adapter with safetensors (save_pretrained(..., safe_serialization=True))"
+            )
+        raise AdapterError(f"{folder} has no {WEIGHTS_NAME}")
+    if not config_path.is_file():
+        raise AdapterError(f"{folder} has no {CONFIG_NAME}")
+    if config_path.stat().st_size > MAX_CONFIG_BYTES:
+        raise AdapterError(f"{CONFIG_NAME} is larger than {MAX_CONFIG_BYTES} bytes")
+    return load_adapter(config_path.read_bytes(), weights_path, base, max_rank)
+
+
+def load_adapter(
+    config: bytes | str | dict[str, Any], weights_path: str | Path, base: BaseModelShape, max_rank: int
+) -> LoraAdapter:
+    """Validate a parsed or raw adapter config and a safetensors weights file against `base`."""
+    adapter_config = parse_adapter_config(config, max_rank)
+    weights_path = Path(weights_path)
+    tensors = read_safetensors(weights_path)
+    pairs = _pair_tensors(tensors, adapter_config, base)
+    modules: dict[tuple[int, str], LoraModule] = {}
+    hasher = hashlib.sha256()
+    for (layer, module), (a_name, b_name) in sorted(pairs.items()):
+        a_raw, b_raw = tensors[a_name], tensors[b_name]
+        rank = _check_shapes(layer, module, a_raw, b_raw, adapter_config, base, max_rank)
+        path = f"model.layers.{layer}.{_block(module)}.{module}"
+        config_rank, scaling = adapter_config.scaling(path)
+        if config_rank != rank:
+            raise AdapterError(
+                f"{path}: tensors have rank {rank} but adapter_config.json gives rank {config_rank}"
+            )
+        a, b = a_raw.values(), b_raw.values()
+        for name, values in ((a_name, a), (b_name, b)):
+            if not np.isfinite(values).all():
+                raise AdapterError(f"tensor {name} contains NaN or Inf values")
+        modules[(layer, module)] = LoraModule(layer, module, a, b, scaling)
+        for raw in (a_raw, b_raw):
+            raw.update_digest(hasher)
+        hasher.update(f"scaling={scaling!r};".encode())
+    if not modules:
+        raise AdapterError(f"{weights_path.name} holds no LoRA tensors")
+    return LoraAdapter(hasher.hexdigest(), adapter_config, modules, weights_path.stat().st_size)
+
+
+def parse_adapter_config(raw: bytes | str | dict[str, Any], max_rank: int) -> AdapterConfig:
+    """Check adapter_config.json against what loraplex serves."""
+    if isinstance(raw, (bytes, str)):
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise AdapterError(f"{CONFIG_NAME} is larger than {MAX_CONFIG_BYTES} bytes")
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise AdapterError(f"{CONFIG_NAME} is not valid JSON: {exc}") from None
+    else:
+        data = raw
+    if not isinstance(data, dict):
+        raise AdapterError(f"{CONFIG_NAME} must hold a JSON object")
+    peft_type = data.get("peft_type")
+    if peft_type != "LORA":
+        raise AdapterError(f"peft_type must be 'LORA', got {peft_type!r}")
+    task_type = data.get("task_type")
+    if task_type not in (None, "CAUSAL_LM"):
+        raise AdapterError(f"task_type must be 'CAUSAL_LM', got {task_type!r}")
+    if data.get("use_dora"):
+        raise AdapterError("DoRA adapters (use_dora: true) are not supported")
+    if data.get("modules_to_save"):
+        raise AdapterError(
+            f"modules_to_save is not supported (the adapter trains full copies of "
+            f"{data['modules_to_save']}); only LoRA weights can be served per request"
+        )
+    if data.get("bias", "none") != "none":
+        raise AdapterError(f"bias={data['bias']!r} is not supported; only bias='none'")
+    if data.get("fan_in_fan_out"):
+        raise AdapterError("fan_in_fan_out is not supported for Llama-family models")
+    for key in _UNSUPPORTED_FEATURES:
+        if data.get(key):
+            raise AdapterError(f"the PEFT feature {key!r} is not supported")
+    rank, alpha = data.get("r", 8), data.get("lora_alpha", 8)
+    _check_rank(rank, "r", max_rank)
+    if not _is_number(alpha) or not math.isfinite(alpha) or alpha <= 0:
+        raise AdapterError(f"lora_alpha must be a positive finite number, got {alpha!r}")
+    rank_pattern = _pattern_dict(data.get("rank_pattern"), "rank_pattern")
+    alpha_pattern = _pattern_dict(data.get("alpha_pattern"), "alpha_pattern")
+    for key, value in rank_pattern.items():
+        _check_rank(value, f"rank_pattern[{key!r}]", max_rank)
+    for key, value in alpha_pattern.items():
+        if not _is_number(value) or not math.isfinite(value) or value <= 0:
+            raise AdapterError(f"alpha_pattern[{key!r}] must be a positive finite number")
+    target_modules = _parse_targets(data.get("target_modules"))
+    base_model = data.get("base_model_name_or_path")
+    return AdapterConfig(
+        rank=rank, alpha=float(alpha), use_rslora=bool(data.get("use_rslora", False)),
+        target_modules=target_modules, rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
+        base_model_name=base_model if isinstance(base_model, str) else None,
+    )
+
+
+class RawTensor:
+    """A tensor as stored in a safetensors file: dtype, shape and little-endian bytes."""
+
+    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], data: memoryview) -> None:
+        self.name, self.dtype, self.shape, self.data = name, dtype, shape, data
+
+    def values(self) -> np.ndarray:
+        """The values as a float32 array."""
+        np_dtype, _ = _DTYPES[self.dtype]
+        array = np.frombuffer(self.data, dtype=np_dtype).reshape(self.shape)
+        if self.dtype == "BF16":
+            return (array.astype(np.uint32) << 16).view(np.float32)
+        return array.astype(np.float32)
+
+    def update_digest(self, hasher: Any) -> None:
+        hasher.update(f"{self.name};{self.dtype};{list(self.shape)};".encode())
+        hasher.update(self.data)
+
+
+def read_safetensors(path: str | Path, max_header_bytes: int = MAX_HEADER_BYTES) -> dict[str, RawTensor]:
+    """Parse a safetensors file, checking the header size, JSON, dtypes, shapes and that the
+    data offsets tile the data section exactly."""
+    path = Path(path)
+    data = path.read_bytes()
+    if len(data) < 8:
+        raise AdapterError(f"{path.name} is not a safetensors file (too short)")
+    header_len = int.from_bytes(data[:8], "little")
+    if header_len > max_header_bytes:
+        raise AdapterError(f"{path.name}: safetensors header of {header_len} bytes exceeds the "
+                           f"{max_header_bytes}-byte limit")
+    if 8 + header_len > len(data):
+        raise AdapterError(f"{path.name} is not a safetensors file (header runs past the end)")
+    try:
+        header = json.loads(data[8:8 + header_len])
+    except (ValueError, UnicodeDecodeError):
+        raise AdapterError(f"{path.name} is not a safetensors file (header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise AdapterError(f"{path.name}: safetensors header must be a JSON object")
+    header.pop("__metadata__", None)
+    if len(header) > MAX_TENSORS:
+        raise AdapterError(f"{path.name} holds {len(header)} tensors, more than {MAX_TENSORS}")
+    body = memoryview(data)[8 + header_len:]
+    spans: list[tuple[int, int, str]] = []
+    tensors: dict[str, RawTensor] = {}
+    for name, info in header.items():
+        dtype, shape, (begin, end) = _tensor_info(path.name, name, info)
+        spans.append((begin, end, name))
+        tensors[name] = RawTensor(name, dtype, shape, body[begin:end])
+    position = 0
+    for begin, end, name in sorted(spans):
+        if begin != position:
+            raise AdapterError(f"{path.name}: data of tensor {name} does not follow the previous "
+                               f"tensor (offset {begin}, expected {position})")
+        position = end
+    if position != len(body):
+        raise AdapterError(f"{path.name}: {len(body) - position} bytes of data belong to no tensor")
+    return tensors
+
+
+def _tensor_info(file: str, name: str, info: Any) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+    if not isinstance(info, dict):
+        raise AdapterError(f"{file}: header entry {name!r} is malformed")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in _DTYPES:
+        raise AdapterError(f"{file}: tensor {name} has dtype {dtype!r}; allowed: F32, F16, BF16")
+    if (not isinstance(shape, list) or len(shape) > 8
+            or not all(isinstance(d, int) and 0 <= d < 2**31 for d in shape)):
+        raise AdapterError(f"{file}: tensor {name} has an invalid shape {shape!r}")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and o >= 0 for o in offsets)):
+        raise AdapterError(f"{file}: tensor {name} has invalid data_offsets {offsets!r}")
+    begin, end = offsets
+    if end - begin != math.prod(shape) * _DTYPES[dtype][1]:
+        raise AdapterError(f"{file}: tensor {name}: data_offsets span {end - begin} bytes, but "
+                           f"shape {shape} of {dtype} needs {math.prod(shape) * _DTYPES[dtype][1]}")
+    return dtype, tuple(shape), (begin, end)
+
+
+def _pair_tensors(
+    tensors: dict[str, RawTensor], config: AdapterConfig, base: BaseModelShape
+) -> dict[tuple[int, str], tuple[str, str]]:
+    halves: dict[tuple[int, str], dict[str, str]] = {}
+    for name in tensors:
+        match = _KEY.match(name)
+        if match is None:
+            raise AdapterError(_describe_unexpected(name))
+        layer, block, module, half = int(match[1]), match[2], match[3], match[4]
+        if module not in SUPPORTED_MODULES:
+            raise AdapterError(f"unsupported target module {module!r} (tensor {name}); "
+                               f"supported: {', '.join(SUPPORTED_MODULES)}")
+        if block != _block(module):
+            raise AdapterError(f"tensor {name}: {module} belongs under {_block(module)}, not {block}")
+        if layer >= base.num_layers:
+            raise AdapterError(f"tensor {name} is for layer {layer}, but the base model has "
+                               f"{base.num_layers} layers")
+        if isinstance(config.target_modules, tuple) and module not in config.target_modules:
+            raise AdapterError(f"tensor {name} adapts {module}, which is not in target_modules")
+        halves.setdefault((layer, module), {})[half] = name
+    pairs = {}
+    for key, found in halves.items():
+        if set(found) != {"A", "B"}:
+            missing = "lora_B" if "A" in found else "lora_A"
+            raise AdapterError(f"layer {key[0]} {key[1]} has no {missing} tensor")
+        pairs[key] = (found["A"], found["B"])
+    return pairs
+
+
+def _describe_unexpected(name: str) -> str:
+    if "lora_magnitude_vector" in name:
+        return "DoRA adapters (lora_magnitude_vector) are not supported"
+    if "lora_embedding" in name or "embed_tokens" in name:
+        return "unsupported target module 'embed_tokens'; supported: " + ", ".join(SUPPORTED_MODULES)
+    if "modules_to_save" in name or name.endswith(("lm_head.weight", "embed_tokens.weight")):
+        return f"modules_to_save is not supported (tensor {name})"
+    match = re.search(r"\.([A-Za-z0-9_]+)\.lora_[AB]\.", name)
+    if match:
+        return (f"unsupported target module {match[1]!r} (tensor {name}); "
+                f"supported: {', '.join(SUPPORTED_MODULES)}")
+    return f"unexpected tensor {name!r} in adapter weights"
+
+
+def _check_shapes(
+    layer: int, module: str, a: RawTensor, b: RawTensor, config: AdapterConfig,
+    base: BaseModelShape, max_rank: int,
+) -> int:
+    in_features, out_features = base.features(module)
+    where = f"layer {layer} {module}"
+    if len(a.shape) != 2 or len(b.shape) != 2:
+        raise AdapterError(f"{where}: lora_A and lora_B must be matrices")
+    rank = a.shape[0]
+    if a.shape[1] != in_features or b.shape[0] != out_features:
+        raise AdapterError(
+            f"{where}: shapes lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit the base "
+            f"model, which needs lora_A [r, {in_features}] and lora_B [{out_features}, r]"
+        )
+    if b.shape[1] != rank:
+        raise AdapterError(f"{where}: lora_A has rank {rank} but lora_B has rank {b.shape[1]}")
+    _check_rank(rank, where, max_rank)
+    return rank
+
+
+def _check_rank(rank: Any, what: str, max_rank: int) -> None:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise AdapterError(f"{what}: rank must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise AdapterError(f"{what}: rank {rank} exceeds the limit of {max_rank} (max_lora_rank)")
+
+
+def _parse_targets(targets: Any) -> tuple[str, ...] | str:
+    if targets is None:
+        raise AdapterError("target_modules is missing from adapter_config.json")
+    if isinstance(targets, str):
+        if len(targets) > MAX_PATTERN_LENGTH:
+            raise AdapterError("target_modules pattern is too long")
+        if targets in SUPPORTED_MODULES:
+            return (targets,)
+        return targets  # a regex or "all-linear": the tensors say which modules are adapted
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise AdapterError("target_modules must be a list of module names or a string")
+    names = {t.rsplit(".", 1)[-1] for t in targets}
+    unsupported = sorted(names - set(SUPPORTED_MODULES))
+    if unsupported:
+        raise AdapterError(f"unsupported target modules: {', '.join(unsupported)}; "
+                           f"supported: {', '.join(SUPPORTED_MODULES)}")
+    return tuple(m for m in SUPPORTED_MODULES if m in names)
+
+
+def _pattern_dict(value: Any, what: str) -> dict[str, Any]:
+    if not value:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise AdapterError(f"{what} must map module patterns to numbers")
+    for key in value:
+        # Module paths or their suffixes only: no regex metacharacters, so matching is linear.
+        if len(key) > MAX_PATTERN_LENGTH or not _MODULE_PATH.fullmatch(key):
+            raise AdapterError(f"{what} key {key!r} must be a module name or dotted path")
+    return dict(value)
+
+
+def _pattern_key(patterns: dict[str, Any], module_path: str) -> str:
+    """The first key that is `module_path` or a dotted suffix of it (PEFT's rule), else the path."""
+    for key in patterns:
+        if module_path == key or module_path.endswith("." + key):
+            return key
+    return module_path
+
+
+def _block(module: str) -> str:
+    return "self_attn" if module in ATTENTION_MODULES else "mlp"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,0 +1,90 @@
+"""Plain data shared by every layer: sampling parameters and request outputs. No torch here."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from loraplex.errors import InvalidRequestError
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+MAX_LOGPROBS = 20
+MAX_STOP_SEQUENCES = 16
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples its output. Invalid values raise InvalidRequestError naming the
+    field. `temperature == 0` is greedy; `top_k <= 0` and `top_p == 1` disable those filters."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    """Makes sampling reproducible: the same seed, prompt and adapter give the same tokens."""
+    stop: tuple[str, ...] = ()
+    """Strings that end the output; the matched string is not included."""
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """Return the log-probability of each sampled token and of this many top alternatives."""
+
+    def __post_init__(self) -> None:
+        # Accept lists and a single stop string, as the OpenAI API does; store tuples.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                 "max_tokens must be an integer >= 1", "max_tokens")
+        _require(math.isfinite(self.temperature) and self.temperature >= 0,
+                 "temperature must be a finite number >= 0", "temperature")
+        _require(isinstance(self.top_k, int), "top_k must be an integer", "top_k")
+        _require(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", "top_p")
+        _require(self.seed is None or isinstance(self.seed, int), "seed must be an integer", "seed")
+        _require(len(self.stop) <= MAX_STOP_SEQUENCES and all(isinstance(s, str) and s for s in self.stop),
+                 f"stop must be at most {MAX_STOP_SEQUENCES} non-empty strings", "stop")
+        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                 "stop_token_ids must be non-negative integers", "stop_token_ids")
+        _require(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                 f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _require(condition: bool, message: str, param: str) -> None:
+    if not condition:
+        raise InvalidRequestError(message, param=param)
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one sampled token and its top alternatives, under the model's
+    distribution before temperature and filters."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after a step. `token_ids` and `text` are cumulative (generated
+    part only); `new_token_ids` and `new_text` are what this step added."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: FinishReason | None = None
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    adapter: str | None = None
+    error: str | None = None
