@@ -111,14 +111,16 @@ def _attend(
 def paged_attention(
     q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-    return_lse: bool = False,
+    return_lse: bool = False, max_query_len: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention for a batch of sequences over the paged cache, the new tokens already
     stored. q [num_tokens, num_heads, head_dim] holds each sequence's new tokens in turn
     (sequence i owns rows query_start_loc[i]:query_start_loc[i+1]); seq_lens [num_seqs] counts
     each sequence's tokens including the new ones, so its new tokens sit at the last positions.
     block_tables [num_seqs, max_blocks] int32. Returns out [num_tokens, num_heads, head_dim] in
-    q's dtype, and with return_lse the log-sum-exp of the scores [num_tokens, num_heads]."""
+    q's dtype, and with return_lse the log-sum-exp of the scores [num_tokens, num_heads].
+    max_query_len (the longest run of new tokens) lets kernels size their grid without reading
+    query_start_loc on the host; the reference ignores it."""
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
