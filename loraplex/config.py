@@ -36,8 +36,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs > 0, "max_num_seqs must be positive")
-        _check(self.max_num_batched_tokens >= self.max_num_seqs,
-               "max_num_batched_tokens must be at least max_num_seqs (one decode token each)")
+        _check(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive")
 
 
 @dataclass(frozen=True)

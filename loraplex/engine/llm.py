@@ -1,0 +1,92 @@
+"""The offline API:
+
+    from loraplex import LLM, SamplingParams
+    llm = LLM("path/to/hf-model-folder", device="cpu", dtype="float32")
+    llm.add_adapter("support-bot", "path/to/peft-adapter-folder")
+    outs = llm.generate(["Hello", "Hi"], SamplingParams(max_tokens=32, temperature=0.0),
+                        adapters=["support-bot", None])
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from loraplex.config import EngineConfig
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.errors import InvalidRequestError
+from loraplex.types import RequestOutput, SamplingParams
+
+
+class LLM:
+    """Generate from a batch of prompts, each with its own adapter, all scheduled together.
+    Extra keyword arguments are engine options (`max_loras`, `block_size`,
+    `max_num_batched_tokens`, ...; see loraplex.config)."""
+
+    def __init__(self, model: str | Path, *, device: str = "auto", dtype: str = "auto", **options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(str(model), device=device, dtype=dtype, **options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def add_adapter(self, name: str, path: str | Path) -> str:
+        """Load a PEFT adapter folder under `name`; returns its digest."""
+        return self.engine.add_adapter(name, path)
+
+    def remove_adapter(self, name: str) -> None:
+        self.engine.remove_adapter(name)
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        adapters: str | None | Sequence[str | None] = None,
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> list[RequestOutput]:
+        """One output per prompt, in order. `sampling_params` and `adapters` are one for all
+        prompts or one per prompt."""
+        if (prompts is None) == (prompt_token_ids is None):
+            raise InvalidRequestError("give exactly one of prompts and prompt_token_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        count = len(prompts) if prompts is not None else len(prompt_token_ids)
+        params = _per_prompt(sampling_params or SamplingParams(), count, "sampling_params")
+        names = _per_prompt(adapters, count, "adapters")
+        request_ids = []
+        try:
+            for i in range(count):
+                request_id = f"offline-{next(self._ids)}"
+                self.engine.add_request(
+                    request_id, prompt=prompts[i] if prompts is not None else None, params=params[i],
+                    adapter=names[i],
+                    prompt_token_ids=list(prompt_token_ids[i]) if prompt_token_ids is not None else None,
+                )
+                request_ids.append(request_id)
+            return self._run(request_ids)
+        finally:
+            for request_id in request_ids:
+                self.engine.abort(request_id)  # no-op for finished ones; frees all on error
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(request_ids):
+            for output in self.engine.step():
+                if output.finished:
+                    final[output.request_id] = output
+            if not self.engine.has_unfinished_requests() and len(final) < len(request_ids):
+                raise RuntimeError("the engine stopped with requests unfinished")
+        return [final[r] for r in request_ids]
+
+
+def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
+    if value is None or isinstance(value, (str, SamplingParams)):
+        return [value] * count
+    values = list(value)
+    if len(values) != count:
+        raise InvalidRequestError(f"{name} has {len(values)} entries for {count} prompts", param=name)
+    return values

@@ -1,0 +1,233 @@
+"""The step-level engine that the offline API and the server drive: `add_request`, `step`,
+`abort`, and adapters by name. Single-threaded: one caller at a time."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from loraplex.adapter_format import LoraAdapter
+from loraplex.config import EngineConfig
+from loraplex.engine.adapter_slots import AdapterSlots
+from loraplex.engine.adapters import AdapterStore
+from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.detokenizer import Detokenizer
+from loraplex.engine.lora_weights import LoraSlotBuffers
+from loraplex.engine.model_runner import ModelRunner
+from loraplex.engine.plan import StepPlan
+from loraplex.engine.request import Request
+from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.sizing import make_kv_cache, resolve_device, resolve_dtype, resolve_max_model_len
+from loraplex.errors import InvalidRequestError
+from loraplex.kernels import select_ops
+from loraplex.model.config import ModelConfig
+from loraplex.model.loader import load_model
+from loraplex.model.tokenizer import load_tokenizer
+from loraplex.types import FinishReason, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_config = ModelConfig.load(config.model)
+        self.tokenizer = load_tokenizer(config.model)
+        self.max_model_len = resolve_max_model_len(config, self.model_config)
+        ops = select_ops(self.device)
+        self.model = load_model(config.model, self.model_config, ops, self.dtype, self.device,
+                                self.max_model_len)
+        self.lora = LoraSlotBuffers(self.model_config, config.lora.max_loras,
+                                    config.lora.max_lora_rank, self.dtype, self.device)
+        self.kv_cache = make_kv_cache(config, self.model_config, self.dtype, self.device,
+                                      self.max_model_len)
+        num_blocks, block_size = self.kv_cache.shape[0], self.kv_cache.shape[3]
+        self.max_model_len = min(self.max_model_len, num_blocks * block_size)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.slots = AdapterSlots(config.lora.max_loras)
+        self.adapters = AdapterStore(self.model_config, config.lora.max_lora_rank, self.dtype,
+                                     pin=self.device.type == "cuda")
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.slots)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, self.lora, ops, config.scheduler.max_num_seqs,
+            max_blocks_per_seq=-(-self.max_model_len // block_size),
+            host_adapter=self.adapters.host,
+        )
+        self.eos_token_ids = frozenset(self._eos_ids())
+        self._requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, Detokenizer] = {}
+        self._arrivals = 0
+        self._seeds = random.Random(config.seed)
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    # Adapters -----------------------------------------------------------------------------
+    def add_adapter(self, name: str, source: str | Path | LoraAdapter) -> str:
+        """Make an adapter servable under `name`; returns its digest (identity)."""
+        return self.adapters.add(name, source)
+
+    def remove_adapter(self, name: str) -> None:
+        digest = self.adapters.remove(name)
+        if digest is not None and not any(r.adapter == digest for r in self._requests.values()):
+            self.slots.evict(digest)
+            self.adapters.drop(digest)
+
+    # Requests -----------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt: str | None = None, params: SamplingParams | None = None,
+        adapter: str | None = None, prompt_token_ids: list[int] | None = None,
+    ) -> Request:
+        """Queue a request. Exactly one of `prompt` (text) and `prompt_token_ids` is given;
+        `adapter` names an added adapter or is None for the base model."""
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        params = params or SamplingParams()
+        token_ids = self._prompt_ids(prompt, prompt_token_ids)
+        digest = self.adapters.resolve(adapter) if adapter is not None else None
+        request = Request(
+            request_id=request_id, prompt_token_ids=token_ids, params=params,
+            seed=params.seed if params.seed is not None else self._seeds.getrandbits(62),
+            arrival=self._arrivals, adapter=digest, adapter_name=adapter,
+        )
+        self._arrivals += 1
+        self._requests[request_id] = request
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = Detokenizer(self.tokenizer, token_ids, params.stop)
+        self.scheduler.add(request)
+        return request
+
+    def _prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+        if (prompt is None) == (prompt_token_ids is None):
+            raise InvalidRequestError("give exactly one of prompt and prompt_token_ids", param="prompt")
+        if prompt is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("the model has no tokenizer; pass prompt_token_ids", param="prompt")
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            token_ids = list(prompt_token_ids)
+        vocab = self.model_config.vocab_size
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens; this model's context is {self.max_model_len}",
+                param="prompt")
+        return token_ids
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request; its blocks and adapter slot return at once. False if unknown."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        self._detokenizers.pop(request_id, None)
+        self.scheduler.finish(request, "abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # The step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and return the requests that advanced or finished."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty and not plan.forgotten_ids:
+            return []
+        try:
+            result = self.runner.execute(plan)
+        except Exception as exc:  # the model failed: fail this step's requests, keep serving
+            logger.exception("engine step failed")
+            return self._fail(plan, exc)
+        self.num_prompt_tokens += plan.num_tokens - len(result.sampled_ids)
+        outputs = []
+        for request in self.scheduler.update(plan, result):
+            self.num_generated_tokens += 1
+            outputs.append(self._process(request, result.logprobs.get(request.request_id)))
+        return outputs
+
+    def _process(self, request: Request, logprob) -> RequestOutput:
+        token = request.token_ids[-1]
+        params = request.params
+        reason: FinishReason | None = None
+        new_text, stopped = "", False
+        detokenizer = self._detokenizers.get(request.request_id)
+        if detokenizer is not None:
+            new_text, stopped = detokenizer.push(token)
+        if stopped or token in params.stop_token_ids or (
+                token in self.eos_token_ids and not params.ignore_eos):
+            reason = "stop"
+        elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            reason = "length"
+        if logprob is not None:
+            request.logprobs.append(logprob)
+        if reason is not None:
+            self.scheduler.finish(request, reason)
+            self._requests.pop(request.request_id, None)
+            if detokenizer is not None:
+                new_text += detokenizer.flush()
+                self._detokenizers.pop(request.request_id, None)
+        return self._output(request, [token], new_text, detokenizer)
+
+    def _output(self, request: Request, new_ids: list[int], new_text: str,
+                detokenizer: Detokenizer | None) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+            token_ids=request.output_token_ids,
+            text=detokenizer.text if detokenizer is not None else "",
+            finished=request.is_finished, finish_reason=request.finish_reason,
+            new_token_ids=new_ids, new_text=new_text,
+            logprobs=request.logprobs if request.params.logprobs is not None else None,
+            adapter=request.adapter_name,
+        )
+
+    def _fail(self, plan: StepPlan, exc: Exception) -> list[RequestOutput]:
+        outputs = []
+        for request_id in plan.request_ids:
+            request = self._requests.pop(request_id, None)
+            if request is None:
+                continue
+            detokenizer = self._detokenizers.pop(request_id, None)
+            self.scheduler.finish(request, "error")
+            output = self._output(request, [], "", detokenizer)
+            output.error = f"{type(exc).__name__}: {exc}"
+            outputs.append(output)
+        return outputs
+
+    def _eos_ids(self) -> Iterable[int]:
+        yield from self.model_config.eos_token_ids
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is not None:
+            yield eos
+        generation = Path(self.config.model) / "generation_config.json"
+        if generation.is_file():
+            import json
+
+            value = json.loads(generation.read_text()).get("eos_token_id")
+            yield from value if isinstance(value, list) else [] if value is None else [value]
+
+    def stats(self) -> dict[str, float]:
+        """Live engine state for metrics and the admin UI."""
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_swapped": 0,
+            "kv_blocks_total": self.blocks.num_blocks,
+            "kv_blocks_used": self.blocks.num_used_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_adapters_resident": len(self.slots.resident),
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "time": time.time(),
+        }

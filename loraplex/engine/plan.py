@@ -1,0 +1,62 @@
+"""The contract between scheduler and model runner: one StepPlan goes in, one StepResult comes
+back. Plain data; the runner keeps its own per-request arrays and never touches the
+scheduler's objects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loraplex.types import SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True)
+class NewSequence:
+    """A request the runner has not seen since it was (re)admitted: everything it needs to
+    keep the request's state. A request resumed after preemption comes again as new, its
+    cache recomputed from all its tokens."""
+
+    request_id: str
+    token_ids: list[int]
+    """Prompt and the tokens generated before any preemption."""
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    adapter_slot: int
+    params: SamplingParams
+    seed: int
+
+
+@dataclass
+class StepPlan:
+    """One engine step. `request_ids[i]` computes `num_scheduled_tokens[i]` new tokens starting
+    at its current `num_computed_tokens`; a request whose step reaches the end of its known
+    tokens samples one more (`samples[i]`)."""
+
+    new: list[NewSequence] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Blocks appended since the previous step, for requests that are not new."""
+    forgotten_ids: list[str] = field(default_factory=list)
+    """Requests the runner must drop (finished, aborted or preempted since the last plan)."""
+    adapter_loads: list[tuple[int, str]] = field(default_factory=list)
+    """(slot, adapter digest) to copy into the device's slot buffers before the step."""
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.request_ids
+
+
+@dataclass
+class StepResult:
+    """What one step produced: a token for every request that sampled, in plan order."""
+
+    sampled_ids: list[str] = field(default_factory=list)
+    sampled_tokens: list[int] = field(default_factory=list)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)

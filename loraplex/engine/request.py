@@ -1,0 +1,62 @@
+"""A request's life in the engine. Pure Python (no torch): the scheduler's state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from loraplex.types import FinishReason, SamplingParams, TokenLogprob
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    """The request's own seed, or one drawn at arrival: sampling noise depends only on
+    (seed, token index), so a preempted request resumes with the same output."""
+    arrival: int
+    """Arrival order; preemption takes the newest first."""
+    adapter: str | None = None
+    """The adapter's digest (its identity), None for the base model."""
+    adapter_name: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    """Prompt followed by every generated token."""
+    num_computed_tokens: int = 0
+    """Tokens whose K/V are in the cache."""
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,79 @@
+"""The forward context: what the model runner tells the layers about the batch (attention and
+LoRA metadata, the KV cache). The one ambient state of the model, set only inside
+`with forward_context(...)`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor
+    """[num_tokens] int64: cache slot of each new token (negative = padding, not stored)."""
+    block_tables: torch.Tensor
+    """[num_seqs, max_blocks] int32."""
+    query_start_loc: torch.Tensor
+    """[num_seqs + 1] int32: sequence i owns new tokens query_start_loc[i]:query_start_loc[i+1]."""
+    seq_lens: torch.Tensor
+    """[num_seqs] int32: tokens of each sequence including the new ones."""
+    max_query_len: int
+    """Longest run of new tokens of one sequence; 1 means a pure decode step."""
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+class LoraSlotWeights(Protocol):
+    """The slot buffers of one module group in one layer (see kernels/reference.py)."""
+
+    a: torch.Tensor  # [num_slots, num_slices, max_rank, in_features]
+    b: torch.Tensor  # [num_slots, out_features, max_rank]
+    ranks: torch.Tensor  # [num_slots, num_slices] int32
+    slice_offsets: tuple[int, ...]
+
+
+class LoraBuffers(Protocol):
+    def group(self, layer: int, name: str) -> LoraSlotWeights: ...
+
+
+@dataclass
+class LoraMetadata:
+    token_slots: torch.Tensor
+    """[num_tokens] int32: adapter slot of each token, 0 = none."""
+    buffers: LoraBuffers
+
+
+@dataclass
+class ForwardContext:
+    kv_cache: torch.Tensor
+    """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]."""
+    attention: AttentionMetadata
+    lora: LoraMetadata | None
+    """None when no token of the batch has an adapter."""
+
+
+_CONTEXT: ContextVar[ForwardContext | None] = ContextVar("loraplex_forward_context", default=None)
+
+
+@contextmanager
+def forward_context(context: ForwardContext) -> Iterator[ForwardContext]:
+    token = _CONTEXT.set(context)
+    try:
+        yield context
+    finally:
+        _CONTEXT.reset(token)
+
+
+def get_forward_context() -> ForwardContext:
+    context = _CONTEXT.get()
+    if context is None:
+        raise RuntimeError("the model was called outside `with forward_context(...)`")
+    return context

@@ -1,0 +1,105 @@
+"""Tiny models, tokenizers and adapters made on the spot for tests: random weights, saved as
+Hugging Face / PEFT folders, nothing downloaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=300, max_position_embeddings=512, bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def hf_config(arch: str, **overrides: Any):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    if arch == "llama":  # Llama 3 style: rope scaling that matters at these lengths
+        return LlamaConfig(**{**TINY, "rope_theta": 500000.0, "rope_scaling": {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}, **overrides})
+    if arch == "qwen2":  # q/k/v bias, tied embeddings
+        return Qwen2Config(**{**TINY, "tie_word_embeddings": True, **overrides})
+    if arch == "mistral":
+        return MistralConfig(**{**TINY, "sliding_window": None, **overrides})
+    raise ValueError(arch)
+
+
+def make_hf_model(arch: str, folder: Path, seed: int = 0, **save_options: Any):
+    """A random tiny model saved to `folder`; returns the transformers model (float32, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(arch)).eval()
+    with torch.no_grad():  # qwen2 biases start at zero; make them count
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)
+    model.save_pretrained(folder, **save_options)
+    save_byte_tokenizer(folder)
+    return model
+
+
+def save_byte_tokenizer(folder: Path) -> None:
+    """A byte-level tokenizer: one token per byte (ids 3..258), specials 0-2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({ch: 3 + i for i, ch in enumerate(sorted(alphabet))})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    fast.save_pretrained(folder)
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    name: str
+    targets: tuple[str, ...]
+    rank: int
+    alpha: float
+    use_rslora: bool = False
+    rank_pattern: dict | None = None
+    alpha_pattern: dict | None = None
+
+
+ADAPTERS = (
+    AdapterSpec("qv4", ("q_proj", "v_proj"), rank=4, alpha=8),
+    AdapterSpec("all8", ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                rank=8, alpha=16, use_rslora=True),
+    AdapterSpec("mlp16", ("o_proj", "gate_proj", "down_proj"), rank=16, alpha=16),
+    AdapterSpec("pattern", ("q_proj", "k_proj", "up_proj"), rank=8, alpha=16,
+                rank_pattern={"k_proj": 2}, alpha_pattern={"up_proj": 4}),
+)
+
+
+def make_adapter(base_model, spec: AdapterSpec, folder: Path, seed: int = 1) -> Path:
+    """Train nothing: a PEFT adapter with random A and B (PEFT starts B at zero), saved as
+    safetensors. `base_model` is left unchanged."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(
+        r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets),
+        use_rslora=spec.use_rslora, rank_pattern=spec.rank_pattern or {},
+        alpha_pattern=spec.alpha_pattern or {}, init_lora_weights=False, task_type="CAUSAL_LM",
+    )
+    peft_model = get_peft_model(copy.deepcopy(base_model), config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3)
+    path = folder / spec.name
+    peft_model.save_pretrained(path)
+    return path
