@@ -143,6 +143,13 @@ class LoraAdapter:
 
 def load_adapter_dir(path: str | Path, base: BaseModelShape, max_rank: int) -> LoraAdapter:
     """Load and validate a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)."""
+    config_path, weights_path = find_adapter_files(path)
+    return load_adapter(config_path.read_bytes(), weights_path, base, max_rank)
+
+
+def find_adapter_files(path: str | Path) -> tuple[Path, Path]:
+    """(config path, weights path) of a PEFT adapter folder, refusing pickle-only folders and
+    oversized configs."""
     folder = Path(path)
     if not folder.is_dir():
         raise AdapterError(f"adapter folder {folder} does not exist")
@@ -159,7 +166,7 @@ def load_adapter_dir(path: str | Path, base: BaseModelShape, max_rank: int) -> L
         raise AdapterError(f"{folder} has no {CONFIG_NAME}")
     if config_path.stat().st_size > MAX_CONFIG_BYTES:
         raise AdapterError(f"{CONFIG_NAME} is larger than {MAX_CONFIG_BYTES} bytes")
-    return load_adapter(config_path.read_bytes(), weights_path, base, max_rank)
+    return config_path, weights_path
 
 
 def load_adapter(
