@@ -71,7 +71,8 @@ class EngineConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
-        _check(self.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, not {self.device!r}")
+        _check(self.device in ("auto", "cpu", "cuda"),
+               f"device must be auto, cpu or cuda, not {self.device!r}")
         _check(self.dtype in ("auto", "float32", "float16", "bfloat16"),
                f"dtype must be auto, float32, float16 or bfloat16, not {self.dtype!r}")
         _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive")

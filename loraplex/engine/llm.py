@@ -25,7 +25,9 @@ class LLM:
     Extra keyword arguments are engine options (`max_loras`, `block_size`,
     `max_num_batched_tokens`, ...; see loraplex.config)."""
 
-    def __init__(self, model: str | Path, *, device: str = "auto", dtype: str = "auto", **options: Any) -> None:
+    def __init__(
+        self, model: str | Path, *, device: str = "auto", dtype: str = "auto", **options: Any
+    ) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(str(model), device=device, dtype=dtype, **options))
         self._ids = itertools.count()
 

@@ -9,8 +9,6 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-import torch
-
 from loraplex.adapter_format import LoraAdapter
 from loraplex.config import EngineConfig
 from loraplex.engine.adapter_slots import AdapterSlots

@@ -79,7 +79,7 @@ def load_model(
         model = LlamaForCausalLM(config, ops, max_positions)
     model.to_empty(device=device)
     handles = [safe_open(str(path), framework="pt", device="cpu") for path in files]
-    located = {name: handle for handle in handles for name in handle.keys()}
+    located = {name: handle for handle in handles for name in handle.keys()}  # noqa: SIM118 (safe_open is no dict)
     params = dict(model.named_parameters(remove_duplicate=False))
     for ours, hf_names in _hf_names(config).items():
         missing = [name for name in hf_names if name not in located]

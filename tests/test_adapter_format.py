@@ -1,0 +1,183 @@
+"""Every adapter the engine must refuse raises AdapterError naming the problem, and a good
+adapter's digest is its identity (same tensors and scaling -> same digest)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from loraplex.adapter_format import BaseModelShape, load_adapter_dir
+from loraplex.errors import AdapterError
+from tests.factories import TINY, AdapterSpec, make_adapter, make_hf_model
+
+SHAPE = BaseModelShape(num_layers=2, hidden_size=64, intermediate_size=96, num_heads=4,
+                       num_kv_heads=2, head_dim=16)
+GOOD = AdapterSpec("good", ("q_proj", "v_proj", "down_proj"), rank=4, alpha=8)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return make_hf_model("llama", tmp_path_factory.mktemp("base") / "model")
+
+
+@pytest.fixture()
+def good(base, tmp_path):
+    return make_adapter(base, GOOD, tmp_path)
+
+
+def _peft(base, tmp_path, **config):
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(task_type="CAUSAL_LM", **config))
+    path = tmp_path / "adapter"
+    model.save_pretrained(path)
+    return path
+
+
+def _edit_config(path, **changes):
+    config = json.loads((path / "adapter_config.json").read_text())
+    config.update(changes)
+    (path / "adapter_config.json").write_text(json.dumps(config))
+
+
+def _edit_tensors(path, edit):
+    tensors = load_file(path / "adapter_model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "adapter_model.safetensors")
+
+
+def test_good_adapter_loads(good):
+    adapter = load_adapter_dir(good, SHAPE, max_rank=64)
+    assert adapter.rank == 4
+    assert adapter.target_modules == ("q_proj", "v_proj", "down_proj")
+    assert len(adapter.modules) == 2 * 3
+    module = adapter.modules[(0, "q_proj")]
+    assert module.a.shape == (4, 64) and module.b.shape == (64, 4)
+    assert module.scaling == pytest.approx(8 / 4)
+
+
+def test_digest_is_content_identity(good, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(good, copy)
+    _edit_config(copy, base_model_name_or_path="renamed")  # metadata: same identity
+    assert load_adapter_dir(copy, SHAPE, 64).digest == load_adapter_dir(good, SHAPE, 64).digest
+    _edit_config(copy, lora_alpha=16)  # different scaling: a different adapter
+    assert load_adapter_dir(copy, SHAPE, 64).digest != load_adapter_dir(good, SHAPE, 64).digest
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(r=4, target_modules=["q_proj", "lm_head"]), "unsupported target modules: lm_head"),
+    (dict(r=4, target_modules=["embed_tokens"]), "unsupported target modules: embed_tokens"),
+    (dict(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]), "modules_to_save is not supported"),
+    (dict(r=4, target_modules=["q_proj"], use_dora=True), "DoRA"),
+    (dict(r=128, target_modules=["q_proj"]), "rank 128 exceeds the limit of 64"),
+])
+def test_refused_peft_configs(base, tmp_path, config, message):
+    path = _peft(base, tmp_path, **config)
+    with pytest.raises(AdapterError, match=message):
+        load_adapter_dir(path, SHAPE, max_rank=64)
+
+
+def test_refuses_adapter_for_another_base_model(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    other = LlamaForCausalLM(LlamaConfig(**{**TINY, "hidden_size": 32}))
+    path = _peft(other, tmp_path, r=4, target_modules=["q_proj"])
+    with pytest.raises(AdapterError, match=r"do not fit the base model, which needs lora_A \[r, 64\]"):
+        load_adapter_dir(path, SHAPE, max_rank=64)
+
+
+def test_refuses_adapter_with_more_layers(base, tmp_path):
+    path = _peft(base, tmp_path, r=4, target_modules=["q_proj"])
+    one_layer = BaseModelShape(**{**SHAPE.__dict__, "num_layers": 1})
+    with pytest.raises(AdapterError, match="for layer 1, but the base model has 1 layers"):
+        load_adapter_dir(path, one_layer, max_rank=64)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_refuses_non_finite_values(good, value):
+    def poison(tensors):
+        name = next(n for n in tensors if "lora_B" in n)
+        tensors[name][0, 0] = value
+
+    _edit_tensors(good, poison)
+    with pytest.raises(AdapterError, match="NaN or Inf"):
+        load_adapter_dir(good, SHAPE, max_rank=64)
+
+
+def test_refuses_pickle_only_folder(base, tmp_path):
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, target_modules=["q_proj"]))
+    model.save_pretrained(tmp_path / "pickled", safe_serialization=False)
+    assert (tmp_path / "pickled" / "adapter_model.bin").is_file()
+    with pytest.raises(AdapterError, match="only adapter_model.bin, a pickle file"):
+        load_adapter_dir(tmp_path / "pickled", SHAPE, max_rank=64)
+
+
+def test_refuses_missing_config_and_weights(good, tmp_path):
+    (good / "adapter_config.json").unlink()
+    with pytest.raises(AdapterError, match="has no adapter_config.json"):
+        load_adapter_dir(good, SHAPE, max_rank=64)
+    tmp_path.joinpath("empty").mkdir()
+    with pytest.raises(AdapterError, match="has no adapter_model.safetensors"):
+        load_adapter_dir(tmp_path / "empty", SHAPE, max_rank=64)
+
+
+def test_refuses_unpaired_and_mismatched_ranks(good):
+    def drop_b(tensors):
+        del tensors[next(n for n in tensors if "lora_B" in n)]
+
+    _edit_tensors(good, drop_b)
+    with pytest.raises(AdapterError, match="has no lora_B tensor"):
+        load_adapter_dir(good, SHAPE, max_rank=64)
+
+
+def test_refuses_rank_that_disagrees_with_config(good):
+    _edit_config(good, r=8)
+    with pytest.raises(AdapterError, match="tensors have rank 4 but adapter_config.json gives rank 8"):
+        load_adapter_dir(good, SHAPE, max_rank=64)
+
+
+@pytest.mark.parametrize("header, message", [
+    (b"\xff" * 8, "exceeds the"),
+    ((10).to_bytes(8, "little") + b"not json!!", "header is not JSON"),
+    ((2).to_bytes(8, "little") + b"[]", "must be a JSON object"),
+])
+def test_refuses_malformed_safetensors(good, header, message):
+    (good / "adapter_model.safetensors").write_bytes(header)
+    with pytest.raises(AdapterError, match=message):
+        load_adapter_dir(good, SHAPE, max_rank=64)
+
+
+def test_refuses_disallowed_dtype_and_bad_offsets(good):
+    tensors = load_file(good / "adapter_model.safetensors")
+    save_file({k: v.to(torch.float64) for k, v in tensors.items()}, good / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match="dtype 'F64'; allowed: F32, F16, BF16"):
+        load_adapter_dir(good, SHAPE, max_rank=64)
+    save_file(tensors, good / "adapter_model.safetensors")
+    data = (good / "adapter_model.safetensors").read_bytes()
+    (good / "adapter_model.safetensors").write_bytes(data + b"\0" * 4)
+    with pytest.raises(AdapterError, match="4 bytes of data belong to no tensor"):
+        load_adapter_dir(good, SHAPE, max_rank=64)
+
+
+def test_refused_adapter_leaves_engine_adapters_unchanged(tmp_path):
+    from loraplex import LLM
+
+    base = make_hf_model("llama", tmp_path / "model")
+    good_path = make_adapter(base, GOOD, tmp_path)
+    llm = LLM(tmp_path / "model", device="cpu", dtype="float32")
+    llm.add_adapter("good", good_path)
+    bad = _peft(base, tmp_path, r=4, target_modules=["q_proj"], use_dora=True)
+    with pytest.raises(AdapterError, match="DoRA"):
+        llm.add_adapter("bad", bad)
+    assert set(llm.engine.adapters.names) == {"good"}
