@@ -1,0 +1,112 @@
+"""Database engines and transactions. SQLite (WAL, busy timeout, synchronous=NORMAL, writes as
+BEGIN IMMEDIATE so concurrent writers queue instead of failing on a lock upgrade) or PostgreSQL
+through psycopg 3. No module-level engines: `make_engine(url)` builds one per registry."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
+from sqlalchemy.orm import Session, sessionmaker
+
+from loraplex.registry.errors import RegistryError
+
+_BEGIN_OPTION = "loraplex_sqlite_begin"
+# Key of the PostgreSQL advisory lock that serialises blob publication and garbage collection.
+_BLOB_LOCK_KEY = 0x6C6F7261
+
+
+def make_engine(url: str, *, busy_timeout_s: float = 30.0) -> Engine:
+    """An Engine for an SQLite or PostgreSQL URL (`postgresql://` means psycopg 3)."""
+    parsed = parse_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        return _make_sqlite_engine(parsed, busy_timeout_s)
+    return create_engine(parsed, pool_pre_ping=True)
+
+
+def parse_url(url: str) -> URL:
+    """Parse and normalise a registry database URL, refusing backends other than SQLite and
+    PostgreSQL."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise RegistryError(f"cannot parse database URL {url!r}") from None
+    if parsed.drivername in ("postgres", "postgresql"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    backend = parsed.get_backend_name()
+    if backend not in ("sqlite", "postgresql"):
+        raise RegistryError(f"unsupported database {backend!r}: use sqlite:/// or postgresql://")
+    return parsed
+
+
+def display_url(url: str) -> str:
+    """The URL with any password hidden, for messages."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "<unparsable URL>"
+
+
+def _make_sqlite_engine(url: URL, busy_timeout_s: float) -> Engine:
+    engine = create_engine(url, connect_args={"timeout": busy_timeout_s})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Take BEGIN away from the sqlite3 module; the "begin" hook below emits it.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        for pragma in (
+            "journal_mode=WAL",
+            f"busy_timeout={int(busy_timeout_s * 1000)}",
+            "synchronous=NORMAL",
+            "foreign_keys=ON",
+        ):
+            cursor.execute(f"PRAGMA {pragma}")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Any) -> None:
+        mode = connection.get_execution_options().get(_BEGIN_OPTION, "IMMEDIATE")
+        connection.exec_driver_sql(f"BEGIN {mode}")
+
+    return engine
+
+
+class Database:
+    """An engine and the two kinds of transaction the service layer opens: `write()` (on SQLite
+    BEGIN IMMEDIATE, holding the one write lock from the start) and `read()` (plain BEGIN)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.is_sqlite = engine.dialect.name == "sqlite"
+        reader = engine.execution_options(**{_BEGIN_OPTION: "DEFERRED"})
+        self._writer_sessions = sessionmaker(engine, expire_on_commit=False)
+        self._reader_sessions = sessionmaker(reader, expire_on_commit=False)
+
+    @contextmanager
+    def write(self) -> Iterator[Session]:
+        """A session inside a write transaction, committed on success."""
+        with self._writer_sessions() as session, session.begin():
+            yield session
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        """A session inside a read transaction."""
+        with self._reader_sessions() as session, session.begin():
+            yield session
+
+    def lock_blobs(self, session: Session) -> None:
+        """Serialise blob publication and deletion with every other writer, across processes,
+        until this transaction ends: on SQLite the IMMEDIATE write lock, on PostgreSQL an
+        advisory lock."""
+        if self.is_sqlite:
+            session.connection()
+        else:
+            session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _BLOB_LOCK_KEY})
+
+    def dispose(self) -> None:
+        self.engine.dispose()

@@ -1,0 +1,91 @@
+"""Usage counters per tenant, adapter and UTC hour. Recording is one atomic
+INSERT ... ON CONFLICT DO UPDATE SET n = n + excluded.n, correct under concurrency on SQLite
+(writers serialised by BEGIN IMMEDIATE) and PostgreSQL (row-level upsert)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from loraplex.registry.db import Database
+from loraplex.registry.errors import InvalidInputError
+from loraplex.registry.names import check_name
+from loraplex.registry.records import UsageRecord
+from loraplex.registry.tables import Adapter, Tenant, Usage, utcnow
+from loraplex.registry.tenants import find_tenant
+
+BASE_MODEL = ""
+"""The `adapter` column's value for requests to the base model."""
+_COUNTERS = ("num_requests", "prompt_tokens", "completion_tokens")
+
+
+def hour_of(at: datetime) -> datetime:
+    """The start of the UTC hour holding `at` (an aware datetime)."""
+    if at.tzinfo is None:
+        raise InvalidInputError("usage times must be timezone-aware")
+    return at.astimezone(timezone.utc).replace(minute=0, second=0, microsecond=0)
+
+
+class UsageService:
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    def record(self, tenant: str, adapter: str | None, *, prompt_tokens: int,
+               completion_tokens: int, num_requests: int = 1, at: datetime | None = None) -> None:
+        """Add one request's (or a batch's) tokens to the tenant's counters for the hour of
+        `at` (now by default), and count the requests on the adapter."""
+        if adapter is not None:
+            check_name(adapter, "adapter")
+        counts = {"num_requests": num_requests, "prompt_tokens": prompt_tokens,
+                  "completion_tokens": completion_tokens}
+        for field, value in counts.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidInputError(f"{field} must be a non-negative integer", param=field)
+        hour = hour_of(at or utcnow())
+        with self._db.write() as session:
+            tenant_id = find_tenant(session, tenant).id
+            _increment(session, tenant_id, adapter or BASE_MODEL, hour, counts)
+            if adapter is not None and num_requests:
+                session.execute(
+                    update(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.name == adapter)
+                    .values(num_requests_served=Adapter.num_requests_served + num_requests)
+                )
+
+    def query(self, *, tenant: str | None = None, adapter: str | None = None,
+              since: datetime | None = None, until: datetime | None = None
+              ) -> tuple[UsageRecord, ...]:
+        """Hourly rows of the hours that overlap [since, until), by hour, tenant and adapter.
+        `adapter` None means every adapter and the base model."""
+        query = (select(Usage, Tenant.name).join(Tenant, Usage.tenant_id == Tenant.id)
+                 .order_by(Usage.hour, Tenant.name, Usage.adapter))
+        if adapter is not None:
+            query = query.where(Usage.adapter == adapter)
+        if since is not None:
+            query = query.where(Usage.hour >= hour_of(since))
+        if until is not None:
+            query = query.where(Usage.hour < until)
+        with self._db.read() as session:
+            if tenant is not None:
+                query = query.where(Usage.tenant_id == find_tenant(session, tenant).id)
+            return tuple(
+                UsageRecord(tenant=name, adapter=row.adapter or None, hour=row.hour,
+                            num_requests=row.num_requests, prompt_tokens=row.prompt_tokens,
+                            completion_tokens=row.completion_tokens)
+                for row, name in session.execute(query)
+            )
+
+
+def _increment(session: Session, tenant_id: int, adapter: str, hour: datetime,
+               counts: dict[str, int]) -> None:
+    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
+    statement = dialect.insert(Usage).values(tenant_id=tenant_id, adapter=adapter, hour=hour,
+                                             **counts)
+    columns = Usage.__table__.c
+    statement = statement.on_conflict_do_update(
+        index_elements=[columns.tenant_id, columns.adapter, columns.hour],
+        set_={field: columns[field] + statement.excluded[field] for field in _COUNTERS},
+    )
+    session.execute(statement)

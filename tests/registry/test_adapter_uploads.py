@@ -1,0 +1,257 @@
+"""Adapter uploads: good ones stored as content-addressed blobs plus one row; every kind of
+bad one refused with a clear error and the registry left exactly as it was."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loraplex.adapter_format import BaseModelShape, load_adapter_dir
+from loraplex.errors import AdapterError, LoraplexError, UnknownAdapterError
+from loraplex.registry import Registry, RegistryConfig
+from loraplex.registry.errors import (
+    AdapterNotFoundError,
+    BaseModelUnknownError,
+    ConflictError,
+    InvalidInputError,
+    NotFoundError,
+)
+from loraplex.registry.records import ServedModelRecord
+from loraplex.registry.tables import utcnow
+from tests.registry.registry_support import (
+    MAX_RANK,
+    MODEL_ID,
+    TINY,
+    adapter_config,
+    adapter_tensors,
+    registry_state,
+    write_adapter,
+)
+
+
+def _safetensors(header: dict, body: bytes = b"") -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + body
+
+
+def _with(tensors: dict[str, np.ndarray], change: Callable[[np.ndarray], None]):
+    first = next(iter(tensors))
+    change(tensors[first])
+    return tensors
+
+
+_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+BAD_ADAPTERS: dict[str, tuple[Callable[[Path], Path], str]] = {
+    "not LoRA": (lambda d: write_adapter(d, adapter_config(peft_type="IA3")),
+                 "peft_type must be 'LORA'"),
+    "DoRA config": (lambda d: write_adapter(d, adapter_config(use_dora=True)), "DoRA"),
+    "DoRA tensors": (lambda d: write_adapter(d, tensors=adapter_tensors() | {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector":
+            np.ones(64, np.float32)}), "DoRA"),
+    "modules_to_save": (lambda d: write_adapter(d, adapter_config(modules_to_save=["lm_head"])),
+                        "modules_to_save"),
+    "unsupported target in config": (
+        lambda d: write_adapter(d, adapter_config(target_modules=["q_proj", "embed_tokens"])),
+        "unsupported target modules: embed_tokens"),
+    "unsupported target tensor": (
+        lambda d: write_adapter(d, adapter_config(target_modules="all-linear"), tensors={
+            "base_model.model.model.layers.0.self_attn.qkv_proj.lora_A.weight":
+                np.zeros((4, 64), np.float32),
+            "base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight":
+                np.zeros((128, 4), np.float32)}), "unsupported target module 'qkv_proj'"),
+    "rank above the limit": (
+        lambda d: write_adapter(d, adapter_config(r=16), adapter_tensors(rank=16)),
+        "exceeds the limit of 8"),
+    "shapes that do not fit": (
+        lambda d: write_adapter(d, tensors=adapter_tensors(shape=dataclasses.replace(
+            TINY, hidden_size=32))), "do not fit the base model"),
+    "more layers than the base": (
+        lambda d: write_adapter(d, tensors=adapter_tensors(shape=dataclasses.replace(
+            TINY, num_layers=3))), "the base model has 2 layers"),
+    "NaN": (lambda d: write_adapter(d, tensors=_with(adapter_tensors(),
+                                                     lambda t: t.flat.__setitem__(3, np.nan))),
+            "NaN or Inf"),
+    "Inf": (lambda d: write_adapter(d, tensors=_with(adapter_tensors(),
+                                                     lambda t: t.flat.__setitem__(0, np.inf))),
+            "NaN or Inf"),
+    "int32 dtype": (lambda d: write_adapter(d, tensors={
+        k: v.astype(np.int32) for k, v in adapter_tensors().items()}), "dtype 'I32'"),
+    "float64 dtype": (lambda d: write_adapter(d, tensors=adapter_tensors(dtype=np.float64)),
+                      "dtype 'F64'"),
+    "truncated safetensors": (lambda d: write_adapter(d, weights=b"\x01\x02"), "too short"),
+    "header not JSON": (lambda d: write_adapter(d, weights=struct.pack("<Q", 5) + b"{nope"),
+                        "header is not JSON"),
+    "oversized header": (
+        lambda d: write_adapter(d, weights=struct.pack("<Q", 64 << 20) + b"{}" * 8),
+        "exceeds the"),
+    "header past the end": (lambda d: write_adapter(d, weights=struct.pack("<Q", 999) + b"{}"),
+                            "runs past the end"),
+    "offsets that overlap": (lambda d: write_adapter(d, weights=_safetensors({
+        _A: {"dtype": "F32", "shape": [4, 64], "data_offsets": [0, 1024]},
+        _A.replace("lora_A", "lora_B"): {"dtype": "F32", "shape": [64, 4],
+                                         "data_offsets": [0, 1024]}}, bytes(2048))),
+        "does not follow"),
+    "only a pickle .bin": (lambda d: _pickle_only(d), "pickle"),
+    "config not JSON": (lambda d: _replace_config(write_adapter(d), b"{not json"),
+                        "not valid JSON"),
+    "no config": (lambda d: _remove(write_adapter(d) / "adapter_config.json"),
+                  "has no adapter_config.json"),
+}
+
+
+def _pickle_only(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text(json.dumps(adapter_config()))
+    (folder / "adapter_model.bin").write_bytes(b"\x80\x04K\x01.")  # pickle of the int 1
+    return folder
+
+
+def _replace_config(folder: Path, raw: bytes) -> Path:
+    (folder / "adapter_config.json").write_bytes(raw)
+    return folder
+
+
+def _remove(path: Path) -> Path:
+    path.unlink()
+    return path.parent
+
+
+@pytest.mark.parametrize("case", list(BAD_ADAPTERS))
+def test_bad_adapters_are_refused_and_nothing_is_stored(
+    registry: Registry, tmp_path: Path, case: str
+) -> None:
+    registry.adapters.upload_dir("acme", "existing", write_adapter(tmp_path / "good"))
+    build, match = BAD_ADAPTERS[case]
+    folder = build(tmp_path / "bad")
+    before = registry_state(registry)
+    with pytest.raises(AdapterError, match=match):
+        registry.adapters.upload_dir("acme", "candidate", folder)
+    assert registry_state(registry) == before
+
+
+@pytest.mark.parametrize("name", ["", "../escape", "a/b", "has space", "x" * 65, "tab\t", ".."])
+def test_bad_names_are_refused(registry: Registry, tmp_path: Path, name: str) -> None:
+    folder = write_adapter(tmp_path / "a")
+    before = registry_state(registry)
+    with pytest.raises(InvalidInputError, match="invalid adapter name"):
+        registry.adapters.upload_dir("acme", name, folder)
+    assert registry_state(registry) == before
+
+
+def test_duplicate_names_are_refused_per_tenant(registry: Registry, tmp_path: Path) -> None:
+    registry.adapters.upload_dir("acme", "sql", write_adapter(tmp_path / "a"))
+    before = registry_state(registry)
+    other = write_adapter(tmp_path / "b", tensors=adapter_tensors(seed=5))
+    with pytest.raises(ConflictError, match="'acme' already has an adapter named 'sql'"):
+        registry.adapters.upload_dir("acme", "sql", other)
+    assert registry_state(registry) == before
+    registry.tenants.create("beta")
+    assert registry.adapters.upload_dir("beta", "sql", other).tenant == "beta"
+
+
+def test_other_refusals_store_nothing(registry: Registry, registry_config: RegistryConfig,
+                                      tmp_path: Path) -> None:
+    folder = write_adapter(tmp_path / "a")
+    before = registry_state(registry)
+    with pytest.raises(NotFoundError, match="tenant 'nobody' does not exist"):
+        registry.adapters.upload_dir("nobody", "x", folder)
+    with pytest.raises(AdapterError, match="does not exist"):
+        registry.adapters.upload_dir("acme", "x", tmp_path / "missing")
+    small = dataclasses.replace(registry_config, max_upload_bytes=1000)
+    with Registry.open(small) as limited, pytest.raises(InvalidInputError, match="larger than"):
+        limited.adapters.upload_dir("acme", "x", folder)
+    assert registry_state(registry) == before
+
+
+def test_without_a_served_model_uploads_name_the_problem(
+    registry_config: RegistryConfig, tmp_path: Path
+) -> None:
+    with Registry.open(registry_config) as registry:
+        registry.tenants.create("acme")
+        folder = write_adapter(tmp_path / "a")
+        with pytest.raises(BaseModelUnknownError, match="no served base model is recorded"):
+            registry.adapters.upload_dir("acme", "x", folder)
+        model = ServedModelRecord("local", TINY, max_lora_rank=4)
+        assert registry.adapters.upload_dir("acme", "x", folder, model=model).base_model == "local"
+
+
+def test_good_upload_is_content_addressed(registry: Registry, tmp_path: Path) -> None:
+    folder = write_adapter(tmp_path / "a", adapter_config(
+        target_modules=["q_proj", "v_proj", "down_proj"]),
+        adapter_tensors(modules=("q_proj", "v_proj", "down_proj")))
+    record = registry.adapters.upload_dir("acme", "sql.v1_2-x", folder, actor=3)
+    expected = load_adapter_dir(folder, TINY, MAX_RANK)
+    weights = (folder / "adapter_model.safetensors").read_bytes()
+    config = (folder / "adapter_config.json").read_bytes()
+    assert record.digest == expected.digest
+    assert (record.rank, record.alpha, record.base_model) == (4, 8.0, MODEL_ID)
+    assert record.target_modules == ("q_proj", "v_proj", "down_proj")
+    assert record.size_bytes == len(weights)
+    assert record.weights_sha256 == hashlib.sha256(weights).hexdigest()
+    assert record.weights_path.read_bytes() == weights
+    assert record.config_path.read_bytes() == config
+    blob_dir = registry.blobs.blob_dir
+    assert record.weights_path == blob_dir / record.weights_sha256[:2] / record.weights_sha256
+    assert record.created_at <= utcnow() and record.num_requests_served == 0
+    assert registry.adapters.get("acme", "sql.v1_2-x") == record
+    assert registry.adapters.list("acme") == (record,)
+    (entry,) = [e for e in registry.audit.list() if e.action == "adapter.upload"]
+    assert (entry.actor_key_id, entry.object_id) == (3, "acme/sql.v1_2-x")
+    assert entry.details["digest"] == record.digest
+    assert list(registry.blobs.temp_dir.iterdir()) == []
+
+
+def test_stream_upload_matches_folder_upload_and_dedupes(registry: Registry,
+                                                         tmp_path: Path) -> None:
+    folder = write_adapter(tmp_path / "a")
+    config = (folder / "adapter_config.json").read_bytes()
+    weights = (folder / "adapter_model.safetensors").read_bytes()
+    first = registry.adapters.upload_dir("acme", "first", folder)
+    second = registry.adapters.upload("acme", "second", config, io.BytesIO(weights))
+    third = registry.adapters.upload("acme", "third", config, str(folder /
+                                                                  "adapter_model.safetensors"))
+    assert first.digest == second.digest == third.digest
+    assert len(list(registry.blobs.digests())) == 2  # one config blob, one weights blob
+    registry.adapters.delete("acme", "first")
+    registry.adapters.delete("acme", "second")
+    assert third.weights_path.is_file()
+    registry.adapters.delete("acme", "third")
+    assert list(registry.blobs.digests()) == []
+    assert not third.weights_path.exists()
+
+
+def test_half_precision_adapters_are_accepted(registry: Registry, tmp_path: Path) -> None:
+    folder = write_adapter(tmp_path / "a", tensors=adapter_tensors(dtype=np.float16))
+    assert registry.adapters.upload_dir("acme", "half", folder).rank == 4
+
+
+def test_unknown_adapters_are_model_not_found(registry: Registry, tmp_path: Path) -> None:
+    registry.adapters.upload_dir("acme", "mine", write_adapter(tmp_path / "a"))
+    registry.tenants.create("beta")
+    with pytest.raises(AdapterNotFoundError) as caught:
+        registry.adapters.get("beta", "mine")  # another tenant's adapter
+    assert caught.value.code == "model_not_found"
+    assert isinstance(caught.value, UnknownAdapterError) and isinstance(caught.value,
+                                                                         LoraplexError)
+    assert "tenant 'beta' has no adapter named 'mine'" in str(caught.value)
+    with pytest.raises(AdapterNotFoundError):
+        registry.adapters.delete("beta", "mine")
+    assert registry.adapters.list("beta") == ()
+
+
+def test_served_model_record_round_trips(registry: Registry) -> None:
+    other = BaseModelShape(num_layers=32, hidden_size=4096, intermediate_size=14336,
+                           num_heads=32, num_kv_heads=8, head_dim=128)
+    record = registry.models.set("meta-llama/Llama-3-8B", other, 64)
+    assert registry.models.get() == record
+    assert (record.shape, record.max_lora_rank) == (other, 64)
+    with pytest.raises(InvalidInputError):
+        registry.models.set("", other, 64)
