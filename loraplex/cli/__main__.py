@@ -1,0 +1,5 @@
+import sys
+
+from loraplex.cli import main
+
+sys.exit(main())
