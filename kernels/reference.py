@@ -78,34 +78,17 @@ def rotary_store_kv(
 
 
 def gather_kv(
-    kv_layer: torch.Tensor, block_table: torch.Tensor, seq_len: int
+    kv_layer: torch.Tensor, block_tables: torch.Tensor, max_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first seq_len keys and values of one sequence: each [seq_len, num_kv_heads, head_dim]."""
+    """The first max_len keys and values of each sequence of block_tables [num_seqs, max_blocks]:
+    each [num_seqs, max_len, num_kv_heads, head_dim] (positions past a sequence's length hold
+    whatever the blocks hold)."""
     block_size = kv_layer.shape[2]
-    num_blocks = -(-seq_len // block_size)
-    blocks = kv_layer[block_table[:num_blocks].long()]  # [n, 2, block_size, kv_heads, head_dim]
-    k = blocks[:, 0].flatten(0, 1)[:seq_len]
-    v = blocks[:, 1].flatten(0, 1)[:seq_len]
+    num_blocks = -(-max_len // block_size)
+    blocks = kv_layer[block_tables[:, :num_blocks].long()]  # [seqs, n, 2, block_size, kv_heads, d]
+    k = blocks[:, :, 0].flatten(1, 2)[:, :max_len]
+    v = blocks[:, :, 1].flatten(1, 2)[:, :max_len]
     return k, v
-
-
-def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, first_position: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of q [n, heads, d] at positions first_position.. over k, v
-    [seq_len, kv_heads, d]. Returns (out [n, heads, d], lse [n, heads]) in float32."""
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    group = num_heads // num_kv_heads
-    k = k.float().repeat_interleave(group, dim=1)
-    v = v.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [heads, n, seq_len]
-    query_pos = first_position + torch.arange(q.shape[0]).unsqueeze(1)
-    key_pos = torch.arange(k.shape[0]).unsqueeze(0)
-    scores = scores.masked_fill((key_pos > query_pos).unsqueeze(0), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [heads, n]
-    probs = torch.exp(scores - lse.unsqueeze(-1))
-    out = torch.einsum("hqk,khd->qhd", probs, v)
-    return out, lse.transpose(0, 1)
 
 
 def paged_attention(
@@ -118,34 +101,48 @@ def paged_attention(
     (sequence i owns rows query_start_loc[i]:query_start_loc[i+1]); seq_lens [num_seqs] counts
     each sequence's tokens including the new ones, so its new tokens sit at the last positions.
     block_tables [num_seqs, max_blocks] int32. Returns out [num_tokens, num_heads, head_dim] in
-    q's dtype, and with return_lse the log-sum-exp of the scores [num_tokens, num_heads].
+    q's dtype, and with return_lse the log-sum-exp of the scores [num_tokens, num_heads]
+    (-inf for a sequence of length 0, whose output is 0).
     max_query_len (the longest run of new tokens) lets kernels size their grid without reading
     query_start_loc on the host; the reference ignores it."""
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    for i, seq_len in enumerate(lens):
-        begin, end = starts[i], starts[i + 1]
-        if end == begin:
-            continue
-        k, v = gather_kv(kv_layer, block_tables[i], seq_len)
-        o, s = _attend(q[begin:end], k, v, scale, seq_len - (end - begin))
-        out[begin:end], lse[begin:end] = o.to(q.dtype), s
-    return (out, lse) if return_lse else out
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs, num_kv_heads = len(seq_lens), kv_layer.shape[3]
+    group = num_heads // num_kv_heads
+    starts = query_start_loc[:-1].long()
+    query_lens = query_start_loc[1:].long() - starts
+    seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), query_lens)  # [tokens]
+    index = torch.arange(num_tokens, device=q.device) - starts[seq_of]  # within its sequence
+    max_q, max_len = int(query_lens.max()), max(int(seq_lens.max()), 1)
+    # Queries padded per sequence, heads split into (kv head, group): [seqs, max_q, kv_heads, group, d]
+    q_pad = q.new_zeros(num_seqs, max_q, num_heads, head_dim).float()
+    q_pad[seq_of, index] = q.float()
+    q_pad = q_pad.view(num_seqs, max_q, num_kv_heads, group, head_dim)
+    k, v = gather_kv(kv_layer, block_tables, max_len)  # [seqs, max_len, kv_heads, d]
+    scores = torch.einsum("sqhgd,slhd->shgql", q_pad, k.float()) * scale
+    query_pos = (seq_lens.long() - query_lens).unsqueeze(1) + torch.arange(max_q, device=q.device)
+    key_pos = torch.arange(max_len, device=q.device)
+    hidden = key_pos.view(1, 1, -1) > query_pos.unsqueeze(-1)  # [seqs, max_q, max_len]
+    scores = scores.masked_fill(hidden[:, None, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [seqs, kv_heads, group, max_q]
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    out = torch.einsum("shgql,slhd->sqhgd", probs, v.float()).reshape(num_seqs, max_q, num_heads, head_dim)
+    out = out[seq_of, index].to(q.dtype)
+    if not return_lse:
+        return out
+    lse = lse.permute(0, 3, 1, 2).reshape(num_seqs, max_q, num_heads)[seq_of, index]
+    return out, lse
 
 
 def paged_decode_attention(
     q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, scale: float, *, num_splits: int | None = None,
 ) -> torch.Tensor:
     """One new token per sequence: q [batch, num_heads, head_dim], seq_lens [batch] including
-    the new token. Sequences with seq_len 0 (padding) give zeros."""
-    out = torch.zeros_like(q)
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        if seq_len > 0:
-            k, v = gather_kv(kv_layer, block_tables[i], seq_len)
-            out[i] = _attend(q[i:i + 1], k, v, scale, seq_len - 1)[0][0].to(q.dtype)
-    return out
+    the new token. Sequences with seq_len 0 (padding) give zeros. num_splits (how many pieces
+    a kernel cuts each sequence into) is a tuning knob of the kernels; the reference ignores
+    it."""
+    query_start_loc = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=q.device)
+    return paged_attention(q, kv_layer, block_tables, query_start_loc, seq_lens, scale)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

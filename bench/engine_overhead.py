@@ -1,0 +1,122 @@
+"""The engine's own CPU time per step with many running requests: scheduling, step metadata
+(the runner's input preparation) and output processing, timed apart from the model.
+
+    python bench/engine_overhead.py [--requests 256] [--prompt 512] [--steps 200]
+
+A tiny random Llama keeps the model's own time small; the phases timed do not depend on the
+model's size. Half the requests carry one of four adapters. Writes
+bench/results/engine_overhead.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from loraplex import LLM, SamplingParams  # noqa: E402
+from tests.factories import ADAPTERS, make_adapter  # noqa: E402
+
+
+def build(folder: Path, max_len: int) -> tuple[Path, dict[str, Path]]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=300, max_position_embeddings=max_len)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder / "model")
+    adapters = {spec.name: make_adapter(model, spec, folder / "adapters") for spec in ADAPTERS}
+    return folder / "model", adapters
+
+
+def measure(args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        max_len = args.prompt + 2048  # room for every request to decode through the whole run
+        model_dir, adapters = build(Path(tmp), max_len)
+        llm = LLM(model_dir, device="cpu", max_num_seqs=args.requests,
+                  max_num_batched_tokens=max(2048, args.requests), max_loras=len(adapters))
+        for name, path in adapters.items():
+            llm.add_adapter(name, path)
+    engine = llm.engine
+    names = [None, *adapters] * args.requests
+    params = SamplingParams(max_tokens=2047, temperature=0.8, top_p=0.95, ignore_eos=True)
+    for i in range(args.requests):
+        engine.add_request(f"r{i}", prompt_token_ids=[3 + i % 250] * args.prompt, params=params,
+                           adapter=names[i] if i % 2 else None)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
+            or engine.scheduler.waiting:
+        engine.step()
+    schedule, prepare, postprocess, model = [], [], [], []
+    runner, scheduler = engine.runner, engine.scheduler
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        plan = scheduler.schedule()
+        t1 = time.perf_counter()
+        runner._apply(plan)
+        inputs = runner.prepare(plan)
+        t2 = time.perf_counter()
+        result = _run_model(runner, plan, inputs)
+        t3 = time.perf_counter()
+        for request in scheduler.update(plan, result):
+            engine._process(request, None)
+        t4 = time.perf_counter()
+        assert len(plan.request_ids) == args.requests and plan.num_tokens == args.requests
+        schedule.append(t1 - t0)
+        prepare.append(t2 - t1)
+        model.append(t3 - t2)
+        postprocess.append(t4 - t3)
+
+    def us(values: list[float]) -> float:
+        return round(statistics.median(values) * 1e6, 1)
+
+    return {
+        "running_requests": args.requests, "prompt_tokens": args.prompt, "steps": args.steps,
+        "schedule_us": us(schedule), "prepare_us": us(prepare),
+        "engine_us (schedule + prepare)": round(us(schedule) + us(prepare), 1),
+        "postprocess_us (update, stops, detokenize)": us(postprocess),
+        "model_and_sampling_us (not engine overhead)": us(model),
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+    }
+
+
+def _run_model(runner, plan, inputs):
+    """The model forward and sampling, exactly as ModelRunner.execute does after prepare()."""
+    from loraplex.model.context import ForwardContext, LoraMetadata, forward_context
+
+    lora = None if inputs.token_slots is None else LoraMetadata(inputs.token_slots, runner.lora)
+    with torch.inference_mode(), forward_context(ForwardContext(runner.kv_cache, inputs.attention, lora)):
+        hidden = runner.model(inputs.input_ids, inputs.positions)
+        logits = runner.model.compute_logits(hidden[inputs.logits_indices])
+        tokens = runner._sample(logits, inputs.sample_rows)
+        result = runner._result(plan, logits, inputs.sample_rows, tokens)
+    runner._advance(plan, inputs.sample_rows, result.sampled_tokens)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=100)
+    args = parser.parse_args()
+    figures = measure(args)
+    for key, value in figures.items():
+        print(f"{key:45s} {value}")
+    out = ROOT / "bench" / "results" / "engine_overhead.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
