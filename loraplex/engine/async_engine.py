@@ -1,0 +1,156 @@
+"""The engine on its own thread, fed through asyncio: what the server drives.
+
+Every engine call runs on the engine thread, so the engine stays single-threaded. Callers
+submit commands (add a request, abort, add or remove an adapter) and await their results;
+each request's outputs arrive on its own asyncio queue. A caller that stops listening (a
+client that disconnects) aborts its request, which frees its KV blocks at once."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, TypeVar
+
+from loraplex.adapter_format import LoraAdapter
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.types import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    # Commands -----------------------------------------------------------------------------
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine thread and return its result (or raise its error)."""
+        return await asyncio.wrap_future(self.submit(fn))
+
+    def submit(self, fn: Callable[[LLMEngine], T]) -> Future:
+        if not self.is_alive:
+            raise EngineDeadError("the engine has stopped") from self.error
+        future: Future = Future()
+        self._commands.put((lambda: fn(self.engine), future))
+        self._wake.set()
+        return future
+
+    async def add_adapter(self, name: str, source: str | Path | LoraAdapter) -> str:
+        return await self.call(lambda e: e.add_adapter(name, source))
+
+    async def remove_adapter(self, name: str) -> None:
+        await self.call(lambda e: e.remove_adapter(name))
+
+    async def abort(self, request_id: str) -> None:
+        await self.call(lambda e: self._abort(e, request_id))
+
+    def _abort(self, engine: LLMEngine, request_id: str) -> None:
+        engine.abort(request_id)
+        self._streams.pop(request_id, None)
+
+    # Requests -----------------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, *, prompt_token_ids: list[int], params: SamplingParams,
+        adapter: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs until it finishes. Invalid requests raise before the
+        first output. Leaving the loop early (or being cancelled) aborts the request."""
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def add(engine: LLMEngine) -> None:
+            engine.add_request(request_id, params=params, adapter=adapter, prompt_token_ids=prompt_token_ids)
+            self._streams[request_id] = (loop, stream)
+
+        await self.call(add)
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError("the engine stopped while serving the request") from item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished and self.is_alive:
+                self.submit(lambda e: self._abort(e, request_id))
+
+    # The engine thread --------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                self._run_commands()
+                if self.engine.has_unfinished_requests():
+                    self._deliver(self.engine.step())
+                else:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+        except BaseException as exc:  # noqa: BLE001 - anything that kills the loop kills the engine
+            logger.exception("the engine thread died")
+            self.error = exc
+            for loop, stream in self._streams.values():
+                loop.call_soon_threadsafe(stream.put_nowait, exc)
+            self._fail_pending(exc)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(command())
+            except Exception as exc:
+                future.set_exception(exc)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            target = self._streams.get(output.request_id)
+            if output.finished:
+                self._streams.pop(output.request_id, None)
+            if target is not None:
+                loop, stream = target
+                try:
+                    loop.call_soon_threadsafe(stream.put_nowait, output)
+                except RuntimeError:  # the caller's event loop is gone: nobody listens
+                    self._abort(self.engine, output.request_id)
+
+    def _fail_pending(self, exc: BaseException) -> None:
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineDeadError("the engine has stopped"))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread (requests in flight end with EngineDeadError)."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)

@@ -1,0 +1,67 @@
+"""The engine on its own thread, driven from asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from loraplex import SamplingParams
+from loraplex.config import EngineConfig
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.errors import InvalidRequestError, UnknownAdapterError
+
+
+@pytest.fixture()
+def engine(tiny_llama):
+    model, adapters = tiny_llama
+    engine = AsyncEngine(LLMEngine(EngineConfig.from_kwargs(str(model), device="cpu", block_size=4)))
+    asyncio.run(engine.add_adapter("all8", adapters["all8"]))
+    yield engine
+    engine.shutdown()
+
+
+async def _collect(engine, request_id, prompt, adapter=None, max_tokens=6):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [o async for o in engine.generate(request_id, prompt_token_ids=prompt, params=params,
+                                             adapter=adapter)]
+
+
+def test_concurrent_streams_match_offline_results(engine):
+    async def main():
+        return await asyncio.gather(*(
+            _collect(engine, f"r{i}", [5 + i, 6, 7], adapter="all8" if i % 2 else None) for i in range(6)))
+
+    streams = asyncio.run(main())
+    for outputs in streams:
+        assert [len(o.token_ids) for o in outputs] == [1, 2, 3, 4, 5, 6]
+        assert outputs[-1].finished and outputs[-1].finish_reason == "length"
+        assert [t for o in outputs for t in o.new_token_ids] == outputs[-1].token_ids
+    expected = asyncio.run(_collect(engine, "again", [6, 6, 7], adapter="all8"))
+    assert streams[1][-1].token_ids == expected[-1].token_ids
+
+
+def test_invalid_requests_raise_to_the_caller(engine):
+    with pytest.raises(UnknownAdapterError):
+        asyncio.run(_collect(engine, "x", [5], adapter="missing"))
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        async def twice():
+            first = engine.generate("dup", prompt_token_ids=[5], params=SamplingParams(max_tokens=50))
+            await first.__anext__()
+            await _collect(engine, "dup", [5])
+        asyncio.run(twice())
+    assert engine.is_alive
+
+
+def test_leaving_a_stream_early_aborts_the_request(engine):
+    async def main():
+        stream = engine.generate("early", prompt_token_ids=[5, 6], params=SamplingParams(
+            max_tokens=500, ignore_eos=True))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        await asyncio.sleep(0.05)
+        return await engine.call(lambda e: (e.num_requests, e.blocks.num_used_blocks))
+
+    assert asyncio.run(main()) == (0, 0)
