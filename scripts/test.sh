@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Install loraplex with its test tools into .venv and run the whole test suite.
+# Usage: scripts/test.sh [pytest arguments]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python3 -m venv .venv
+. .venv/bin/activate
+# torch first: 2.13.0 is the CPU build on our machines; a bare `torch` requirement would pull CUDA.
+pip install -q torch==2.13.0
+pip install -q -e ".[dev]"
+
+# The browser tests drive Debian's Chromium (Playwright's own browser download cannot work here).
+if [ ! -x /usr/bin/chromium ]; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium >/dev/null
+fi
+
+python -m pytest -q "$@"
