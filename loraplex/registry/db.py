@@ -60,8 +60,8 @@ def _make_sqlite_engine(url: URL, busy_timeout_s: float) -> Engine:
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         for pragma in (
-            "journal_mode=WAL",
             f"busy_timeout={int(busy_timeout_s * 1000)}",
+            "journal_mode=WAL",
             "synchronous=NORMAL",
             "foreign_keys=ON",
         ):

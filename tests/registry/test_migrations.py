@@ -3,6 +3,8 @@ base, agreement with the ORM tables, the append-only audit log."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
@@ -35,6 +37,13 @@ def test_upgrade_from_empty_then_downgrade_to_base_and_up_again(database_url: st
     assert downgrade(database_url) is None
     assert _tables(database_url) == set()
     assert upgrade(database_url) == head_revision()
+    assert _tables(database_url) == TABLES
+
+
+def test_concurrent_upgrades_of_an_empty_database_agree(database_url: str) -> None:
+    with ThreadPoolExecutor(3) as pool:
+        revisions = list(pool.map(lambda _: upgrade(database_url), range(3)))
+    assert revisions == [head_revision()] * 3
     assert _tables(database_url) == TABLES
 
 
