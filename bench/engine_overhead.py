@@ -90,17 +90,13 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
-def _run_model(runner, plan, inputs):
+def _run_model(runner, plan, host):
     """The model forward and sampling, exactly as ModelRunner.execute does after prepare()."""
-    from loraplex.model.context import ForwardContext, LoraMetadata, forward_context
-
-    lora = None if inputs.token_slots is None else LoraMetadata(inputs.token_slots, runner.lora)
-    with torch.inference_mode(), forward_context(ForwardContext(runner.kv_cache, inputs.attention, lora)):
-        hidden = runner.model(inputs.input_ids, inputs.positions)
-        logits = runner.model.compute_logits(hidden[inputs.logits_indices])
-        tokens = runner._sample(logits, inputs.sample_rows)
-        result = runner._result(plan, logits, inputs.sample_rows, tokens)
-    runner._advance(plan, inputs.sample_rows, result.sampled_tokens)
+    logits, tokens = runner._run_eager(host)
+    sample_rows = host.rows[host.samples]
+    with torch.inference_mode():
+        result = runner._result(plan, logits, sample_rows, tokens)
+    runner._advance(plan, sample_rows, result.sampled_tokens)
     return result
 
 

@@ -46,9 +46,10 @@ def reference_ops() -> Ops:
     )
 
 
-def select_ops(device: torch.device | str) -> Ops:
-    """The op set for `device`: Triton on CUDA, the torch reference elsewhere."""
-    if torch.device(device).type == "cuda":
+def select_ops(device: torch.device | str, kind: str = "auto") -> Ops:
+    """The op set for `device`: by default Triton on CUDA, the torch reference elsewhere;
+    `kind` "triton" or "reference" forces one."""
+    if kind == "triton" or (kind == "auto" and torch.device(device).type == "cuda"):
         from loraplex.kernels.triton_ops import triton_ops
 
         return triton_ops()

@@ -66,6 +66,8 @@ class EngineConfig:
     """Seed for requests that set none of their own."""
     use_cuda_graphs: bool = True
     """Capture decode steps as CUDA graphs (CUDA only)."""
+    kernels: str = "auto"
+    """"auto" (Triton on CUDA, the torch reference on CPU), "triton" or "reference"."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -76,6 +78,8 @@ class EngineConfig:
         _check(self.dtype in ("auto", "float32", "float16", "bfloat16"),
                f"dtype must be auto, float32, float16 or bfloat16, not {self.dtype!r}")
         _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive")
+        _check(self.kernels in ("auto", "triton", "reference"),
+               f"kernels must be auto, triton or reference, not {self.kernels!r}")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:

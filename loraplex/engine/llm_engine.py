@@ -39,7 +39,7 @@ class LLMEngine:
         self.model_config = ModelConfig.load(config.model)
         self.tokenizer = load_tokenizer(config.model)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
-        ops = select_ops(self.device)
+        ops = select_ops(self.device, config.kernels)
         self.model = load_model(config.model, self.model_config, ops, self.dtype, self.device,
                                 self.max_model_len)
         self.lora = LoraSlotBuffers(self.model_config, config.lora.max_loras,
@@ -57,6 +57,7 @@ class LLMEngine:
             self.model, self.kv_cache, self.lora, ops, config.scheduler.max_num_seqs,
             max_blocks_per_seq=-(-self.max_model_len // block_size),
             host_adapter=self.adapters.host,
+            use_cuda_graphs=config.use_cuda_graphs and self.device.type == "cuda",
         )
         self.eos_token_ids = frozenset(self._eos_ids())
         self._requests: dict[str, Request] = {}

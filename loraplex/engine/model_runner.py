@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from loraplex.engine.cuda_graphs import DecodeGraphRunner, DecodeInputs
 from loraplex.engine.input_batch import InputBatch
 from loraplex.engine.lora_weights import HostAdapter, LoraSlotBuffers
 from loraplex.engine.plan import StepPlan, StepResult
@@ -19,39 +20,53 @@ from loraplex.types import TokenLogprob
 
 
 @dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    attention: AttentionMetadata
-    token_slots: torch.Tensor | None  # [num_tokens], None when no token has an adapter
-    logits_indices: torch.Tensor  # [num_samples]: rows of the hidden states that sample
-    sample_rows: np.ndarray  # [num_samples]: InputBatch rows of the sampling requests
+class HostInputs:
+    """A step's inputs on the host (numpy), before they go to the device."""
+
+    rows: np.ndarray  # [num_seqs]: InputBatch rows of the scheduled requests
+    input_ids: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64
+    slot_mapping: np.ndarray  # [num_tokens] int64
+    block_tables: np.ndarray  # [num_seqs, max_blocks] int32
+    query_start: np.ndarray  # [num_seqs + 1] int64
+    seq_lens: np.ndarray  # [num_seqs] int64
+    token_slots: np.ndarray  # [num_tokens] int32
+    samples: np.ndarray  # [num_seqs] bool
+    max_query_len: int
 
 
 class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, kv_cache: torch.Tensor, lora: LoraSlotBuffers, ops: Ops,
         max_num_seqs: int, max_blocks_per_seq: int, host_adapter: Callable[[str], HostAdapter],
+        use_cuda_graphs: bool = False,
     ) -> None:
         self.model, self.kv_cache, self.lora, self.ops = model, kv_cache, lora, ops
         self.device = kv_cache.device
         self.block_size = kv_cache.shape[3]
         self.batch = InputBatch(max_num_seqs, max_blocks_per_seq)
         self._host_adapter = host_adapter
+        self.graphs: DecodeGraphRunner | None = None
+        if use_cuda_graphs:
+            self.graphs = DecodeGraphRunner(model, kv_cache, lora, ops, max_num_seqs, max_blocks_per_seq,
+                                            capture=self.device.type == "cuda")
 
     def execute(self, plan: StepPlan) -> StepResult:
         self._apply(plan)
         if plan.is_empty:
             return StepResult()
-        inputs = self.prepare(plan)
-        lora = None if inputs.token_slots is None else LoraMetadata(inputs.token_slots, self.lora)
-        context = ForwardContext(self.kv_cache, inputs.attention, lora)
-        with torch.inference_mode(), forward_context(context):
-            hidden = self.model(inputs.input_ids, inputs.positions)
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            tokens = self._sample(logits, inputs.sample_rows)
-            result = self._result(plan, logits, inputs.sample_rows, tokens)
-        self._advance(plan, inputs.sample_rows, result.sampled_tokens)
+        host = self.prepare(plan)
+        if self.graphs is not None and host.max_query_len == 1 and self.graphs.can_run(len(host.rows)):
+            logits, tokens = self.graphs.run(self._decode_inputs(host))
+            if not host.samples.all():  # a prompt chunk of one token that does not sample yet
+                keep = _to(np.flatnonzero(host.samples), self.device)
+                logits, tokens = logits[keep], tokens[keep]
+        else:
+            logits, tokens = self._run_eager(host)
+        sample_rows = host.rows[host.samples]
+        with torch.inference_mode():
+            result = self._result(plan, logits, sample_rows, tokens)
+        self._advance(plan, sample_rows, result.sampled_tokens)
         return result
 
     def _apply(self, plan: StepPlan) -> None:
@@ -66,8 +81,8 @@ class ModelRunner:
         for slot, digest in plan.adapter_loads:
             self.lora.load(slot, self._host_adapter(digest))
 
-    def prepare(self, plan: StepPlan) -> StepInputs:
-        """Flat input tensors and attention/LoRA metadata for the scheduled requests."""
+    def prepare(self, plan: StepPlan) -> HostInputs:
+        """Flat inputs and attention/LoRA metadata of the scheduled requests, on the host."""
         batch, bs = self.batch, self.block_size
         row_of = batch.row_of
         rows = np.fromiter((row_of[r] for r in plan.request_ids), np.int64, len(plan.request_ids))
@@ -87,24 +102,44 @@ class ModelRunner:
                          for t in batch.tokens[r][s:s + n]]
         slot_mapping = batch.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         max_blocks = -(-int(seq_lens.max()) // bs)
-        token_slots = batch.adapter_slot[token_rows]
-        samples = np.asarray(plan.samples, dtype=bool)
+        return HostInputs(
+            rows=rows, input_ids=np.asarray(input_ids, dtype=np.int64), positions=positions,
+            slot_mapping=slot_mapping, block_tables=batch.block_table[rows, :max_blocks],
+            query_start=query_start, seq_lens=seq_lens, token_slots=batch.adapter_slot[token_rows],
+            samples=np.asarray(plan.samples, dtype=bool), max_query_len=max_query_len,
+        )
+
+    def _run_eager(self, host: HostInputs) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.device
         attention = AttentionMetadata(
-            slot_mapping=_to(slot_mapping, device),
-            block_tables=_to(np.ascontiguousarray(batch.block_table[rows, :max_blocks]), device),
-            query_start_loc=_to(query_start.astype(np.int32), device),
-            seq_lens=_to(seq_lens.astype(np.int32), device),
-            max_query_len=max_query_len,
+            slot_mapping=_to(host.slot_mapping, device),
+            block_tables=_to(np.ascontiguousarray(host.block_tables), device),
+            query_start_loc=_to(host.query_start.astype(np.int32), device),
+            seq_lens=_to(host.seq_lens.astype(np.int32), device),
+            max_query_len=host.max_query_len,
         )
-        return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-            positions=_to(positions, device),
-            attention=attention,
-            token_slots=_to(token_slots, device) if token_slots.any() else None,
-            logits_indices=_to(query_start[1:][samples] - 1, device),
-            sample_rows=rows[samples],
+        lora = LoraMetadata(_to(host.token_slots, device), self.lora) if host.token_slots.any() else None
+        logits_indices = _to(host.query_start[1:][host.samples] - 1, device)
+        with torch.inference_mode(), forward_context(ForwardContext(self.kv_cache, attention, lora)):
+            hidden = self.model(_to(host.input_ids, device), _to(host.positions, device))
+            logits = self.model.compute_logits(hidden[logits_indices])
+            tokens = self._sample(logits, host.rows[host.samples])
+        return logits, tokens
+
+    def _decode_inputs(self, host: HostInputs) -> DecodeInputs:
+        batch, rows = self.batch, host.rows
+        return DecodeInputs(
+            input_ids=host.input_ids, positions=host.positions, slot_mapping=host.slot_mapping,
+            block_tables=host.block_tables, seq_lens=host.seq_lens.astype(np.int32),
+            token_slots=host.token_slots, temperature=batch.temperature[rows], top_k=batch.top_k[rows],
+            top_p=batch.top_p[rows], seeds=batch.seed[rows], offsets=self._offsets(rows),
         )
+
+    def _offsets(self, rows: np.ndarray) -> np.ndarray:
+        """Index of the output token each row samples next (the sampling noise's offset)."""
+        batch = self.batch
+        lengths = np.fromiter((len(batch.tokens[r]) for r in rows.tolist()), np.int64, len(rows))
+        return lengths - batch.num_prompt_tokens[rows]
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         """One token per row of logits [num_samples, vocab]."""
@@ -112,8 +147,7 @@ class ModelRunner:
         temperature = batch.temperature[rows]
         if not temperature.any():
             return logits.argmax(dim=-1)
-        offsets = np.fromiter((len(batch.tokens[r]) for r in rows.tolist()), np.int64, len(rows))
-        offsets -= batch.num_prompt_tokens[rows]
+        offsets = self._offsets(rows)
         device = logits.device
         return self.ops.sample(
             logits, _to(temperature, device), _to(batch.top_k[rows], device),

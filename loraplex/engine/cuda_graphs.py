@@ -1,0 +1,155 @@
+"""Decode steps on static buffers, captured as CUDA graphs at padded batch sizes.
+
+A Triton launch costs about 19 us of host time and a decode step has hundreds of them; replayed
+from a graph, a small kernel costs about 1 us. Everything a step changes (token ids, positions,
+cache slots, block tables, sequence lengths, adapter slots, sampling parameters) is copied
+into preallocated device tensors before replay; padding rows have sequence length 0 (attention
+gives zeros), cache slot -1 (nothing stored) and adapter slot 0. One graph per (padded batch
+size, whether any token has an adapter): a batch without adapters launches no LoRA kernels.
+
+Without capture (CPU, or `use_cuda_graphs=False`) the same static-buffer path runs eagerly, so
+its padding is tested where no GPU is present."""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from loraplex.engine.lora_weights import LoraSlotBuffers
+from loraplex.kernels import Ops
+from loraplex.model.context import AttentionMetadata, ForwardContext, LoraMetadata, forward_context
+from loraplex.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8, up to max_batch (included)."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_batch] + list(range(16, max_batch, 8))
+    return sizes + [max_batch]
+
+
+@dataclass
+class DecodeInputs:
+    """A decode step's inputs for its `num_seqs` sequences, on the host."""
+
+    input_ids: np.ndarray  # [num_seqs] int64
+    positions: np.ndarray  # [num_seqs] int64
+    slot_mapping: np.ndarray  # [num_seqs] int64
+    block_tables: np.ndarray  # [num_seqs, max_blocks] int32
+    seq_lens: np.ndarray  # [num_seqs] int32
+    token_slots: np.ndarray  # [num_seqs] int32
+    temperature: np.ndarray  # [num_seqs] float32
+    top_k: np.ndarray  # [num_seqs] int32
+    top_p: np.ndarray  # [num_seqs] float32
+    seeds: np.ndarray  # [num_seqs] int64
+    offsets: np.ndarray  # [num_seqs] int64
+
+
+class DecodeGraphRunner:
+    def __init__(
+        self, model: LlamaForCausalLM, kv_cache: torch.Tensor, lora: LoraSlotBuffers, ops: Ops,
+        max_batch: int, max_blocks_per_seq: int, capture: bool,
+    ) -> None:
+        self.model, self.kv_cache, self.lora, self.ops = model, kv_cache, lora, ops
+        self.sizes = graph_batch_sizes(max_batch)
+        self.max_batch, self.capture = max_batch, capture
+        device = kv_cache.device
+        zeros = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
+        P = max_batch
+        self.input_ids = zeros(P, dtype=torch.int64)
+        self.positions = zeros(P, dtype=torch.int64)
+        self.slot_mapping = torch.full((P,), -1, dtype=torch.int64, device=device)
+        self.block_tables = zeros(P, max_blocks_per_seq, dtype=torch.int32)
+        self.seq_lens = zeros(P, dtype=torch.int32)
+        self.query_start_loc = torch.arange(P + 1, dtype=torch.int32, device=device)
+        self.token_slots = zeros(P, dtype=torch.int32)
+        self.temperature = zeros(P, dtype=torch.float32)
+        self.top_k = zeros(P, dtype=torch.int32)
+        self.top_p = torch.ones(P, dtype=torch.float32, device=device)
+        self.seeds = zeros(P, dtype=torch.int64)
+        self.offsets = zeros(P, dtype=torch.int64)
+        # Outputs live in static buffers too, so the graphs' temporaries can share one pool.
+        self.logits = zeros(P, model.config.vocab_size, dtype=torch.float32)
+        self.tokens = zeros(P, dtype=torch.int64)
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    def can_run(self, num_seqs: int) -> bool:
+        return num_seqs <= self.max_batch
+
+    def run(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [num_seqs, vocab] float32, sampled tokens [num_seqs]) of one decode step."""
+        num_seqs = len(inputs.input_ids)
+        size = self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
+        self._fill(inputs, num_seqs, size)
+        has_lora = bool(inputs.token_slots.any())
+        if not self.capture:
+            self._forward(size, has_lora)
+        else:
+            key = (size, has_lora)
+            if key not in self._graphs:
+                self._graphs[key] = self._capture(size, has_lora)
+            self._graphs[key].replay()
+        return self.logits[:num_seqs], self.tokens[:num_seqs]
+
+    def _fill(self, inputs: DecodeInputs, n: int, size: int) -> None:
+        """Copy the step's inputs into the first n rows and reset rows n..size to padding."""
+        pairs = (
+            (self.input_ids, inputs.input_ids, 0), (self.positions, inputs.positions, 0),
+            (self.slot_mapping, inputs.slot_mapping, -1), (self.seq_lens, inputs.seq_lens, 0),
+            (self.token_slots, inputs.token_slots, 0), (self.temperature, inputs.temperature, 0),
+            (self.top_k, inputs.top_k, 0), (self.top_p, inputs.top_p, 1),
+            (self.seeds, inputs.seeds, 0), (self.offsets, inputs.offsets, 0),
+        )
+        for static, values, pad in pairs:
+            static[:n].copy_(torch.from_numpy(values), non_blocking=True)
+            if size > n:
+                static[n:size].fill_(pad)
+        width = inputs.block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(torch.from_numpy(inputs.block_tables), non_blocking=True)
+
+    def _forward(self, size: int, has_lora: bool) -> None:
+        attention = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
+            query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
+            max_query_len=1,
+        )
+        lora = LoraMetadata(self.token_slots[:size], self.lora) if has_lora else None
+        with torch.inference_mode(), forward_context(ForwardContext(self.kv_cache, attention, lora)):
+            hidden = self.model(self.input_ids[:size], self.positions[:size])
+            logits = self.model.compute_logits(hidden)
+            tokens = self.ops.sample(
+                logits, self.temperature[:size], self.top_k[:size], self.top_p[:size],
+                self.seeds[:size], self.offsets[:size])
+            self.logits[:size].copy_(logits)
+            self.tokens[:size].copy_(tokens)
+
+    def _capture(self, size: int, has_lora: bool) -> torch.cuda.CUDAGraph:
+        # The warm-up runs on whatever the buffers hold: the current step's inputs (it stores
+        # the same K/V that the replay then stores again) or padding (stores nothing).
+        self._forward(size, has_lora)  # compile every kernel before capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._forward(size, has_lora)
+        logger.debug("captured decode graph: batch %d, lora %s", size, has_lora)
+        return graph
+
+    def capture_all(self) -> None:
+        """Capture every graph up front (so no request waits on a capture)."""
+        if not self.capture:
+            return
+        saved = self.slot_mapping.clone(), self.seq_lens.clone()
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.zero_()
+        for size in reversed(self.sizes):
+            for has_lora in (False, True):
+                if (size, has_lora) not in self._graphs:
+                    self._graphs[(size, has_lora)] = self._capture(size, has_lora)
+        self.slot_mapping.copy_(saved[0])
+        self.seq_lens.copy_(saved[1])
