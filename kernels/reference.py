@@ -102,7 +102,9 @@ def paged_attention(
     each sequence's tokens including the new ones, so its new tokens sit at the last positions.
     block_tables [num_seqs, max_blocks] int32. Returns out [num_tokens, num_heads, head_dim] in
     q's dtype, and with return_lse the log-sum-exp of the scores [num_tokens, num_heads]
-    (-inf for a sequence of length 0, whose output is 0).
+    (-inf for a sequence of length 0, whose output is 0). Rows past query_start_loc[-1]
+    (padding) belong to no sequence: the reference gives them 0 and lse -inf; kernels may leave
+    them unwritten.
     max_query_len (the longest run of new tokens) lets kernels size their grid without reading
     query_start_loc on the host; the reference ignores it."""
     num_tokens, num_heads, head_dim = q.shape
@@ -111,26 +113,36 @@ def paged_attention(
     starts = query_start_loc[:-1].long()
     query_lens = query_start_loc[1:].long() - starts
     seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), query_lens)  # [tokens]
-    index = torch.arange(num_tokens, device=q.device) - starts[seq_of]  # within its sequence
+    num_real = len(seq_of)  # rows past the last sequence's are padding
+    index = torch.arange(num_real, device=q.device) - starts[seq_of]  # within its sequence
     max_q, max_len = int(query_lens.max()), max(int(seq_lens.max()), 1)
     # Queries padded per sequence, heads split into (kv head, group): [seqs, max_q, kv_heads, group, d]
     q_pad = q.new_zeros(num_seqs, max_q, num_heads, head_dim).float()
-    q_pad[seq_of, index] = q.float()
+    q_pad[seq_of, index] = q[:num_real].float()
     q_pad = q_pad.view(num_seqs, max_q, num_kv_heads, group, head_dim)
-    k, v = gather_kv(kv_layer, block_tables, max_len)  # [seqs, max_len, kv_heads, d]
-    scores = torch.einsum("sqhgd,slhd->shgql", q_pad, k.float()) * scale
-    query_pos = (seq_lens.long() - query_lens).unsqueeze(1) + torch.arange(max_q, device=q.device)
+    # Blocks past a sequence's length hold anything (stale or never-written values, NaN
+    # included; table entries past its blocks, anything): zero those keys and values, so the
+    # masked-out scores' zero weights cannot meet a NaN.
     key_pos = torch.arange(max_len, device=q.device)
+    in_seq = key_pos.view(1, -1) < seq_lens.long().view(-1, 1)  # [seqs, max_len]
+    blocks_used = -(-seq_lens.long() // kv_layer.shape[2])
+    table = block_tables[:, :-(-max_len // kv_layer.shape[2])]
+    table = table.masked_fill(torch.arange(table.shape[1], device=q.device) >= blocks_used[:, None], 0)
+    k, v = gather_kv(kv_layer, table, max_len)  # [seqs, max_len, kv_heads, d]
+    k = k.float().masked_fill(~in_seq[:, :, None, None], 0.0)
+    v = v.float().masked_fill(~in_seq[:, :, None, None], 0.0)
+    scores = torch.einsum("sqhgd,slhd->shgql", q_pad, k) * scale
+    query_pos = (seq_lens.long() - query_lens).unsqueeze(1) + torch.arange(max_q, device=q.device)
     hidden = key_pos.view(1, 1, -1) > query_pos.unsqueeze(-1)  # [seqs, max_q, max_len]
     scores = scores.masked_fill(hidden[:, None, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [seqs, kv_heads, group, max_q]
     probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
-    out = torch.einsum("shgql,slhd->sqhgd", probs, v.float()).reshape(num_seqs, max_q, num_heads, head_dim)
-    out = out[seq_of, index].to(q.dtype)
+    out = torch.einsum("shgql,slhd->sqhgd", probs, v).reshape(num_seqs, max_q, num_heads, head_dim)
+    out = F.pad(out[seq_of, index].to(q.dtype), (0, 0, 0, 0, 0, num_tokens - num_real))
     if not return_lse:
         return out
     lse = lse.permute(0, 3, 1, 2).reshape(num_seqs, max_q, num_heads)[seq_of, index]
-    return out, lse
+    return out, F.pad(lse, (0, 0, 0, num_tokens - num_real), value=float("-inf"))
 
 
 def paged_decode_attention(
