@@ -1,0 +1,116 @@
+"""What the Triton wrappers share: argument checks that never read device memory (so every
+wrapper stays CUDA-graph capturable), launch-config arithmetic, and the few device facts the
+configs depend on. No Triton kernel lives here and importing it has no side effects."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+import triton
+import triton.language as tl
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+# Streaming multiprocessors assumed under the interpreter: keeps the grids (and so the CPU
+# test time) small while still giving several splits / programs per op.
+INTERPRETER_NUM_SMS = 4
+
+
+def is_interpreting() -> bool:
+    """True when Triton runs kernels on the CPU (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (host-side, cached by torch; no sync)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_NUM_SMS
+
+
+def upcast_loads(dtype: torch.dtype) -> bool:
+    """Whether a kernel converts its loads to float32 before any arithmetic or `tl.dot`.
+
+    Always under the interpreter (its bf16 arithmetic and bf16 dots are wrong, and fp32
+    numpy dots are exact); on the GPU only for float32 inputs, so 16-bit operands reach the
+    tensor cores as they are."""
+    return is_interpreting() or dtype == torch.float32
+
+
+def tl_dtype(dtype: torch.dtype) -> tl.dtype:
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
+
+
+def check_launchable(kernel: object, tensors: Iterable[torch.Tensor]) -> torch.device:
+    """All tensors on one device, and a device the kernel can run on: CUDA, or the CPU when the
+    kernel was defined under `TRITON_INTERPRET=1`. Returns the device."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    device = devices.pop()
+    interpreted = type(kernel).__name__ == "InterpretedFunction"
+    if device.type != "cuda" and not interpreted:
+        raise ValueError(
+            f"Triton kernels need CUDA tensors, got {device}; to run them on the CPU set "
+            "TRITON_INTERPRET=1 before importing loraplex.kernels' Triton modules"
+        )
+    return device
+
+
+def check_tensor(
+    name: str,
+    t: torch.Tensor,
+    *,
+    ndim: int,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    shape: tuple[int | None, ...] | None = None,
+    contiguous: bool = False,
+    unit_last_stride: bool = True,
+) -> None:
+    """Raise ValueError unless t has ndim dims, one of dtypes, the given sizes (None = any),
+    and the layout asked for (fully contiguous, or at least a unit stride on the last dim)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} must be one of ({names}), got {t.dtype}")
+    if shape is not None:
+        for i, (want, got) in enumerate(zip(shape, t.shape)):
+            if want is not None and want != got:
+                raise ValueError(
+                    f"{name} has shape {tuple(t.shape)}, expected {want} in dim {i} "
+                    f"(expected {tuple('*' if s is None else s for s in shape)})"
+                )
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (strides {t.stride()})")
+    if unit_last_stride and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride in its last dim (strides {t.stride()})")
+
+
+def check_kv_layer(kv_layer: torch.Tensor) -> None:
+    """kv_layer [num_blocks, 2, block_size, num_kv_heads, head_dim]: the layer view of the
+    block-major cache. Its leading (block) stride is free; each block's K and V of this layer
+    must be laid out densely."""
+    check_tensor("kv_layer", kv_layer, ndim=5, dtypes=FLOAT_DTYPES)
+    if kv_layer.shape[1] != 2:
+        raise ValueError(f"kv_layer dim 1 must be 2 (K, V), got shape {tuple(kv_layer.shape)}")
+    _, _, block_size, num_kv_heads, head_dim = kv_layer.shape
+    dense = (block_size * num_kv_heads * head_dim, num_kv_heads * head_dim, head_dim, 1)
+    if tuple(kv_layer.stride()[1:]) != dense:
+        raise ValueError(
+            f"kv_layer must be dense below its block dim: strides {kv_layer.stride()}, "
+            f"expected (*, {', '.join(map(str, dense))})"
+        )

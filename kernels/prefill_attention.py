@@ -1,0 +1,198 @@
+"""Paged prefill attention: causal, variable-length, over the cached context (chunked prefill:
+each sequence's new tokens are its last ones).
+
+Grid (num_tokens // BLOCK_Q + num_seqs, num_kv_heads). Query blocks are numbered per sequence
+from `query_start_loc[i] // BLOCK_Q + i`, which bounds the grid by shapes alone (no host read
+of the query lengths); each program finds its sequence by binary search over
+query_start_loc. A program takes BLOCK_Q new tokens times the q heads of one KV group as the M
+rows of `tl.dot` ([BLOCK_Q * group, head_dim]), streams the keys up to its last token's
+position in BLOCK_N tiles gathered through the block table, and writes the output and, when
+asked, the log-sum-exp (natural log) of the scaled scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from loraplex.kernels._common import (
+    FLOAT_DTYPES,
+    check_kv_layer,
+    check_launchable,
+    check_tensor,
+    next_pow2,
+    upcast_loads,
+)
+
+LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int  # rows of a program's q tile: BLOCK_Q tokens x next_pow2(group) heads
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    """The last sequence i whose first query block `query_start_loc[i] // BLOCK_Q + i` is at
+    or before pid (binary search; block numbers grow with i)."""
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first <= pid:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, kv_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+    stride_q_tok, stride_q_head, stride_kv_block, stride_kv_kv, stride_kv_tok, stride_kv_head,
+    stride_bt_seq, stride_out_tok, stride_out_head, stride_lse_tok,
+    scale_log2, num_seqs, group, head_dim, block_size,
+    RETURN_LSE: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_P2: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_sequence(query_start_loc_ptr, pid, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block = pid - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len  # tokens cached before this step's new ones
+
+    rows = tl.arange(0, BLOCK_Q * GROUP_P2)
+    t = q_block * BLOCK_Q + rows // GROUP_P2  # [BLOCK_M] new-token index within the sequence
+    g = rows % GROUP_P2
+    row_valid = (t < q_len) & (g < group)
+    heads = kv_head * group + g
+    tok = (q_start + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    q = tl.load(q_ptr + tok[:, None] * stride_q_tok + heads[:, None] * stride_q_head + d[None, :],
+                mask=row_valid[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = context + t  # [BLOCK_M]
+
+    m_i = tl.full([BLOCK_Q * GROUP_P2], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_P2], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_P2, BLOCK_D], tl.float32)
+    kv_base = kv_ptr + kv_head * stride_kv_head
+    kv_end = context + tl.minimum((q_block + 1) * BLOCK_Q, q_len)  # last query position + 1
+    for n0 in range(0, kv_end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < kv_end
+        block = tl.load(block_tables_ptr + seq * stride_bt_seq + n // block_size, mask=n_mask,
+                        other=0).to(tl.int64)
+        kv_off = (block * stride_kv_block + (n % block_size) * stride_kv_tok)[:, None] + d[None, :]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(kv_base + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(kv_base + stride_kv_kv + kv_off, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_M, BLOCK_N], log2 units
+        causal = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(causal, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_out_tok + heads[:, None] * stride_out_head + d[None, :],
+             out, mask=row_valid[:, None] & d_mask[None, :])
+    if RETURN_LSE:
+        lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2,
+                       float("-inf"))
+        tl.store(lse_ptr + tok * stride_lse_tok + heads, lse, mask=row_valid)
+
+
+def prefill_config(group: int, head_dim: int) -> PrefillConfig:
+    """Launch config from shapes: 64 q rows (tokens x group heads) a program, 64-key tiles."""
+    block_m = max(64, next_pow2(group))
+    block_n = 64 if head_dim <= 128 else 32
+    return PrefillConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2)
+
+
+def _check(q, kv_layer, block_tables, query_start_loc, seq_lens) -> None:
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    check_kv_layer(kv_layer)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    if kv_layer.dtype != q.dtype:
+        raise ValueError(f"kv_layer dtype {kv_layer.dtype} != q dtype {q.dtype}")
+    if kv_layer.shape[4] != head_dim:
+        raise ValueError(f"kv_layer head_dim {kv_layer.shape[4]} != q head_dim {head_dim}")
+    if num_heads % kv_layer.shape[3]:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
+                         f"{kv_layer.shape[3]}")
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), contiguous=True)
+    num_seqs = seq_lens.shape[0]
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,),
+                 shape=(num_seqs + 1,), contiguous=True)
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,),
+                 shape=(num_seqs, None))
+
+
+def paged_attention(
+    q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    return_lse: bool = False, max_query_len: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """q [num_tokens, num_heads, head_dim] (each sequence's new tokens in turn), kv_layer
+    [num_blocks, 2, block_size, num_kv_heads, head_dim] with the new tokens already stored,
+    block_tables [num_seqs, max_blocks] int32, query_start_loc [num_seqs + 1] int32, seq_lens
+    [num_seqs] int32 (including the new tokens) -> out [num_tokens, num_heads, head_dim] in q's
+    dtype, and with return_lse also lse [num_tokens, num_heads] float32. Rows past
+    query_start_loc[-1] are left unwritten. max_query_len is accepted for the op contract; the
+    grid does not need it."""
+    _check(q, kv_layer, block_tables, query_start_loc, seq_lens)
+    check_launchable(_prefill_kernel, (q, kv_layer, block_tables, query_start_loc, seq_lens))
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = kv_layer.shape[3]
+    config = prefill_config(num_heads // num_kv_heads, head_dim)
+    return _launch(q, kv_layer, block_tables, query_start_loc, seq_lens, scale, return_lse,
+                   config)
+
+
+def _launch(q, kv_layer, block_tables, query_start_loc, seq_lens, scale, return_lse,
+            config: PrefillConfig):
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_layer.shape[3], kv_layer.shape[2]
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=q.device)
+    if num_tokens > 0 and num_seqs > 0:
+        group_p2 = next_pow2(group)
+        block_q = max(1, config.block_m // group_p2)
+        grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+        _prefill_kernel[grid](
+            q, kv_layer, block_tables, query_start_loc, seq_lens, out, lse,
+            q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(1),
+            kv_layer.stride(2), kv_layer.stride(3), block_tables.stride(0),
+            out.stride(0), out.stride(1), lse.stride(0),
+            scale * LOG2E, num_seqs, group, head_dim, block_size,
+            RETURN_LSE=return_lse, BLOCK_Q=block_q, GROUP_P2=group_p2,
+            BLOCK_N=config.block_n, BLOCK_D=next_pow2(head_dim),
+            UPCAST=upcast_loads(q.dtype),
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    return (out, lse) if return_lse else out

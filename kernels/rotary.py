@@ -1,0 +1,110 @@
+"""Rotary embedding fused with the KV-cache write: one program per token rotates all its q
+heads and k heads ("rotate half" layout, in float32) and writes k and v into the block-major
+cache at the token's slot; tokens with a negative slot (padding) write nothing."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from loraplex.kernels._common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_kv_layer,
+    check_launchable,
+    check_tensor,
+    next_pow2,
+)
+
+
+@triton.jit
+def _rotate(x_ptr, out_ptr, stride_x_head, stride_out_head, num_heads, half, cos, sin,
+            BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotates the [num_heads, 2 * half] rows at x_ptr and stores them at out_ptr (the rotated
+    values rounded to x's dtype first). cos, sin: [1, BLOCK_HALF] float32."""
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads) & (dims < half)
+    x_off = heads * stride_x_head + dims
+    x1 = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_HALF]
+    x2 = tl.load(x_ptr + x_off + half, mask=mask, other=0.0).to(tl.float32)
+    o1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty)
+    o2 = (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
+    out_off = heads * stride_out_head + dims
+    tl.store(out_ptr + out_off, o1, mask=mask)
+    tl.store(out_ptr + out_off + half, o2, mask=mask)
+
+
+@triton.jit
+def _rotary_store_kv_kernel(
+    positions_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, kv_ptr, slots_ptr, q_out_ptr,
+    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+    stride_cos_sin, stride_kv_block, stride_kv_kv, stride_kv_tok, stride_kv_head,
+    stride_q_out_tok, stride_q_out_head,
+    num_heads, num_kv_heads, half, block_size,
+    BLOCK_H: tl.constexpr, BLOCK_KV_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + dims, mask=dims < half, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + half + dims, mask=dims < half, other=0.0)
+    cos, sin = cos.to(tl.float32), sin.to(tl.float32)  # [1, BLOCK_HALF]
+
+    _rotate(q_ptr + tok * stride_q_tok, q_out_ptr + tok * stride_q_out_tok, stride_q_head,
+            stride_q_out_head, num_heads, half, cos, sin, BLOCK_H, BLOCK_HALF)
+
+    slot = tl.load(slots_ptr + tok).to(tl.int64)
+    if slot >= 0:
+        cache = kv_ptr + (slot // block_size) * stride_kv_block + (slot % block_size) * stride_kv_tok
+        _rotate(k_ptr + tok * stride_k_tok, cache, stride_k_head, stride_kv_head,
+                num_kv_heads, half, cos, sin, BLOCK_KV_H, BLOCK_HALF)
+        heads = tl.arange(0, BLOCK_KV_H)[:, None]
+        cols = tl.arange(0, 2 * BLOCK_HALF)[None, :]
+        mask = (heads < num_kv_heads) & (cols < 2 * half)
+        v = tl.load(v_ptr + tok * stride_v_tok + heads * stride_v_head + cols, mask=mask)
+        tl.store(cache + stride_kv_kv + heads * stride_kv_head + cols, v, mask=mask)
+
+
+def rotary_store_kv(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    cos_sin_cache: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """positions [num_tokens] int, q [num_tokens, num_heads, head_dim], k, v
+    [num_tokens, num_kv_heads, head_dim] (token and head strides free, e.g. views of a fused
+    qkv output), cos_sin_cache [max_positions, head_dim] (cos | sin halves), kv_layer
+    [num_blocks, 2, block_size, num_kv_heads, head_dim], slot_mapping [num_tokens] int (negative =
+    skip). Writes rotated k and v to the cache; returns the rotated q, a new contiguous tensor."""
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    num_tokens, num_heads, head_dim = q.shape
+    check_tensor("k", k, ndim=3, dtypes=(q.dtype,), shape=(num_tokens, None, head_dim))
+    check_tensor("v", v, ndim=3, dtypes=(q.dtype,), shape=tuple(k.shape))
+    check_tensor("positions", positions, ndim=1, dtypes=INDEX_DTYPES, shape=(num_tokens,),
+                 contiguous=True)
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, shape=(num_tokens,),
+                 contiguous=True)
+    check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtypes=FLOAT_DTYPES,
+                 shape=(None, head_dim))
+    check_kv_layer(kv_layer)
+    if kv_layer.shape[3:] != k.shape[1:]:
+        raise ValueError(f"kv_layer heads/dim {tuple(kv_layer.shape[3:])} != k's {tuple(k.shape[1:])}")
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for rotary, got {head_dim}")
+    check_launchable(_rotary_store_kv_kernel,
+                     (positions, q, k, v, cos_sin_cache, kv_layer, slot_mapping))
+
+    q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    num_kv_heads, half = k.shape[1], head_dim // 2
+    block_h = next_pow2(num_heads)
+    _rotary_store_kv_kernel[(num_tokens,)](
+        positions, q, k, v, cos_sin_cache, kv_layer, slot_mapping, q_out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_sin_cache.stride(0), kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2),
+        kv_layer.stride(3), q_out.stride(0), q_out.stride(1),
+        num_heads, num_kv_heads, half, kv_layer.shape[2],
+        BLOCK_H=block_h, BLOCK_KV_H=next_pow2(num_kv_heads), BLOCK_HALF=next_pow2(half),
+        num_warps=4 if block_h * head_dim >= 2048 else 2,
+    )
+    return q_out

@@ -1,0 +1,28 @@
+"""The Triton op set: every field of `Ops` is a Triton wrapper with the reference's signature.
+Importing this module compiles nothing; kernels are compiled on first call."""
+
+from __future__ import annotations
+
+from loraplex.kernels import Ops
+from loraplex.kernels.activation import silu_and_mul
+from loraplex.kernels.decode_attention import paged_decode_attention
+from loraplex.kernels.lora import lora_expand, lora_shrink
+from loraplex.kernels.norm import fused_add_rms_norm, rms_norm
+from loraplex.kernels.prefill_attention import paged_attention
+from loraplex.kernels.rotary import rotary_store_kv
+from loraplex.kernels.sampling import sample
+
+
+def triton_ops() -> Ops:
+    return Ops(
+        name="triton",
+        rms_norm=rms_norm,
+        fused_add_rms_norm=fused_add_rms_norm,
+        rotary_store_kv=rotary_store_kv,
+        paged_attention=paged_attention,
+        paged_decode_attention=paged_decode_attention,
+        silu_and_mul=silu_and_mul,
+        lora_shrink=lora_shrink,
+        lora_expand=lora_expand,
+        sample=sample,
+    )

@@ -1,0 +1,132 @@
+import pytest
+import torch
+from loraplex.kernels import lora
+from loraplex.kernels import reference as ref
+
+from tests.kernels.kernel_testing import (
+    DEVICE,
+    INTERPRETER_DTYPES,
+    assert_close_bf16,
+    gpu,
+    guarded_1d,
+    guarded_rows,
+    poisoned_allocations,
+    skip_without_cuda,
+)
+
+
+def _slot_buffers(ranks, in_features, slice_sizes, max_rank, dtype, device, seed=0):
+    """A [num_slots, num_slices, max_rank, in] and B [num_slots, out, max_rank] holding random
+    weights up to each (slot, slice)'s rank and NaN everywhere else (slot 0, rank padding):
+    a kernel that reads past a rank, or reads slot 0, produces NaN."""
+    g = torch.Generator().manual_seed(seed)
+    num_slots, num_slices = len(ranks), len(slice_sizes)
+    offsets = [0]
+    for size in slice_sizes:
+        offsets.append(offsets[-1] + size)
+    a = torch.full((num_slots, num_slices, max_rank, in_features), float("nan"))
+    b = torch.full((num_slots, offsets[-1], max_rank), float("nan"))
+    for slot in range(1, num_slots):
+        for s, r in enumerate(ranks[slot]):
+            a[slot, s, :r] = torch.randn(r, in_features, generator=g) / in_features ** 0.5
+            b[slot, offsets[s]:offsets[s + 1], :r] = torch.randn(slice_sizes[s], r, generator=g)
+    ranks_t = torch.tensor(ranks, dtype=torch.int32)
+    return a.to(device, dtype), b.to(device, dtype), ranks_t.to(device), tuple(offsets)
+
+
+# Slot 0 (no adapter) claims rank 8 over NaN weights: it must be skipped by slot, not rank.
+RANKS = [[8, 8, 8], [4, 0, 8], [8, 8, 8], [1, 3, 2]]  # a rank-0 slice; mixed ranks
+
+
+def _run_both(x, a, b, slots, ranks, offsets, y):
+    with poisoned_allocations(lora):
+        shrunk = lora.lora_shrink(x, a, slots, ranks)
+        out = lora.lora_expand(y, shrunk, b, slots, ranks, offsets)
+    return shrunk, out
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+@pytest.mark.parametrize("path", ["gemv", "tiles"])
+def test_shrink_expand_match_reference_mixed_slots_and_ranks(dtype, path, monkeypatch):
+    if path == "tiles":  # force the tl.dot path (BLOCK_M > 1) at this tiny batch
+        monkeypatch.setattr(lora, "MAX_GEMV_TOKENS", 2)
+    a, b, ranks, offsets = _slot_buffers(RANKS, 40, (24, 8, 16), 8, dtype, DEVICE)
+    g = torch.Generator().manual_seed(1)
+    slot_list = [0, 2, 1, 2, 0, 3, 1, 1, 2]
+    x = torch.randn(len(slot_list), 40, generator=g).to(DEVICE, dtype)
+    y = torch.randn(len(slot_list), offsets[-1], generator=g).to(DEVICE, dtype)
+    slots = guarded_1d(torch.tensor(slot_list, dtype=torch.int32, device=DEVICE))
+    xg, yg = guarded_rows(x), guarded_rows(y)
+    shrunk, out = _run_both(xg, a, b, slots, ranks, offsets, yg)
+    expected_shrunk = ref.lora_shrink(x, a, slots, ranks)
+    expected_y = ref.lora_expand(y.clone(), expected_shrunk, b, slots, ranks, offsets)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(shrunk, expected_shrunk, atol=tol, rtol=tol)
+    assert out is yg  # in place
+    torch.testing.assert_close(out, expected_y, atol=tol, rtol=tol)
+    untouched = torch.tensor(slot_list, device=DEVICE) == 0
+    assert torch.equal(out[untouched], y[untouched])
+
+
+def test_shrink_split_k_uses_atomics_and_matches_reference():
+    ranks = [[0], [16], [5]]
+    a, b, ranks_t, offsets = _slot_buffers(ranks, 512, (32,), 16, torch.float32, DEVICE, seed=2)
+    x = torch.randn(2, 512, device=DEVICE)
+    slots = torch.tensor([2, 1], dtype=torch.int32, device=DEVICE)
+    assert lora.shrink_config(2, 1, 512, 16, DEVICE).k_splits > 1
+    shrunk = lora.lora_shrink(x, a, slots, ranks_t)
+    torch.testing.assert_close(shrunk, ref.lora_shrink(x, a, slots, ranks_t), atol=1e-5, rtol=1e-5)
+
+
+def test_all_tokens_without_adapter_leave_y_alone():
+    a, b, ranks, offsets = _slot_buffers(RANKS, 16, (16, 16, 16), 8, torch.float32, DEVICE)
+    x = torch.randn(3, 16, device=DEVICE)
+    y = torch.randn(3, 48, device=DEVICE)
+    slots = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    shrunk, out = _run_both(x, a, b, slots, ranks, offsets, y.clone())
+    assert torch.equal(shrunk, torch.zeros_like(shrunk))
+    assert torch.equal(out, y)
+
+
+def test_wrapper_rejects_bad_inputs():
+    a, b, ranks, offsets = _slot_buffers(RANKS, 16, (16, 16, 16), 8, torch.float32, DEVICE)
+    x = torch.randn(3, 16, device=DEVICE)
+    slots = torch.ones(3, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="lora_a"):
+        lora.lora_shrink(x, a[..., :8], slots, ranks)
+    with pytest.raises(ValueError, match="ranks"):
+        lora.lora_shrink(x, a, slots, ranks[:, :2])
+    with pytest.raises(ValueError, match="token_slots"):
+        lora.lora_shrink(x, a, slots[:2], ranks)
+    shrunk = lora.lora_shrink(x, a, slots, ranks)
+    y = torch.zeros(3, 48, device=DEVICE)
+    with pytest.raises(ValueError, match="slice_offsets"):
+        lora.lora_expand(y, shrunk, b, slots, ranks, (0, 8, 16, 24, 32, 48))
+    with pytest.raises(ValueError, match="slice_offsets"):
+        lora.lora_expand(y, shrunk, b, slots, ranks, (0, 40, 32, 48))
+    with pytest.raises(ValueError, match="shrunk"):
+        lora.lora_expand(y, shrunk.half(), b, slots, ranks, offsets)
+
+
+@gpu
+@skip_without_cuda
+@pytest.mark.parametrize("num_tokens,num_adapters", [(64, 64), (256, 8), (2048, 3)])
+def test_lora_bf16_llama_qkv(num_tokens, num_adapters):
+    g = torch.Generator().manual_seed(num_tokens)
+    num_slots = num_adapters + 1
+    ranks = [[0, 0, 0]] + [[int(r)] * 3 for r in torch.randint(1, 65, (num_adapters,), generator=g)]
+    ranks[1] = [16, 0, 64]
+    a, b, ranks_t, offsets = _slot_buffers(ranks, 4096, (4096, 1024, 1024), 64, torch.bfloat16,
+                                           "cuda")
+    slots = torch.randint(0, num_slots, (num_tokens,), generator=g).to(torch.int32)
+    if num_tokens > 1024:  # prefill chunks: runs of one adapter
+        slots = torch.arange(num_tokens) * num_slots // num_tokens
+    slots = slots.to(torch.int32).cuda()
+    x = torch.randn(num_tokens, 4096, generator=g).to("cuda", torch.bfloat16)
+    y = torch.randn(num_tokens, 6144, generator=g).to("cuda", torch.bfloat16)
+    shrunk = lora.lora_shrink(x, a, slots, ranks_t)
+    expected_shrunk = ref.lora_shrink(x.float(), a.float(), slots, ranks_t)
+    assert_close_bf16(shrunk, expected_shrunk, atol=6e-2, rtol=6e-2)
+    expected_y = ref.lora_expand(y.float(), expected_shrunk, b.float(), slots, ranks_t, offsets)
+    out = lora.lora_expand(y, shrunk, b, slots, ranks_t, offsets)
+    assert_close_bf16(out, expected_y, atol=6e-2, rtol=6e-2)

@@ -1,0 +1,85 @@
+import pytest
+import torch
+from loraplex.kernels import prefill_attention
+from loraplex.kernels import reference as ref
+
+from tests.kernels.kernel_testing import (
+    DEVICE,
+    INTERPRETER_DTYPES,
+    cosine,
+    gpu,
+    make_paged_kv,
+    poisoned_allocations,
+    rel_error,
+    skip_without_cuda,
+)
+
+
+def _batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
+           device, *, pad_tokens=0, seed=0):
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    kv_layer, block_tables = make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype,
+                                           device, seed=seed)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(starts[-1] + pad_tokens, num_heads, head_dim, generator=g).to(device, dtype)
+    query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    return q, kv_layer, block_tables, query_start_loc, lens
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+def test_prefill_matches_reference_chunked_gqa(dtype):
+    # A fresh prompt, a chunk over cached context, a sequence with no new token, a single
+    # token; group of 3 (not a power of two); two padding rows after the last sequence.
+    query_lens, context_lens = [21, 7, 0, 1], [0, 13, 9, 30]
+    q, kv_layer, block_tables, qsl, lens = _batch(query_lens, context_lens, 6, 2, 16, 8, dtype,
+                                                  DEVICE, pad_tokens=2)
+    scale = 0.25
+    with poisoned_allocations(prefill_attention):
+        out, lse = prefill_attention.paged_attention(q, kv_layer, block_tables, qsl, lens, scale,
+                                                     return_lse=True)
+    expected, expected_lse = ref.paged_attention(q.float(), kv_layer.float(), block_tables, qsl,
+                                                 lens, scale, return_lse=True)
+    rows = int(qsl[-1])
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert rel_error(out[:rows], expected[:rows]) < (1e-5 if dtype == torch.float32 else 2e-3)
+    torch.testing.assert_close(lse[:rows], expected_lse[:rows], atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_without_lse_and_wide_group():
+    q, kv_layer, block_tables, qsl, lens = _batch([5, 3], [2, 40], 32, 1, 16, 16, torch.float32,
+                                                  DEVICE, seed=1)
+    out = prefill_attention.paged_attention(q, kv_layer, block_tables, qsl, lens, 0.3,
+                                            max_query_len=5)
+    expected = ref.paged_attention(q, kv_layer, block_tables, qsl, lens, 0.3)
+    assert isinstance(out, torch.Tensor)
+    assert rel_error(out, expected) < 1e-5
+
+
+def test_wrapper_rejects_bad_inputs():
+    q, kv_layer, block_tables, qsl, lens = _batch([2], [1], 2, 1, 16, 4, torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        prefill_attention.paged_attention(q, kv_layer, block_tables, qsl[:1], lens, 1.0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        prefill_attention.paged_attention(q, kv_layer, block_tables, qsl, lens.long(), 1.0)
+    with pytest.raises(ValueError, match="head_dim"):
+        prefill_attention.paged_attention(q[..., :8], kv_layer, block_tables, qsl, lens, 1.0)
+
+
+@gpu
+@skip_without_cuda
+def test_prefill_bf16_llama_shapes():
+    query_lens, context_lens = [512, 300, 1, 1000], [0, 1024, 2000, 17]
+    q, kv_layer, block_tables, qsl, lens = _batch(query_lens, context_lens, 32, 8, 128, 16,
+                                                  torch.bfloat16, "cuda")
+    out, lse = prefill_attention.paged_attention(q, kv_layer, block_tables, qsl, lens,
+                                                 128 ** -0.5, return_lse=True)
+    expected, expected_lse = ref.paged_attention(q.float(), kv_layer.float(), block_tables, qsl,
+                                                 lens, 128 ** -0.5, return_lse=True)
+    assert torch.isfinite(out).all()
+    assert cosine(out, expected) > 0.99
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=0)
+    torch.testing.assert_close(lse, expected_lse, atol=3e-2, rtol=1e-2)

@@ -1,0 +1,96 @@
+import pytest
+import torch
+from loraplex.kernels import reference as ref
+from loraplex.kernels import rotary
+
+from tests.kernels.kernel_testing import (
+    DEVICE,
+    INTERPRETER_DTYPES,
+    assert_close_bf16,
+    gpu,
+    guarded_1d,
+    poisoned_allocations,
+    skip_without_cuda,
+)
+
+
+def _cos_sin(max_positions, head_dim, device):
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+
+
+def _case(num_tokens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=0,
+          num_layers=2):
+    """Strided q/k/v views of one fused qkv row, and a multi-layer cache poisoned with NaN."""
+    g = torch.Generator().manual_seed(seed)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=g).to(device, dtype)
+    q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+    q = q.view(num_tokens, num_heads, head_dim)
+    k = k.view(num_tokens, num_kv_heads, head_dim)
+    v = v.view(num_tokens, num_kv_heads, head_dim)
+    num_blocks = 2 * (num_tokens // block_size + 2)
+    cache = torch.full((num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim),
+                       float("nan"), dtype=dtype, device=device)
+    positions = torch.randint(0, 64, (num_tokens,), generator=g).to(device)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[::3] = -1  # padding tokens store nothing
+    return positions, q, k, v, cache, slots.to(device)
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+@pytest.mark.parametrize("head_dim", [16, 24])
+def test_rotary_store_kv_matches_reference(dtype, head_dim):
+    positions, q, k, v, cache, slots = _case(7, 4, 2, head_dim, 4, dtype, DEVICE)
+    cos_sin = _cos_sin(64, head_dim, DEVICE)
+    expected_cache = cache.clone()
+    expected_q = ref.rotary_store_kv(positions, q, k, v, cos_sin, expected_cache[:, 1], slots)
+    positions_g, slots_g = guarded_1d(positions), guarded_1d(slots)
+    with poisoned_allocations(rotary):
+        out_q = rotary.rotary_store_kv(positions_g, q, k, v, cos_sin, cache[:, 1], slots_g)
+    assert out_q.is_contiguous() and out_q.shape == q.shape
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(out_q, expected_q, atol=tol, rtol=tol)
+    # Written slots match; every other slot of every layer is still NaN.
+    torch.testing.assert_close(cache, expected_cache, atol=tol, rtol=tol, equal_nan=True)
+    written = slots[slots >= 0]
+    assert torch.isfinite(cache[:, 1].permute(0, 2, 1, 3, 4).flatten(0, 1)[written]).all()
+
+
+def test_all_padding_writes_nothing():
+    positions, q, k, v, cache, slots = _case(3, 2, 1, 16, 4, torch.float32, DEVICE)
+    slots[:] = -1
+    rotary.rotary_store_kv(positions, q, k, v, _cos_sin(64, 16, DEVICE), cache[:, 0], slots)
+    assert torch.isnan(cache).all()
+
+
+def test_wrapper_rejects_bad_inputs():
+    positions, q, k, v, cache, slots = _case(3, 2, 1, 16, 4, torch.float32, DEVICE)
+    cos_sin = _cos_sin(64, 16, DEVICE)
+    with pytest.raises(ValueError, match="kv_layer"):
+        rotary.rotary_store_kv(positions, q, k, v, cos_sin, cache[:, 0, :, :2], slots)
+    with pytest.raises(ValueError, match="dense"):
+        rotary.rotary_store_kv(positions, q, k, v, cos_sin, cache[:, 0].transpose(2, 3), slots)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        rotary.rotary_store_kv(positions, q, k, v, cos_sin, cache[:, 0], slots[:2])
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        rotary.rotary_store_kv(positions, q, k, v, cos_sin[:, :8], cache[:, 0], slots)
+    with pytest.raises(ValueError, match="v"):
+        rotary.rotary_store_kv(positions, q, k, v.half(), cos_sin, cache[:, 0], slots)
+
+
+@gpu
+@skip_without_cuda
+@pytest.mark.parametrize("num_tokens", [64, 4096])
+def test_rotary_store_kv_bf16_llama_shapes(num_tokens):
+    positions, q, k, v, cache, slots = _case(num_tokens, 32, 8, 128, 16, torch.bfloat16, "cuda",
+                                             num_layers=1)
+    positions = torch.randint(0, 8192, (num_tokens,), device="cuda")
+    cos_sin = _cos_sin(8192, 128, "cuda")
+    out_q = rotary.rotary_store_kv(positions, q, k, v, cos_sin, cache[:, 0], slots)
+    expected_cache = cache.float()
+    expected_q = ref.rotary_store_kv(positions, q.float(), k.float(), v.float(), cos_sin,
+                                     expected_cache[:, 0], slots)
+    assert_close_bf16(out_q, expected_q, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(cache.float(), expected_cache, atol=1e-2, rtol=1e-2, equal_nan=True)
