@@ -31,6 +31,13 @@ class AdapterStore:
         self._digest_of[name] = adapter.digest
         return adapter.digest
 
+    def add_prepared(self, name: str, host: HostAdapter) -> str:
+        """Register an adapter already laid out for slot copies (benchmarks build these
+        directly on the device)."""
+        self._host.setdefault(host.digest, host)
+        self._digest_of[name] = host.digest
+        return host.digest
+
     def remove(self, name: str) -> str | None:
         """Forget a name; returns the digest if no other name uses it (its host copy is dropped
         by `drop` once no request needs it)."""
@@ -52,8 +59,8 @@ class AdapterStore:
     def host(self, digest: str) -> HostAdapter:
         return self._host[digest]
 
-    def info(self, digest: str) -> LoraAdapter:
-        return self._info[digest]
+    def info(self, digest: str) -> LoraAdapter | None:
+        return self._info.get(digest)
 
     @property
     def names(self) -> dict[str, str]:

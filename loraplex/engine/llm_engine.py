@@ -24,6 +24,7 @@ from loraplex.engine.sizing import make_kv_cache, resolve_device, resolve_dtype,
 from loraplex.errors import InvalidRequestError
 from loraplex.kernels import select_ops
 from loraplex.model.config import ModelConfig
+from loraplex.model.llama import LlamaForCausalLM
 from loraplex.model.loader import load_model
 from loraplex.model.tokenizer import load_tokenizer
 from loraplex.types import FinishReason, RequestOutput, SamplingParams
@@ -32,16 +33,22 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM | None = None) -> None:
+        """Load the model folder `config.model`, or serve `model` (already on its device, e.g.
+        random weights for a benchmark; it must use the op set its device and config select)."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model_config = ModelConfig.load(config.model)
-        self.tokenizer = load_tokenizer(config.model)
-        self.max_model_len = resolve_max_model_len(config, self.model_config)
-        ops = select_ops(self.device, config.kernels)
-        self.model = load_model(config.model, self.model_config, ops, self.dtype, self.device,
-                                self.max_model_len)
+        if model is None:
+            self.model_config = ModelConfig.load(config.model)
+            self.tokenizer = load_tokenizer(config.model)
+            self.max_model_len = resolve_max_model_len(config, self.model_config)
+            ops = select_ops(self.device, config.kernels)
+            self.model = load_model(config.model, self.model_config, ops, self.dtype, self.device,
+                                    self.max_model_len)
+        else:
+            self.model_config, self.tokenizer, self.model, ops = model.config, None, model, model.ops
+            self.max_model_len = min(config.max_model_len or model.max_positions, model.max_positions)
         self.lora = LoraSlotBuffers(self.model_config, config.lora.max_loras,
                                     config.lora.max_lora_rank, self.dtype, self.device)
         self.kv_cache = make_kv_cache(config, self.model_config, self.dtype, self.device,
@@ -209,7 +216,7 @@ class LLMEngine:
         eos = getattr(self.tokenizer, "eos_token_id", None)
         if eos is not None:
             yield eos
-        generation = Path(self.config.model) / "generation_config.json"
+        generation = Path(self.config.model) / "generation_config.json"  # absent for a given model
         if generation.is_file():
             import json
 

@@ -1,0 +1,1 @@
+"""Benchmarks that ship with loraplex (`loraplex bench ...`)."""

@@ -1,0 +1,191 @@
+"""`loraplex bench accuracy`: the mixed-adapter engine in bf16 (Triton kernels, CUDA graphs)
+against its float32 reference path (torch reference ops, no graphs) on the same random
+Llama-3-8B-shaped model and adapters.
+
+The bf16 engine generates greedily; the float32 engine is then fed the same tokens (teacher
+forcing), so every position is compared in the same context: the share of positions whose
+float32 argmax is the token bf16 chose, and the relative distance of the logits."""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from loraplex.benchmarks import synthetic
+from loraplex.benchmarks.decode import _device_name
+from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.lora_weights import HostAdapter
+from loraplex.kernels import select_ops
+from loraplex.model.llama import LlamaForCausalLM
+from loraplex.types import SamplingParams
+
+
+@dataclass(frozen=True)
+class AccuracyConfig:
+    num_requests: int = 64
+    """Each with its own adapter."""
+    prompt_len: int = 256
+    new_tokens: int = 64
+    rank: int = 16
+    device: str = "cuda"
+    model: dict[str, Any] = field(default_factory=dict)
+    """config.json overrides of the Llama-3-8B shape."""
+    seed: int = 0
+
+
+def run(config: AccuracyConfig) -> dict[str, Any]:
+    device = torch.device(config.device)
+    model_config = synthetic.model_config(config.model)
+    max_len = config.prompt_len + config.new_tokens + 16
+    started = time.perf_counter()
+    model = synthetic.random_model(model_config, select_ops(device), torch.bfloat16, device, max_len,
+                                   config.seed)
+    adapters = [synthetic.random_adapter(model_config, config.rank, torch.bfloat16, device, str(i),
+                                         seed=1000 + i, pin=False) for i in range(config.num_requests)]
+    generator = torch.Generator().manual_seed(config.seed)
+    prompts = torch.randint(1000, model_config.vocab_size - 1000, (config.num_requests, config.prompt_len),
+                            generator=generator).tolist()
+    tokens, bf16_logits = _generate(config, model, adapters, prompts, "bfloat16", forced=None)
+    bf16_s = time.perf_counter() - started
+    hf_logits = _hf_peft_logits(model, adapters, prompts, tokens)
+    reference = _float32_copy(model, device, max_len)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    fp32_adapters = [_float32_adapter(a) for a in adapters]
+    _, fp32_logits = _generate(config, reference, fp32_adapters, prompts, "float32", forced=tokens)
+    return {
+        "check": "accuracy", "config": asdict(config), "device": _device_name(device),
+        "torch": torch.__version__, "seconds": round(time.perf_counter() - started, 1),
+        "bf16_run_seconds": round(bf16_s, 1), **compare(tokens, bf16_logits, fp32_logits),
+        "transformers_peft_bf16": compare(tokens, hf_logits, fp32_logits),
+    }
+
+
+def compare(
+    tokens: list[list[int]], ours: list[torch.Tensor], reference: list[torch.Tensor]
+) -> dict[str, Any]:
+    """Greedy agreement and relative logit error over every (request, position)."""
+    agree, errors = [], []
+    for chosen, a, b in zip(tokens, ours, reference):
+        agree.extend((b.argmax(dim=-1) == torch.tensor(chosen)).tolist())
+        errors.extend(((a - b).norm(dim=-1) / b.norm(dim=-1)).tolist())
+    errors_np = np.asarray(errors)
+    return {
+        "positions": len(agree), "identical_greedy_fraction": round(float(np.mean(agree)), 5),
+        "logits_rel_error_max": float(errors_np.max()),
+        "logits_rel_error_median": float(np.median(errors_np)),
+        "logits_rel_error_p99": float(np.quantile(errors_np, 0.99)),
+    }
+
+
+def _generate(config: AccuracyConfig, model: LlamaForCausalLM, adapters: list[HostAdapter],
+              prompts: list[list[int]], dtype: str, forced: list[list[int]] | None,
+              ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy generation of every prompt with its own adapter; with `forced`, the tokens fed
+    back are those instead of the sampled ones. Returns (tokens, logits [new_tokens, vocab]
+    float32 on the CPU) per request."""
+    max_len = model.max_positions
+    engine = LLMEngine(EngineConfig(
+        model="synthetic-llama-3-8b", device=config.device, dtype=dtype, max_model_len=max_len,
+        kernels="auto" if dtype == "bfloat16" else "reference", use_cuda_graphs=forced is None,
+        cache=CacheConfig(num_blocks=config.num_requests * -(-max_len // 16) + 1),
+        scheduler=SchedulerConfig(max_num_seqs=config.num_requests, max_num_batched_tokens=4096),
+        lora=LoRAConfig(max_lora_rank=config.rank, max_loras=config.num_requests),
+    ), model=model)
+    for i, host in enumerate(adapters):
+        engine.adapters.add_prepared(f"adapter-{i}", host)
+    logits: dict[str, list[torch.Tensor]] = {}
+    _record_logits(engine, logits)
+    if forced is not None:
+        _force_tokens(engine, {f"r{i}": t for i, t in enumerate(forced)})
+    params = SamplingParams(max_tokens=config.new_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt_token_ids=prompt, params=params, adapter=f"adapter-{i}")
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs[output.request_id] = output.token_ids
+    ids = [f"r{i}" for i in range(len(prompts))]
+    return [outputs[r] for r in ids], [torch.stack(logits[r]) for r in ids]
+
+
+@torch.no_grad()
+def _hf_peft_logits(model: LlamaForCausalLM, adapters: list[HostAdapter], prompts: list[list[int]],
+                    tokens: list[list[int]], chunk: int = 8) -> list[torch.Tensor]:
+    """transformers + PEFT in bf16 on the same weights, adapters and tokens: the logits of every
+    generated position (a baseline for what bf16 alone costs)."""
+    config = model.config
+    names = {f"adapter-{i}": a for i, a in enumerate(adapters)}
+    peft = synthetic.add_peft_adapters(synthetic.hf_model_sharing_weights(model), names, config)
+    device = model.embed_tokens.device
+    new = len(tokens[0])
+    logits = []
+    for start in range(0, len(prompts), chunk):
+        rows = range(start, min(start + chunk, len(prompts)))
+        ids = torch.tensor([prompts[i] + tokens[i][:-1] for i in rows], device=device)
+        out = peft(input_ids=ids, adapter_names=[f"adapter-{i}" for i in rows], logits_to_keep=new)
+        logits.extend(out.logits.float().cpu())
+    del peft
+    return logits
+
+
+def _record_logits(engine: LLMEngine, into: dict[str, list[torch.Tensor]]) -> None:
+    runner = engine.runner
+    original = runner._result
+
+    def record(plan, logits, rows, tokens):
+        result = original(plan, logits, rows, tokens)
+        for request_id, row in zip(result.sampled_ids, logits.float().cpu()):
+            into.setdefault(request_id, []).append(row)
+        return result
+
+    runner._result = record
+
+
+def _force_tokens(engine: LLMEngine, forced: dict[str, list[int]]) -> None:
+    """Make the runner feed back `forced` tokens instead of the ones it samples."""
+    runner = engine.runner
+    original = runner._sample
+
+    def sample(logits, rows):
+        sampled = original(logits, rows)
+        request_of = {row: request_id for request_id, row in runner.batch.row_of.items()}
+        offsets = runner._offsets(rows)
+        values = [forced[request_of[row]][offset] for row, offset in zip(rows.tolist(), offsets.tolist())]
+        return torch.tensor(values, dtype=sampled.dtype, device=sampled.device)
+
+    runner._sample = sample
+
+
+@torch.no_grad()
+def _float32_copy(model: LlamaForCausalLM, device: torch.device, max_len: int) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        copy = LlamaForCausalLM(model.config, select_ops(device, "reference"), max_len)
+    copy.to_empty(device=device)
+    source = dict(model.named_parameters())
+    for name, param in copy.named_parameters():
+        param.data = source[name].float()
+        source[name].data = torch.empty(0, device=device)  # free the bf16 copy as we go
+    copy.reset_rope()
+    return copy.eval()
+
+
+def _float32_adapter(host: HostAdapter) -> HostAdapter:
+    return HostAdapter(host.digest, host.rank, {g: t.float() for g, t in host.a.items()},
+                       {g: t.float() for g, t in host.b.items()}, host.ranks)
+
+
+def write(result: dict[str, Any], out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"accuracy-{result['device'].replace(' ', '-').replace('/', '-').lower()}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path

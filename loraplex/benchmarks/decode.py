@@ -1,0 +1,228 @@
+"""`loraplex bench decode`: multi-adapter decode throughput on a Llama-3-8B-shaped model with
+random weights, against transformers + PEFT on the same weights and adapters, each figure next
+to its floor (weights + KV + adapter bytes that a step must read / memory bandwidth)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loraplex.benchmarks import synthetic
+from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.kernels import select_ops
+from loraplex.model.config import ModelConfig
+from loraplex.types import SamplingParams
+
+
+@dataclass(frozen=True)
+class DecodeBenchConfig:
+    batch_sizes: tuple[int, ...] = (1, 8, 32, 64, 128)
+    prompt_len: int = 512
+    new_tokens: int = 128
+    rank: int = 16
+    """Rank of every adapter (all seven projections)."""
+    hf_batch_sizes: tuple[int, ...] = (1, 8, 32)
+    """Batches run through transformers (+ PEFT); larger ones take minutes."""
+    hf_new_tokens: int = 16
+    bandwidth: float = 3.0e12
+    """Memory bandwidth the floor is computed with (bytes/s; 3.0 TB/s = measured H100 copy)."""
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    model: dict[str, Any] = field(default_factory=dict)
+    """config.json overrides of the Llama-3-8B shape (a tiny model for a CPU smoke run)."""
+    seed: int = 0
+
+
+def run(config: DecodeBenchConfig) -> dict[str, Any]:
+    device, dtype = torch.device(config.device), getattr(torch, config.dtype)
+    model_config = synthetic.model_config(config.model)
+    max_len = config.prompt_len + config.new_tokens + 16
+    ops = select_ops(device)
+    started = time.perf_counter()
+    model = synthetic.random_model(model_config, ops, dtype, device, max_len, seed=config.seed)
+    num_adapters = max(config.batch_sizes)
+    adapters = {f"adapter-{i}": synthetic.random_adapter(
+        model_config, config.rank, dtype, device, str(i), seed=1000 + i, pin=device.type == "cuda")
+        for i in range(num_adapters)}
+    engine = _engine(config, model, num_adapters, max_len)
+    for name, host in adapters.items():
+        engine.adapters.add_prepared(name, host)
+    setup_s = time.perf_counter() - started
+    started = time.perf_counter()
+    if engine.runner.graphs is not None:
+        engine.runner.graphs.capture_all()
+    capture_s = time.perf_counter() - started
+    rows = []
+    for batch in config.batch_sizes:
+        for with_adapters in (False, True):
+            rows.append(_run_ours(engine, config, model_config, batch, with_adapters, list(adapters)))
+            _print_row(rows[-1])
+    hf = synthetic.hf_model_sharing_weights(model)
+    for batch in config.hf_batch_sizes:
+        rows.append(_run_hf(hf, config, model_config, batch, None))
+        _print_row(rows[-1])
+    peft_adapters = dict(list(adapters.items())[:max(config.hf_batch_sizes)])
+    peft = synthetic.add_peft_adapters(hf, peft_adapters, model_config)
+    for batch in config.hf_batch_sizes:
+        rows.append(_run_hf(peft, config, model_config, batch, list(peft_adapters)[:batch]))
+        _print_row(rows[-1])
+    return {
+        "benchmark": "decode", "config": asdict(config), "device": _device_name(device),
+        "torch": torch.__version__, "setup_s": round(setup_s, 1), "graph_capture_s": round(capture_s, 1),
+        "weight_bytes": _weight_bytes(model), "rows": rows,
+    }
+
+
+def _engine(config: DecodeBenchConfig, model, num_adapters: int, max_len: int) -> LLMEngine:
+    blocks_per_seq = -(-max_len // 16)
+    return LLMEngine(EngineConfig(
+        model="synthetic-llama-3-8b", device=config.device, dtype=config.dtype, max_model_len=max_len,
+        seed=config.seed,
+        cache=CacheConfig(block_size=16, num_blocks=max(config.batch_sizes) * blocks_per_seq + 1),
+        scheduler=SchedulerConfig(max_num_seqs=max(config.batch_sizes), max_num_batched_tokens=16384),
+        lora=LoRAConfig(max_lora_rank=config.rank, max_loras=num_adapters),
+    ), model=model)
+
+
+def _prompts(config: DecodeBenchConfig, model_config: ModelConfig, batch: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(config.seed + batch)
+    shape = (batch, config.prompt_len)
+    return torch.randint(1000, model_config.vocab_size - 1000, shape, generator=generator)
+
+
+def _run_ours(engine: LLMEngine, config: DecodeBenchConfig, model_config: ModelConfig, batch: int,
+              with_adapters: bool, names: list[str]) -> dict[str, Any]:
+    prompts = _prompts(config, model_config, batch).tolist()
+    params = SamplingParams(max_tokens=config.new_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"b{batch}-{with_adapters}-{i}", prompt_token_ids=prompt, params=params,
+                           adapter=names[i] if with_adapters else None)
+    started = time.perf_counter()
+    first_token: set[str] = set()
+    decode_start = None
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        first_token.update(o.request_id for o in outputs)
+        if decode_start is None and len(first_token) == batch:
+            _sync(engine.device)
+            decode_start = time.perf_counter()
+    _sync(engine.device)
+    decode_s = time.perf_counter() - decode_start
+    steps = config.new_tokens - 1
+    return _row("loraplex", batch, with_adapters, decode_s / steps, decode_start - started, config,
+                model_config, engine.model)
+
+
+def _run_hf(model, config: DecodeBenchConfig, model_config: ModelConfig, batch: int,
+            adapter_names: list[str] | None) -> dict[str, Any]:
+    device = next(model.parameters()).device
+    input_ids = _prompts(config, model_config, batch).to(device)
+    kwargs = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(input_ids))
+    if adapter_names is not None:
+        kwargs["adapter_names"] = adapter_names
+    with torch.no_grad():
+        model.generate(input_ids, max_new_tokens=2, min_new_tokens=2, **kwargs)  # warm-up
+        _sync(device)
+        started = time.perf_counter()
+        model.generate(input_ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+        _sync(device)
+        prefill_s = time.perf_counter() - started
+        started = time.perf_counter()
+        n = config.hf_new_tokens
+        model.generate(input_ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+        _sync(device)
+        total_s = time.perf_counter() - started
+    engine_name = "transformers+peft" if adapter_names is not None else "transformers"
+    step_s = (total_s - prefill_s) / (config.hf_new_tokens - 1)
+    return _row(engine_name, batch, adapter_names is not None, step_s, prefill_s, config, model_config, None)
+
+
+def _row(engine: str, batch: int, with_adapters: bool, step_s: float, prefill_s: float,
+         config: DecodeBenchConfig, model_config: ModelConfig, model) -> dict[str, Any]:
+    floor_s = _floor_bytes(config, model_config, batch, with_adapters) / config.bandwidth
+    return {
+        "engine": engine, "batch": batch, "adapters": batch if with_adapters else 0,
+        "rank": config.rank if with_adapters else 0,
+        "step_ms": round(step_s * 1e3, 3), "tok_s": round(batch / step_s, 1),
+        "floor_step_ms": round(floor_s * 1e3, 3), "floor_tok_s": round(batch / floor_s, 1),
+        "fraction_of_floor": round(floor_s / step_s, 3), "prefill_s": round(prefill_s, 3),
+    }
+
+
+def _floor_bytes(config: DecodeBenchConfig, c: ModelConfig, batch: int, with_adapters: bool) -> float:
+    element = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
+    layer = (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
+             + 3 * c.hidden_size * c.intermediate_size)
+    weights = (c.num_layers * layer + c.vocab_size * c.hidden_size) * element
+    mean_context = config.prompt_len + config.new_tokens / 2
+    kv = batch * mean_context * c.num_layers * 2 * c.kv_size * element
+    per_rank = c.num_layers * sum(sum(c.shape.features(m)) for m in (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")) * element
+    adapters = batch * config.rank * per_rank if with_adapters else 0
+    return weights + kv + adapters
+
+
+def _weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "embed_tokens")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    print(f"{row['engine']:18s} batch {row['batch']:4d}  adapters {row['adapters']:4d}  "
+          f"{row['tok_s']:9.1f} tok/s  step {row['step_ms']:8.2f} ms  "
+          f"floor {row['floor_step_ms']:7.2f} ms ({row['floor_tok_s']:9.1f} tok/s)  "
+          f"{100 * row['fraction_of_floor']:5.1f}% of floor", flush=True)
+
+
+def write(result: dict[str, Any], out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = result["device"].replace(" ", "-").replace("/", "-").lower()
+    path = out_dir / f"decode-{name}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
+def plot(json_path: Path, png_path: Path) -> None:
+    """Throughput against batch size for each engine, with the floor (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    result = json.loads(json_path.read_text())
+    fig, ax = plt.subplots(figsize=(8, 5))
+    series: dict[str, list[dict]] = {}
+    for row in result["rows"]:
+        label = f"{row['engine']} ({'distinct adapters' if row['adapters'] else 'no adapter'})"
+        series.setdefault(label, []).append(row)
+    for label, rows in series.items():
+        ax.plot([r["batch"] for r in rows], [r["tok_s"] for r in rows], marker="o", label=label)
+    floors = {r["batch"]: r["floor_tok_s"] for r in result["rows"]
+              if r["engine"] == "loraplex" and not r["adapters"]}
+    ax.plot(list(floors), list(floors.values()), "k--", label="floor, no adapter")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch (requests decoding together)")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"Decode, Llama-3-8B shape, bf16, {result['device']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
