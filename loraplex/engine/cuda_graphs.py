@@ -59,23 +59,26 @@ class DecodeGraphRunner:
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch, self.capture = max_batch, capture
         device = kv_cache.device
-        zeros = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
         P = max_batch
-        self.input_ids = zeros(P, dtype=torch.int64)
-        self.positions = zeros(P, dtype=torch.int64)
-        self.slot_mapping = torch.full((P,), -1, dtype=torch.int64, device=device)
-        self.block_tables = zeros(P, max_blocks_per_seq, dtype=torch.int32)
-        self.seq_lens = zeros(P, dtype=torch.int32)
+        # Per-step inputs, packed by dtype so a step is four copies from pinned host memory.
+        self._packs = {
+            "i64": torch.zeros(5, P, dtype=torch.int64, device=device),
+            "i32": torch.zeros(3, P, dtype=torch.int32, device=device),
+            "f32": torch.zeros(2, P, dtype=torch.float32, device=device),
+            "blocks": torch.zeros(P, max_blocks_per_seq, dtype=torch.int32, device=device),
+        }
+        pin = device.type == "cuda"
+        self._host = {name: torch.zeros_like(t, device="cpu").pin_memory() if pin else torch.zeros_like(t)
+                      for name, t in self._packs.items()}
+        i64, i32, f32 = self._packs["i64"], self._packs["i32"], self._packs["f32"]
+        self.input_ids, self.positions, self.slot_mapping, self.seeds, self.offsets = i64
+        self.seq_lens, self.token_slots, self.top_k = i32
+        self.temperature, self.top_p = f32
+        self.block_tables = self._packs["blocks"]
         self.query_start_loc = torch.arange(P + 1, dtype=torch.int32, device=device)
-        self.token_slots = zeros(P, dtype=torch.int32)
-        self.temperature = zeros(P, dtype=torch.float32)
-        self.top_k = zeros(P, dtype=torch.int32)
-        self.top_p = torch.ones(P, dtype=torch.float32, device=device)
-        self.seeds = zeros(P, dtype=torch.int64)
-        self.offsets = zeros(P, dtype=torch.int64)
         # Outputs live in static buffers too, so the graphs' temporaries can share one pool.
-        self.logits = zeros(P, model.config.vocab_size, dtype=torch.float32)
-        self.tokens = zeros(P, dtype=torch.int64)
+        self.logits = torch.zeros(P, model.config.vocab_size, dtype=torch.float32, device=device)
+        self.tokens = torch.zeros(P, dtype=torch.int64, device=device)
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
@@ -98,20 +101,21 @@ class DecodeGraphRunner:
         return self.logits[:num_seqs], self.tokens[:num_seqs]
 
     def _fill(self, inputs: DecodeInputs, n: int, size: int) -> None:
-        """Copy the step's inputs into the first n rows and reset rows n..size to padding."""
-        pairs = (
-            (self.input_ids, inputs.input_ids, 0), (self.positions, inputs.positions, 0),
-            (self.slot_mapping, inputs.slot_mapping, -1), (self.seq_lens, inputs.seq_lens, 0),
-            (self.token_slots, inputs.token_slots, 0), (self.temperature, inputs.temperature, 0),
-            (self.top_k, inputs.top_k, 0), (self.top_p, inputs.top_p, 1),
-            (self.seeds, inputs.seeds, 0), (self.offsets, inputs.offsets, 0),
+        """Write the step's inputs into rows :n and padding into rows n:size of the host packs,
+        then copy each pack to the device (asynchronously on CUDA)."""
+        i64, i32, f32 = (self._host[k].numpy() for k in ("i64", "i32", "f32"))
+        rows = (
+            (i64[0], inputs.input_ids, 0), (i64[1], inputs.positions, 0), (i64[2], inputs.slot_mapping, -1),
+            (i64[3], inputs.seeds, 0), (i64[4], inputs.offsets, 0),
+            (i32[0], inputs.seq_lens, 0), (i32[1], inputs.token_slots, 0), (i32[2], inputs.top_k, 0),
+            (f32[0], inputs.temperature, 0), (f32[1], inputs.top_p, 1),
         )
-        for static, values, pad in pairs:
-            static[:n].copy_(torch.from_numpy(values), non_blocking=True)
-            if size > n:
-                static[n:size].fill_(pad)
-        width = inputs.block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(torch.from_numpy(inputs.block_tables), non_blocking=True)
+        for row, values, pad in rows:
+            row[:n] = values
+            row[n:size] = pad
+        self._host["blocks"].numpy()[:n, :inputs.block_tables.shape[1]] = inputs.block_tables
+        for name, device_pack in self._packs.items():
+            device_pack.copy_(self._host[name], non_blocking=True)
 
     def _forward(self, size: int, has_lora: bool) -> None:
         attention = AttentionMetadata(
