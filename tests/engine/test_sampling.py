@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loraplex.kernels import reference
 
 from loraplex import LLM, SamplingParams
+from loraplex.kernels import reference
 
 
 @pytest.fixture(scope="module")
