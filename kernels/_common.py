@@ -49,7 +49,8 @@ def upcast_loads(dtype: torch.dtype) -> bool:
 
 
 def tl_dtype(dtype: torch.dtype) -> tl.dtype:
-    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
+    names = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+    return names[dtype]
 
 
 def check_launchable(kernel: object, tensors: Iterable[torch.Tensor]) -> torch.device:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from loraplex.kernels._common import FLOAT_DTYPES, cdiv, check_launchable, check_tensor
 
 BLOCK = 1024

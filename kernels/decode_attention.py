@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from loraplex.kernels._common import (
     FLOAT_DTYPES,
     check_kv_layer,
@@ -46,8 +47,8 @@ def _decode_split_kernel(
     q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     stride_q_seq, stride_q_head, stride_kv_block, stride_kv_kv, stride_kv_tok, stride_kv_head,
     stride_bt_seq, stride_out_seq, stride_out_head,
-    scale_log2, num_heads, group, head_dim, block_size,
-    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    scale_log2, num_heads, group, head_dim,
+    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -79,9 +80,9 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
-        block = tl.load(block_tables_ptr + seq * stride_bt_seq + n // block_size, mask=n_mask,
+        block = tl.load(block_tables_ptr + seq * stride_bt_seq + n // PAGE_SIZE, mask=n_mask,
                         other=0).to(tl.int64)
-        tok_off = block * stride_kv_block + (n % block_size) * stride_kv_tok  # [BLOCK_N]
+        tok_off = block * stride_kv_block + (n % PAGE_SIZE) * stride_kv_tok  # [BLOCK_N]
         kv_off = tok_off[:, None] + d[None, :]
         kv_mask = n_mask[:, None] & (d < head_dim)[None, :]
         k = tl.load(kv_base + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
@@ -203,8 +204,9 @@ def _launch(q, kv_layer, block_tables, seq_lens, scale: float, config: DecodeCon
         q, kv_layer, block_tables, seq_lens, out, part_out, part_lse,
         q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2),
         kv_layer.stride(3), block_tables.stride(0), out.stride(0), out.stride(1),
-        scale * LOG2E, num_heads, group, head_dim, block_size,
-        NUM_SPLITS=splits, BLOCK_H=max(16, next_pow2(group)), BLOCK_N=config.block_n,
+        scale * LOG2E, num_heads, group, head_dim,
+        PAGE_SIZE=block_size, NUM_SPLITS=splits, BLOCK_H=max(16, next_pow2(group)),
+        BLOCK_N=config.block_n,
         BLOCK_D=block_d, UPCAST=upcast_loads(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from loraplex.kernels._common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -144,7 +145,8 @@ def _lora_expand_kernel(
             bt = tl.load(b_ptr + slot.to(tl.int64) * stride_b_slot + cols[:, None] * stride_b_out
                          + r[None, :], mask=c_mask[:, None] & r_mask[None, :],
                          other=0.0)  # [BLOCK_N, BLOCK_R]: only the true rank's columns
-            st = tl.load(s_rows, mask=run[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
+            # [BLOCK_M, BLOCK_R]
+            st = tl.load(s_rows, mask=run[:, None] & r_mask[None, :], other=0.0)
             if BLOCK_M == 1:
                 delta = tl.sum(bt.to(tl.float32) * st, axis=1)[None, :]
             else:
@@ -199,10 +201,16 @@ def lora_shrink(
     check_tensor("lora_a", lora_a, ndim=4, dtypes=(x.dtype,), shape=(None, None, None, in_features))
     num_slots, num_slices, max_rank, _ = lora_a.shape
     if lora_a.stride(3) != 1 and in_features > 1:
-        raise ValueError(f"lora_a must have unit stride in its last dim (strides {lora_a.stride()})")
+        raise ValueError(f"lora_a must have unit stride in its last dim ({lora_a.stride()})")
     _check_slots(token_slots, ranks, num_tokens, num_slots, num_slices)
     device = check_launchable(_lora_shrink_kernel, (x, lora_a, token_slots, ranks))
     config = shrink_config(num_tokens, num_slices, in_features, max_rank, device)
+    return _launch_shrink(x, lora_a, token_slots, ranks, config)
+
+
+def _launch_shrink(x, lora_a, token_slots, ranks, config: ShrinkConfig) -> torch.Tensor:
+    num_tokens, in_features = x.shape
+    num_slices, max_rank = lora_a.shape[1], lora_a.shape[2]
     out = torch.zeros((num_slices, num_tokens, max_rank), dtype=torch.float32, device=x.device)
     if num_tokens == 0 or max_rank == 0:
         return out
@@ -231,7 +239,7 @@ def lora_expand(
     check_tensor("lora_b", lora_b, ndim=3, dtypes=FLOAT_DTYPES, shape=(None, out_features, None))
     num_slots, _, max_rank = lora_b.shape
     if lora_b.stride(2) != 1 and max_rank > 1:
-        raise ValueError(f"lora_b must have unit stride in its last dim (strides {lora_b.stride()})")
+        raise ValueError(f"lora_b must have unit stride in its last dim ({lora_b.stride()})")
     num_slices = len(slice_offsets) - 1
     if not 1 <= num_slices <= MAX_SLICES:
         raise ValueError(f"expected 1..{MAX_SLICES} slices, got slice_offsets {slice_offsets}")
@@ -242,9 +250,16 @@ def lora_expand(
                  shape=(num_slices, num_tokens, max_rank))
     _check_slots(token_slots, ranks, num_tokens, num_slots, num_slices)
     check_launchable(_lora_expand_kernel, (y, shrunk, lora_b, token_slots, ranks))
+    return _launch_expand(y, shrunk, lora_b, token_slots, ranks, offsets,
+                          expand_config(num_tokens, max_rank))
+
+
+def _launch_expand(y, shrunk, lora_b, token_slots, ranks, offsets: list[int],
+                   config: ExpandConfig) -> torch.Tensor:
+    num_tokens, out_features = y.shape
+    num_slices, max_rank = len(offsets) - 1, lora_b.shape[2]
     if num_tokens == 0 or max_rank == 0:
         return y
-    config = expand_config(num_tokens, max_rank)
     widest = max(hi - lo for lo, hi in zip(offsets, offsets[1:]))
     grid = (cdiv(num_tokens, config.block_m), num_slices, cdiv(max(widest, 1), config.block_n))
     padded = offsets + [out_features] * (MAX_SLICES + 1 - len(offsets))

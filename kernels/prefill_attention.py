@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from loraplex.kernels._common import (
     FLOAT_DTYPES,
     check_kv_layer,
@@ -42,8 +43,8 @@ class PrefillConfig:
 def _find_sequence(query_start_loc_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
     """The last sequence i whose first query block `query_start_loc[i] // BLOCK_Q + i` is at
     or before pid (binary search; block numbers grow with i)."""
-    lo = 0
-    hi = num_seqs - 1
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_seqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
         first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
@@ -59,8 +60,9 @@ def _prefill_kernel(
     q_ptr, kv_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     stride_q_tok, stride_q_head, stride_kv_block, stride_kv_kv, stride_kv_tok, stride_kv_head,
     stride_bt_seq, stride_out_tok, stride_out_head, stride_lse_tok,
-    scale_log2, num_seqs, group, head_dim, block_size,
-    RETURN_LSE: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_P2: tl.constexpr,
+    scale_log2, num_seqs, group, head_dim,
+    PAGE_SIZE: tl.constexpr, RETURN_LSE: tl.constexpr, BLOCK_Q: tl.constexpr,
+    GROUP_P2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -96,9 +98,9 @@ def _prefill_kernel(
     for n0 in range(0, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < kv_end
-        block = tl.load(block_tables_ptr + seq * stride_bt_seq + n // block_size, mask=n_mask,
+        block = tl.load(block_tables_ptr + seq * stride_bt_seq + n // PAGE_SIZE, mask=n_mask,
                         other=0).to(tl.int64)
-        kv_off = (block * stride_kv_block + (n % block_size) * stride_kv_tok)[:, None] + d[None, :]
+        kv_off = (block * stride_kv_block + (n % PAGE_SIZE) * stride_kv_tok)[:, None] + d[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(kv_base + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(kv_base + stride_kv_kv + kv_off, mask=kv_mask, other=0.0)
@@ -117,8 +119,8 @@ def _prefill_kernel(
 
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_out_tok + heads[:, None] * stride_out_head + d[None, :],
-             out, mask=row_valid[:, None] & d_mask[None, :])
+    out_off = tok[:, None] * stride_out_tok + heads[:, None] * stride_out_head + d[None, :]
+    tl.store(out_ptr + out_off, out, mask=row_valid[:, None] & d_mask[None, :])
     if RETURN_LSE:
         lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2,
                        float("-inf"))
@@ -189,8 +191,8 @@ def _launch(q, kv_layer, block_tables, query_start_loc, seq_lens, scale, return_
             q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(1),
             kv_layer.stride(2), kv_layer.stride(3), block_tables.stride(0),
             out.stride(0), out.stride(1), lse.stride(0),
-            scale * LOG2E, num_seqs, group, head_dim, block_size,
-            RETURN_LSE=return_lse, BLOCK_Q=block_q, GROUP_P2=group_p2,
+            scale * LOG2E, num_seqs, group, head_dim,
+            PAGE_SIZE=block_size, RETURN_LSE=return_lse, BLOCK_Q=block_q, GROUP_P2=group_p2,
             BLOCK_N=config.block_n, BLOCK_D=next_pow2(head_dim),
             UPCAST=upcast_loads(q.dtype),
             num_warps=config.num_warps, num_stages=config.num_stages,

@@ -127,7 +127,8 @@ def paged_attention(
     in_seq = key_pos.view(1, -1) < seq_lens.long().view(-1, 1)  # [seqs, max_len]
     blocks_used = -(-seq_lens.long() // kv_layer.shape[2])
     table = block_tables[:, :-(-max_len // kv_layer.shape[2])]
-    table = table.masked_fill(torch.arange(table.shape[1], device=q.device) >= blocks_used[:, None], 0)
+    past_end = torch.arange(table.shape[1], device=q.device) >= blocks_used[:, None]
+    table = table.masked_fill(past_end, 0)
     k, v = gather_kv(kv_layer, table, max_len)  # [seqs, max_len, kv_heads, d]
     k = k.float().masked_fill(~in_seq[:, :, None, None], 0.0)
     v = v.float().masked_fill(~in_seq[:, :, None, None], 0.0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from loraplex.kernels._common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -56,7 +57,8 @@ def _rotary_store_kv_kernel(
 
     slot = tl.load(slots_ptr + tok).to(tl.int64)
     if slot >= 0:
-        cache = kv_ptr + (slot // block_size) * stride_kv_block + (slot % block_size) * stride_kv_tok
+        cache = kv_ptr + (slot // block_size) * stride_kv_block \
+            + (slot % block_size) * stride_kv_tok
         _rotate(k_ptr + tok * stride_k_tok, cache, stride_k_head, stride_kv_head,
                 num_kv_heads, half, cos, sin, BLOCK_KV_H, BLOCK_HALF)
         heads = tl.arange(0, BLOCK_KV_H)[:, None]
@@ -87,7 +89,8 @@ def rotary_store_kv(
                  shape=(None, head_dim))
     check_kv_layer(kv_layer)
     if kv_layer.shape[3:] != k.shape[1:]:
-        raise ValueError(f"kv_layer heads/dim {tuple(kv_layer.shape[3:])} != k's {tuple(k.shape[1:])}")
+        raise ValueError(
+            f"kv_layer heads/dim {tuple(kv_layer.shape[3:])} != k's {tuple(k.shape[1:])}")
     if head_dim % 2:
         raise ValueError(f"head_dim must be even for rotary, got {head_dim}")
     check_launchable(_rotary_store_kv_kernel,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from loraplex.kernels._common import FLOAT_DTYPES, check_launchable, check_tensor, next_pow2
 
 BLOCK = 1024

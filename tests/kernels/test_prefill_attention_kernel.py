@@ -1,8 +1,8 @@
 import pytest
 import torch
+
 from loraplex.kernels import prefill_attention
 from loraplex.kernels import reference as ref
-
 from tests.kernels.kernel_testing import (
     DEVICE,
     INTERPRETER_DTYPES,

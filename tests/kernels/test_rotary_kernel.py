@@ -1,8 +1,8 @@
 import pytest
 import torch
+
 from loraplex.kernels import reference as ref
 from loraplex.kernels import rotary
-
 from tests.kernels.kernel_testing import (
     DEVICE,
     INTERPRETER_DTYPES,
@@ -88,8 +88,8 @@ def test_rotary_store_kv_bf16_llama_shapes(num_tokens):
                                              num_layers=1)
     positions = torch.randint(0, 8192, (num_tokens,), device="cuda")
     cos_sin = _cos_sin(8192, 128, "cuda")
-    out_q = rotary.rotary_store_kv(positions, q, k, v, cos_sin, cache[:, 0], slots)
     expected_cache = cache.float()
+    out_q = rotary.rotary_store_kv(positions, q, k, v, cos_sin, cache[:, 0], slots)
     expected_q = ref.rotary_store_kv(positions, q.float(), k.float(), v.float(), cos_sin,
                                      expected_cache[:, 0], slots)
     assert_close_bf16(out_q, expected_q, atol=1e-2, rtol=1e-2)

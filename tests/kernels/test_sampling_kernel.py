@@ -5,8 +5,8 @@ either always passes or always fails."""
 
 import pytest
 import torch
-from loraplex.kernels import sampling
 
+from loraplex.kernels import sampling
 from tests.kernels.kernel_testing import DEVICE, gpu, poisoned_allocations, skip_without_cuda
 
 
@@ -25,15 +25,19 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
 
 
 def draw(logits_row, num_draws, temperature, top_k, top_p, *, seed=7, dtype=torch.float32,
-         device=DEVICE):
-    """num_draws samples of one row: a batch of the same (stride-0) row, offsets 0.."""
-    logits = logits_row.to(device, dtype).unsqueeze(0).expand(num_draws, -1)
-    full = lambda value, dt: torch.full((num_draws,), value, dtype=dt, device=device)
-    return sampling.sample(
-        logits, full(temperature, torch.float32), full(top_k, torch.int32),
-        full(top_p, torch.float32), full(seed, torch.int64),
-        torch.arange(num_draws, dtype=torch.int64, device=device),
-    )
+         device=DEVICE, chunk=65536):
+    """num_draws samples of one row: batches of the same (stride-0) row, offsets 0.."""
+    tokens = []
+    for first in range(0, num_draws, chunk):
+        n = min(chunk, num_draws - first)
+        logits = logits_row.to(device, dtype).unsqueeze(0).expand(n, -1)
+        full = lambda value, dt, n=n: torch.full((n,), value, dtype=dt, device=device)
+        tokens.append(sampling.sample(
+            logits, full(temperature, torch.float32), full(top_k, torch.int32),
+            full(top_p, torch.float32), full(seed, torch.int64),
+            torch.arange(first, first + n, dtype=torch.int64, device=device),
+        ))
+    return torch.cat(tokens)
 
 
 def chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:

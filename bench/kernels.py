@@ -1,0 +1,438 @@
+"""Benchmarks of the Triton kernels at Llama-3-8B shapes (GPU only).
+
+    python bench/kernels.py [--sweep] [--out bench/results]
+
+Each case is timed by replaying a CUDA graph of many calls (as the engine runs them), cycling
+over enough independent input sets that the inputs do not sit in L2 between calls; the figure
+is the median over replays, per call. Achieved bandwidth = bytes that must move (each input
+read once, each output written once) / time, printed next to the 3.0 TB/s measured copy
+ceiling of the lent H100. Writes bench/results/kernels-<gpu>.json; `--sweep` instead times
+alternative launch configs of decode attention and LoRA (kernels-<gpu>-sweep.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import re
+import statistics
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import triton
+
+from loraplex.kernels import activation, decode_attention, lora, norm, prefill_attention, rotary
+from loraplex.kernels import sampling as sampling_mod
+
+CEILING_BYTES_PER_S = 3.0e12  # device copy, measured on the lent H100 (DESIGN.md)
+CEILING_FLOPS = 795e12  # bf16 dense GEMM 8192^3, measured there
+L2_DEFEAT_BYTES = 160e6  # input sets cycled per graph: about 3x the 50 MB L2
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 4096, 32, 8, 128
+INTERMEDIATE, VOCAB, BLOCK_SIZE = 14336, 128256, 16
+DTYPE = torch.bfloat16
+DEVICE = "cuda"
+
+
+@dataclass
+class Result:
+    kernel: str
+    case: str
+    time_us: float
+    bytes: float
+    gbps: float
+    fraction_of_ceiling: float
+    flops: float = 0.0
+    tflops: float = 0.0
+    notes: dict = field(default_factory=dict)
+
+
+def time_per_call(fn: Callable[[object], object], sets: list, *, min_calls: int = 64,
+                  replays: int = 15) -> float:
+    """Seconds per fn(set) call, from CUDA-graph replays of calls cycling over sets."""
+    for s in sets:  # compile and warm up outside the capture
+        fn(s)
+    torch.cuda.synchronize()
+    rounds = max(1, math.ceil(min_calls / len(sets)))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for s in sets:
+            fn(s)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(rounds):
+            for s in sets:
+                fn(s)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times) / (rounds * len(sets))
+
+
+def num_sets(bytes_per_call: float) -> int:
+    return max(1, min(32, math.ceil(L2_DEFEAT_BYTES / max(bytes_per_call, 1))))
+
+
+def result(kernel: str, case: str, seconds: float, nbytes: float, flops: float = 0.0,
+           **notes) -> Result:
+    gbps = nbytes / seconds / 1e9
+    return Result(kernel, case, seconds * 1e6, nbytes, gbps, nbytes / seconds / CEILING_BYTES_PER_S,
+                  flops, flops / seconds / 1e12 if flops else 0.0, notes)
+
+
+def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=DEVICE, dtype=torch.float32) * scale).to(DTYPE)
+
+
+# ---------------------------------------------------------------- elementwise ops
+
+
+def bench_norm(num_tokens: int) -> Result:
+    nbytes = num_tokens * HIDDEN * 2 * 4 + HIDDEN * 2
+    sets = [(randn(num_tokens, HIDDEN), randn(num_tokens, HIDDEN), randn(HIDDEN))
+            for _ in range(num_sets(nbytes))]
+    t = time_per_call(lambda s: norm.fused_add_rms_norm(s[0], s[1], s[2], 1e-5), sets)
+    return result("fused_add_rms_norm", f"tokens={num_tokens}", t, nbytes)
+
+
+def bench_silu(num_tokens: int) -> Result:
+    nbytes = num_tokens * INTERMEDIATE * 2 * 3
+    sets = [randn(num_tokens, 2 * INTERMEDIATE) for _ in range(num_sets(nbytes))]
+    t = time_per_call(activation.silu_and_mul, sets)
+    return result("silu_and_mul", f"tokens={num_tokens}", t, nbytes)
+
+
+def bench_rotary(num_tokens: int) -> Result:
+    q_size, kv_size = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    # read q, k, v and a cos/sin row; write q and k, v into the cache
+    nbytes = num_tokens * ((q_size + 2 * kv_size) * 2 * 2 + HEAD_DIM * 4 + 16)
+    num_blocks = num_tokens // BLOCK_SIZE + 1
+    cos_sin = torch.randn(8192, HEAD_DIM, device=DEVICE)
+
+    def make():
+        qkv = randn(num_tokens, q_size + 2 * kv_size)
+        q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+        cache = torch.empty(num_blocks, 2, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=DTYPE,
+                            device=DEVICE)
+        slots = torch.randperm(num_blocks * BLOCK_SIZE, device=DEVICE)[:num_tokens]
+        return (torch.randint(0, 8192, (num_tokens,), device=DEVICE),
+                q.view(num_tokens, HEADS, HEAD_DIM), k.view(num_tokens, KV_HEADS, HEAD_DIM),
+                v.view(num_tokens, KV_HEADS, HEAD_DIM), cache[:, 1], slots)
+
+    sets = [make() for _ in range(num_sets(nbytes))]
+    t = time_per_call(lambda s: rotary.rotary_store_kv(s[0], s[1], s[2], s[3], cos_sin, s[4],
+                                                       s[5]), sets)
+    return result("rotary_store_kv", f"tokens={num_tokens}", t, nbytes)
+
+
+# ---------------------------------------------------------------- attention
+
+
+def paged_cache(seq_lens: list[int], num_layers: int = 4):
+    """A random block-major cache of num_layers layers (the layer-1 view is used, so block
+    strides are the real interleaved ones) and shuffled block tables."""
+    blocks_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq)
+    cache = randn(num_blocks, num_layers, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    perm = torch.randperm(num_blocks, device=DEVICE).to(torch.int32)
+    tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32, device=DEVICE)
+    start = 0
+    for i, nb in enumerate(blocks_per_seq):
+        tables[i, :nb] = perm[start:start + nb]
+        start += nb
+    return cache[:, 1], tables
+
+
+def kv_bytes(seq_lens: list[int]) -> int:
+    return sum(seq_lens) * KV_HEADS * HEAD_DIM * 2 * 2
+
+
+_INPUTS: dict[object, object] = {}  # inputs kept across the configs of a sweep
+
+
+def decode_inputs(batch: int, context: int):
+    if ("decode", batch, context) not in _INPUTS:
+        _INPUTS.clear()
+        seq_lens = [context] * batch
+        kv_layer, tables = paged_cache(seq_lens)
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+        _INPUTS[("decode", batch, context)] = (randn(batch, HEADS, HEAD_DIM), kv_layer, tables,
+                                               lens)
+    return _INPUTS[("decode", batch, context)]
+
+
+def bench_decode(batch: int, context: int, config: decode_attention.DecodeConfig | None = None
+                 ) -> Result:
+    nbytes = kv_bytes([context] * batch) + 2 * batch * HEADS * HEAD_DIM * 2
+    q, kv_layer, tables, lens = decode_inputs(batch, context)
+    if config is None:
+        config = decode_attention.decode_config(batch, KV_HEADS, tables.shape[1] * BLOCK_SIZE,
+                                                HEAD_DIM, q.device)
+    run = lambda _: decode_attention._launch(q, kv_layer, tables, lens, HEAD_DIM ** -0.5, config)
+    t = time_per_call(run, [None], min_calls=32)  # KV far larger than L2
+    return result("paged_decode_attention", f"batch={batch} context={context}", t, nbytes,
+                  flops=4.0 * batch * HEADS * HEAD_DIM * context, **asdict(config))
+
+
+def bench_prefill(query_lens: list[int], context_lens: list[int]) -> Result:
+    seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
+    kv_layer, tables = paged_cache(seq_lens)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    q = randn(starts[-1], HEADS, HEAD_DIM)
+    qsl = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    # causal: each new token at position p attends to p + 1 keys
+    keys = sum(sum(c + i + 1 for i in range(n)) for n, c in zip(query_lens, context_lens))
+    flops = 4.0 * HEADS * HEAD_DIM * keys
+    nbytes = kv_bytes(seq_lens) + 2 * starts[-1] * HEADS * HEAD_DIM * 2
+    run = lambda _: prefill_attention.paged_attention(q, kv_layer, tables, qsl, lens,
+                                                      HEAD_DIM ** -0.5, return_lse=True)
+    t = time_per_call(run, [None], min_calls=8)
+    return result("paged_attention", f"new={query_lens} context={context_lens}", t, nbytes, flops)
+
+
+# ---------------------------------------------------------------- LoRA
+
+
+@dataclass(frozen=True)
+class LoraCase:
+    name: str
+    num_tokens: int
+    num_adapters: int
+    rank: int
+    max_rank: int
+    in_features: int
+    slice_sizes: tuple[int, ...]
+
+
+LORA_CASES = [
+    LoraCase("qkv, 64 tokens x 64 adapters r16 (target)", 64, 64, 16, 16, HIDDEN,
+             (HIDDEN, 1024, 1024)),
+    LoraCase("qkv, 64 x 64 r16 in max_rank-64 slots", 64, 64, 16, 64, HIDDEN, (HIDDEN, 1024, 1024)),
+    LoraCase("gate_up, 64 x 64 r16", 64, 64, 16, 16, HIDDEN, (INTERMEDIATE, INTERMEDIATE)),
+    LoraCase("down, 64 x 64 r16", 64, 64, 16, 16, INTERMEDIATE, (HIDDEN,)),
+    LoraCase("qkv, 256 tokens x 8 adapters r16", 256, 8, 16, 16, HIDDEN, (HIDDEN, 1024, 1024)),
+    LoraCase("qkv, prefill 2048 tokens x 4 adapters r16", 2048, 4, 16, 16, HIDDEN,
+             (HIDDEN, 1024, 1024)),
+]
+
+
+def lora_inputs(case: LoraCase):
+    num_slots, num_slices = case.num_adapters + 1, len(case.slice_sizes)
+    out_features = sum(case.slice_sizes)
+    offsets = [0]
+    for size in case.slice_sizes:
+        offsets.append(offsets[-1] + size)
+    a = randn(num_slots, num_slices, case.max_rank, case.in_features, scale=0.02)
+    b = randn(num_slots, out_features, case.max_rank, scale=0.02)
+    ranks = torch.full((num_slots, num_slices), case.rank, dtype=torch.int32, device=DEVICE)
+    ranks[0] = 0
+    if case.num_tokens <= case.num_adapters:  # decode: a distinct adapter per token
+        slots = torch.randperm(case.num_adapters, device=DEVICE)[:case.num_tokens] + 1
+    else:  # runs of one adapter, as prefill chunks or shared adapters give
+        slots = torch.arange(case.num_tokens, device=DEVICE) * case.num_adapters
+        slots = slots // case.num_tokens + 1
+    slots = slots.to(torch.int32)
+    x = randn(case.num_tokens, case.in_features)
+    y = randn(case.num_tokens, out_features)
+    return x, a, b, slots, ranks, offsets, y
+
+
+def lora_bytes(case: LoraCase) -> tuple[float, float]:
+    """(adapter bytes that must be read: the true rank of A and B of each active adapter;
+    all bytes: those plus x, y read and written, the shrunk buffer written and read)."""
+    active = min(case.num_tokens, case.num_adapters)
+    out_features = sum(case.slice_sizes)
+    adapter = active * case.rank * (len(case.slice_sizes) * case.in_features + out_features) * 2
+    shrunk = len(case.slice_sizes) * case.num_tokens * case.max_rank * 4
+    io = case.num_tokens * (case.in_features + 2 * out_features) * 2 + 3 * shrunk
+    return adapter, adapter + io
+
+
+def bench_lora(case: LoraCase, shrink_cfg: lora.ShrinkConfig | None = None,
+               expand_cfg: lora.ExpandConfig | None = None, which: str = "both") -> Result:
+    adapter, total = lora_bytes(case)
+    if ("lora", case) not in _INPUTS:
+        _INPUTS.clear()
+        _INPUTS[("lora", case)] = [lora_inputs(case) for _ in range(num_sets(adapter))]
+    sets = _INPUTS[("lora", case)]
+    x0, a0 = sets[0][0], sets[0][1]
+    shrink_cfg = shrink_cfg or lora.shrink_config(case.num_tokens, a0.shape[1], case.in_features,
+                                                  case.max_rank, x0.device)
+    expand_cfg = expand_cfg or lora.expand_config(case.num_tokens, case.max_rank)
+    shrunk = {id(s): lora._launch_shrink(s[0], s[1], s[3], s[4], shrink_cfg) for s in sets}
+
+    def run(s):
+        x, a, b, slots, ranks, offsets, y = s
+        if which in ("both", "shrink"):
+            sh = lora._launch_shrink(x, a, slots, ranks, shrink_cfg)
+        else:
+            sh = shrunk[id(s)]
+        if which in ("both", "expand"):
+            lora._launch_expand(y, sh, b, slots, ranks, offsets, expand_cfg)
+
+    t = time_per_call(run, sets)
+    res = result(f"lora_{which}" if which != "both" else "lora_shrink+expand", case.name, t,
+                 adapter, total_bytes=total, shrink=asdict(shrink_cfg), expand=asdict(expand_cfg))
+    res.notes["all_bytes_gbps"] = total / t / 1e9
+    return res
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def bench_sample(batch: int, temperature: float, top_k: int, top_p: float) -> Result:
+    nbytes = batch * VOCAB * 4
+    logits = torch.randn(batch, VOCAB, device=DEVICE) * 3
+    full = lambda v, dt: torch.full((batch,), v, dtype=dt, device=DEVICE)
+    args = (logits, full(temperature, torch.float32), full(top_k, torch.int32),
+            full(top_p, torch.float32), torch.arange(batch, device=DEVICE),
+            torch.zeros(batch, dtype=torch.int64, device=DEVICE))
+    t = time_per_call(lambda _: sampling_mod.sample(*args), [None], min_calls=16)
+    return result("sample", f"batch={batch} T={temperature} top_k={top_k} top_p={top_p}", t,
+                  nbytes)
+
+
+# ---------------------------------------------------------------- sweeps
+
+
+def sweep_decode() -> list[Result]:
+    out = []
+    cases = [(64, 2048, [1, 2, 4]), (8, 8192, [8, 16, 32]), (1, 8192, [16, 32])]
+    shapes = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2),
+              (128, 8, 3)]
+    for batch, context, split_options in cases:
+        for splits in split_options:
+            for block_n, warps, stages in shapes:
+                if batch < 64 and (block_n, warps, stages) not in ((64, 4, 2), (64, 4, 3)):
+                    continue
+                cfg = decode_attention.DecodeConfig(splits, block_n, warps, stages)
+                out.append(guarded(bench_decode, batch, context, cfg))
+    return out
+
+
+def sweep_lora() -> list[Result]:
+    out = []
+    case = LORA_CASES[0]
+    for block_k in (128, 256, 512):
+        for k_splits in (1, 2, 4, 8, 16):
+            for warps in (4, 8) if block_k == 256 else (4,):
+                cfg = lora.ShrinkConfig(block_m=1, block_k=block_k, k_splits=k_splits,
+                                        num_warps=warps)
+                out.append(guarded(bench_lora, case, shrink_cfg=cfg, which="shrink"))
+    for block_n in (64, 128, 256, 512):
+        for warps in (2, 4, 8):
+            cfg = lora.ExpandConfig(block_m=1, block_n=block_n, num_warps=warps)
+            out.append(guarded(bench_lora, case, expand_cfg=cfg, which="expand"))
+    return out
+
+
+# ---------------------------------------------------------------- driver
+
+
+def guarded(fn, *args, **kwargs) -> Result | None:
+    try:
+        return fn(*args, **kwargs)
+    except Exception:  # one failing case must not lose the others' numbers
+        print(f"FAILED {fn.__name__}{args}: {traceback.format_exc(limit=3)}", file=sys.stderr)
+        return None
+
+
+def main_cases() -> list[Result | None]:
+    return [
+        guarded(bench_norm, 64), guarded(bench_norm, 4096),
+        guarded(bench_silu, 64), guarded(bench_silu, 4096),
+        guarded(bench_rotary, 64), guarded(bench_rotary, 4096),
+        guarded(bench_decode, 64, 2048), guarded(bench_decode, 256, 1024),
+        guarded(bench_decode, 8, 8192), guarded(bench_decode, 1, 8192),
+        guarded(bench_prefill, [2048], [0]), guarded(bench_prefill, [512, 512], [4096, 1024]),
+        *[guarded(bench_lora, case) for case in LORA_CASES],
+        guarded(bench_lora, LORA_CASES[0], which="shrink"),
+        guarded(bench_lora, LORA_CASES[0], which="expand"),
+        guarded(bench_sample, 64, 0.0, 0, 1.0), guarded(bench_sample, 64, 1.0, 0, 1.0),
+        guarded(bench_sample, 64, 0.8, 50, 0.9), guarded(bench_sample, 64, 1.0, 0, 0.95),
+        guarded(bench_sample, 256, 0.8, 50, 0.9),
+    ]
+
+
+def gpu_slug(name: str) -> str:
+    found = re.search(r"(H100|H200|A100|L40S|B200|GH200)", name)
+    return found.group(1).lower() if found else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def print_table(title: str, results: list[Result]) -> None:
+    print(f"\n{title}")
+    print(f"{'kernel':<24} {'case':<44} {'us':>9} {'GB/s':>8} {'of 3.0TB/s':>10} {'TFLOP/s':>8}")
+    for r in results:
+        tf = f"{r.tflops:8.1f}" if r.flops else " " * 8
+        print(f"{r.kernel:<24} {r.case[:44]:<44} {r.time_us:9.2f} {r.gbps:8.0f} "
+              f"{100 * r.fraction_of_ceiling:9.1f}% {tf}")
+
+
+def targets(results: list[Result]) -> dict[str, dict]:
+    def find(kernel: str, case: str) -> Result | None:
+        return next((r for r in results if r.kernel == kernel and r.case.startswith(case)), None)
+
+    decode = find("paged_decode_attention", "batch=64 context=2048")
+    lora_r = find("lora_shrink+expand", "qkv, 64 tokens x 64 adapters r16")
+    out = {}
+    for name, r, goal in (("decode attention batch 64 ctx 2048 >= 70%", decode, 0.70),
+                          ("LoRA shrink+expand qkv 64x64 r16 >= 60% (adapter bytes)", lora_r,
+                           0.60)):
+        frac = r.fraction_of_ceiling if r else float("nan")
+        out[name] = {"fraction": frac, "pass": bool(r and frac >= goal)}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true",
+                        help="time alternative launch configs instead of the main cases")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/kernels.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    name = torch.cuda.get_device_name()
+    meta = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "ceiling_bytes_per_s": CEILING_BYTES_PER_S,
+            "ceiling_flops": CEILING_FLOPS}
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.sweep:
+        sweeps = [r for r in sweep_decode() + sweep_lora() if r is not None]
+        print_table(f"{name}: launch-config sweeps", sweeps)
+        path = args.out / f"kernels-{gpu_slug(name)}-sweep.json"
+        path.write_text(json.dumps({**meta, "sweeps": [asdict(r) for r in sweeps]}, indent=1))
+        print(f"wrote {path}")
+        return
+    results = [r for r in main_cases() if r is not None]
+    print_table(f"{name}: per call, CUDA-graph replay, inputs cycled past L2", results)
+    goals = targets(results)
+    for goal, verdict in goals.items():
+        print(f"target {goal}: {100 * verdict['fraction']:.1f}% -> "
+              f"{'PASS' if verdict['pass'] else 'FAIL'}")
+    path = args.out / f"kernels-{gpu_slug(name)}.json"
+    path.write_text(json.dumps({**meta, "targets": goals,
+                                "results": [asdict(r) for r in results]}, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
