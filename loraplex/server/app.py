@@ -1,0 +1,89 @@
+"""The FastAPI app factory. Nothing is created at import time: `create_app` builds an app whose
+lifespan starts the engine thread and the services, and stops them at shutdown."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
+
+from loraplex import __version__
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.registry import Registry
+from loraplex.server.config import ServerConfig
+from loraplex.server.errors import install_error_handlers
+from loraplex.server.middleware import RequestContextMiddleware
+from loraplex.server.routes import chat, completions, health, models
+from loraplex.server.routes.admin import UPLOAD_PATH, make_router
+from loraplex.server.services import Services
+
+logger = logging.getLogger(__name__)
+
+DESCRIPTION = """\
+An OpenAI-compatible API (`/v1`) serving one base model and each tenant's LoRA adapters, and the
+admin API (`/admin/api`) that manages tenants, keys, adapters, system prompts and usage.
+
+Authenticate with `Authorization: Bearer <key>`: a tenant's key for `/v1`, an admin key for
+`/admin/api`. Errors are OpenAI error bodies: `{"error": {"message", "type", "param", "code"}}`.
+"""
+TAGS = [
+    {"name": "OpenAI API", "description": "Completions, chat and models, as OpenAI's clients expect."},
+    {"name": "Admin: tenants"}, {"name": "Admin: API keys"}, {"name": "Admin: adapters"},
+    {"name": "Admin: system prompts"}, {"name": "Admin: usage and audit"}, {"name": "Admin: engine"},
+    {"name": "Operations", "description": "Liveness, readiness and metrics (no key)."},
+]
+
+
+def create_app(config: ServerConfig, registry: Registry, engine: LLMEngine) -> FastAPI:
+    """An app serving `engine` with `registry`. The caller owns both: the app starts the
+    engine's thread for its lifespan but neither closes the registry nor frees the model."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        services = Services.start(config, registry, engine)
+        app.state.services = services
+        try:
+            yield
+        finally:
+            app.state.services = None
+            await services.stop()
+
+    app = FastAPI(title="loraplex", version=__version__, description=DESCRIPTION, openapi_tags=TAGS,
+                  lifespan=lifespan)
+    app.state.services = None
+    install_error_handlers(app)
+    app.add_middleware(RequestContextMiddleware, max_body_bytes=config.max_body_bytes,
+                       max_upload_bytes=config.max_upload_bytes, upload_paths=(UPLOAD_PATH,))
+    for module in (completions, chat, models, health):
+        app.include_router(module.router)
+    app.include_router(make_router())
+    _mount_admin_ui(app, config)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+def _mount_admin_ui(app: FastAPI, config: ServerConfig) -> None:
+    folder = config.admin_ui_dir
+    if folder is not None and (folder / "index.html").is_file():
+        app.mount("/admin", StaticFiles(directory=folder, html=True), name="admin-ui")
+        logger.info("admin UI served at /admin from %s", folder)
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document without its 422 responses: validation errors are 400s here."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                             routes=app.routes, tags=app.openapi_tags)
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -1,0 +1,52 @@
+"""Server settings: one frozen object built at the edge (`loraplex serve`, tests) and passed to
+`create_app`. Engine and registry settings live in their own configs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_id: str
+    """The base model's id in the API: `model` names it (or one of the caller's adapters), and
+    /v1/models lists it first."""
+    max_body_bytes: int = 4 << 20
+    """Largest JSON request body (413 past it)."""
+    max_upload_bytes: int = (1 << 30) + (1 << 20)
+    """Largest adapter upload body (multipart: config, weights and form fields)."""
+    max_tokens_limit: int = 4096
+    """Most tokens one request may ask to generate (`max_tokens`), whatever the context."""
+    max_prompt_tokens: int | None = None
+    """Longest prompt accepted; None means the model's context minus one token."""
+    max_requests_in_flight: int = 512
+    """Requests admitted and not finished, across tenants (running + waiting in the engine):
+    past it new requests get 503 with Retry-After."""
+    registry_cache_ttl_s: float = 1.0
+    """How long API keys, tenant limits and adapter records read from the registry are reused.
+    Changes made through this server's admin API apply at once; those made by other processes
+    (the CLI, other replicas) within this time."""
+    max_host_adapters: int = 32
+    """Adapters kept in host memory (least recently used ones are dropped past it)."""
+    max_concurrent_uploads: int = 4
+    """Adapter uploads validated at once; more wait for a turn."""
+    retry_after_s: int = 1
+    """Retry-After sent with 503s when the server is full or not ready."""
+    engine_poll_interval_s: float = 1.0
+    """How often engine state (running, waiting, KV use, tokens/s) is sampled for /metrics and
+    the admin API."""
+    admin_ui_dir: Path | None = None
+    """Folder served at /admin when it holds an index.html (the admin web UI)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_upload_bytes", "max_tokens_limit", "max_requests_in_flight",
+                     "max_host_adapters", "max_concurrent_uploads", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError("max_prompt_tokens must be positive")
+        if self.registry_cache_ttl_s < 0 or self.engine_poll_interval_s <= 0:
+            raise ValueError("registry_cache_ttl_s must be >= 0 and engine_poll_interval_s > 0")
+        if not self.model_id:
+            raise ValueError("model_id must not be empty")

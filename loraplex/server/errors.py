@@ -1,0 +1,170 @@
+"""Errors as the API returns them: every failure becomes an OpenAI error body
+`{"error": {"message", "type", "param", "code"}}` with a string `code`, an HTTP status chosen by
+the exception's class, and `Retry-After` / `x-should-retry` where a client should (or should
+not) try again. Internal errors are logged under the request id and answered generically."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from loraplex.engine.async_engine import EngineDeadError
+from loraplex.errors import (
+    AdapterError,
+    InvalidRequestError,
+    LoraplexError,
+    ModelLoadError,
+    UnknownAdapterError,
+)
+from loraplex.registry.errors import (
+    AuthenticationError,
+    BaseModelUnknownError,
+    ConflictError,
+    InvalidInputError,
+    NotFoundError,
+    RegistryError,
+)
+from loraplex.server.request_id import REQUEST_ID_HEADER, request_id_of
+
+logger = logging.getLogger(__name__)
+
+
+class PermissionDeniedError(LoraplexError):
+    """A valid key that may not use this route (a tenant key on the admin API)."""
+
+    code = "permission_denied"
+
+
+class RequestTooLargeError(LoraplexError):
+    code = "request_too_large"
+
+
+class RateLimitError(LoraplexError):
+    """A tenant is over one of its limits. `headers` carry Retry-After and x-ratelimit-*."""
+
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, headers: Mapping[str, str], can_retry: bool = True) -> None:
+        super().__init__(message)
+        self.headers = dict(headers) | ({} if can_retry else {"x-should-retry": "false"})
+
+
+class ServiceUnavailableError(LoraplexError):
+    """The server cannot take the request now (full, not ready, shutting down)."""
+
+    code = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: int, code: str | None = None) -> None:
+        super().__init__(message)
+        self.headers = {"Retry-After": str(retry_after_s)}
+        if code is not None:
+            self.code = code
+
+
+_STATUS: tuple[tuple[type[BaseException], int], ...] = (
+    (AuthenticationError, 401),
+    (PermissionDeniedError, 403),
+    (UnknownAdapterError, 404),
+    (NotFoundError, 404),
+    (ConflictError, 409),
+    (RequestTooLargeError, 413),
+    (RateLimitError, 429),
+    (AdapterError, 400),
+    (InvalidInputError, 400),
+    (InvalidRequestError, 400),
+    (BaseModelUnknownError, 503),
+    (RegistryError, 503),
+    (ServiceUnavailableError, 503),
+    (ModelLoadError, 500),
+)
+_TYPES = {401: "invalid_request_error", 403: "permission_error", 429: "rate_limit_error"}
+
+
+def status_of(exc: BaseException) -> int:
+    return next((status for cls, status in _STATUS if isinstance(exc, cls)), 500)
+
+
+def error_type(status: int) -> str:
+    return _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+
+def error_body(message: str, status: int, code: str | None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+
+
+def error_response(exc: LoraplexError, request_id: str | None = None) -> JSONResponse:
+    status = status_of(exc)
+    headers = dict(getattr(exc, "headers", {}))
+    if request_id:
+        headers[REQUEST_ID_HEADER] = request_id
+    return JSONResponse(error_body(exc.message, status, exc.code, exc.param), status, headers)
+
+
+def stream_error(exc: BaseException, request_id: str) -> dict[str, Any]:
+    """The body of a `data: {"error": ...}` event for a failure after streaming began."""
+    if isinstance(exc, LoraplexError):
+        return error_body(exc.message, status_of(exc), exc.code, exc.param)
+    if isinstance(exc, EngineDeadError):
+        return error_body("the engine has stopped", 503, "engine_unavailable")
+    logger.error("request %s failed while streaming", request_id, exc_info=exc)
+    return error_body(f"internal error (request id {request_id})", 500, "internal_error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    handlers: dict[type[Exception], Any] = {
+        LoraplexError: _loraplex_error, EngineDeadError: _engine_dead,
+        RequestValidationError: _validation_error, HTTPException: _http_error,
+        Exception: _internal_error,
+    }
+    for cls, handler in handlers.items():
+        app.add_exception_handler(cls, handler)
+
+
+async def _loraplex_error(request: Request, exc: LoraplexError) -> JSONResponse:
+    if status_of(exc) >= 500:
+        logger.error("request %s failed: %s", request_id_of(request.scope), exc.message)
+    return error_response(exc)
+
+
+async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+    return JSONResponse(error_body("the engine has stopped; the server must be restarted", 503,
+                                   "engine_unavailable"), 503, {"Retry-After": "30"})
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+    return JSONResponse(error_body(str(exc.detail), exc.status_code, codes.get(exc.status_code)),
+                        exc.status_code, exc.headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    request_id = request_id_of(request.scope)
+    logger.error("request %s failed", request_id, exc_info=exc)
+    return JSONResponse(error_body(f"internal error (request id {request_id})", 500, "internal_error"),
+                        500, {REQUEST_ID_HEADER: request_id, "x-should-retry": "false"})
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's 422 becomes a 400 naming the first offending field, as OpenAI answers."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": "value_error"}
+    location = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
+    param = ".".join(location) or None
+    kind = first.get("type", "")
+    if kind == "extra_forbidden":
+        message, code = f"Unrecognized request argument supplied: {param}", "unknown_parameter"
+    elif kind == "missing":
+        message, code = f"Missing required parameter: {param}", "missing_required_parameter"
+    elif kind == "json_invalid":
+        message, code, param = "The request body is not valid JSON", "invalid_json", None
+    else:
+        message = first.get("msg", "invalid value")
+        message = f"{param}: {message}" if param else message
+        code = "invalid_value"
+    return JSONResponse(error_body(message, 400, code, param), 400)

@@ -1,0 +1,175 @@
+"""One generation request, whichever API it came through: the model it names, its sampling
+parameters checked against the context and the server's caps, admission (server queue and the
+tenant's limits), the adapter pinned in the engine, the engine stream, and at the end the
+accounting (limits released, usage recorded, metrics) however the request ended."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+
+from starlette.concurrency import run_in_threadpool
+
+from loraplex.errors import InvalidRequestError, LoraplexError
+from loraplex.registry.errors import AdapterNotFoundError
+from loraplex.registry.records import AdapterRecord, TenantRecord
+from loraplex.server.errors import RateLimitError, ServiceUnavailableError
+from loraplex.server.schemas.openai import SamplingFields, Usage
+from loraplex.server.services import Services
+from loraplex.types import RequestOutput, SamplingParams, TokenLogprob
+
+
+class ContextLengthError(InvalidRequestError):
+    code = "context_length_exceeded"
+
+
+class EngineRequestError(LoraplexError):
+    """The engine failed while running the request (answered 500; details in the log)."""
+
+    code = "engine_error"
+
+
+@dataclass(frozen=True)
+class Job:
+    request_id: str
+    tenant: str
+    model: str
+    """As the request named it."""
+    adapter: AdapterRecord | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    """time.monotonic() when the request arrived."""
+
+
+async def resolve_model(services: Services, tenant: str, model: str) -> AdapterRecord | None:
+    """None for the base model, else the tenant's adapter of that name (404 otherwise)."""
+    if model == services.config.model_id:
+        return None
+    try:
+        return await services.adapters.lookup(tenant, model)
+    except AdapterNotFoundError:
+        raise AdapterNotFoundError(f"The model `{model}` does not exist or you do not have access "
+                                   f"to it.", param="model") from None
+
+
+def sampling_params(
+    services: Services, body: SamplingFields, num_prompt_tokens: int, *, max_tokens: int | None,
+    default_max_tokens: int | None, logprobs: int | None, prompt_param: str,
+) -> SamplingParams:
+    """SamplingParams for a request, after the checks that need the prompt's length."""
+    context, cap = services.llm.max_model_len, services.config.max_tokens_limit
+    if num_prompt_tokens > services.max_prompt_tokens:
+        raise ContextLengthError(
+            f"This model's maximum context length is {context} tokens; the prompt has "
+            f"{num_prompt_tokens} tokens (at most {services.max_prompt_tokens} are accepted).",
+            param=prompt_param)
+    room = context - num_prompt_tokens
+    if max_tokens is not None:
+        if max_tokens > cap:
+            raise InvalidRequestError(f"max_tokens is at most {cap} on this server", param="max_tokens")
+        if max_tokens > room:
+            raise ContextLengthError(
+                f"This model's maximum context length is {context} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+                f"{max_tokens} in the completion).", param="max_tokens")
+    else:
+        max_tokens = min(default_max_tokens or room, room, cap)
+    top_k = body.top_k if body.top_k not in (None, 0) else -1
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k,
+        seed=None if body.seed is None else body.seed % 2**63, stop=body.stop or (),
+        logprobs=logprobs,
+    )
+
+
+async def tenant_record(services: Services, name: str) -> TenantRecord:
+    principals = services.principals
+    return principals.cached_tenant(name) or await run_in_threadpool(principals.tenant, name)
+
+
+async def generate(services: Services, job: Job) -> AsyncIterator[RequestOutput]:
+    """The request's outputs (cumulative, as the engine gives them). Raises before the first
+    output if it is refused (429/503, unknown adapter, invalid for the engine). Closing the
+    iterator early aborts the engine request."""
+    tenant = await tenant_record(services, job.tenant)
+    num_prompt = len(job.prompt_token_ids)
+    try:
+        admission = services.limiter.admit(tenant, num_prompt + job.params.max_tokens)
+    except RateLimitError:
+        services.metrics.reject("rate_limit")
+        raise
+    except ServiceUnavailableError:
+        services.metrics.reject("overloaded")
+        raise
+    metrics = services.metrics
+    metrics.request_max_tokens.observe(job.params.max_tokens)
+    last: RequestOutput | None = None
+    previous_at = job.arrival
+    try:
+        async with _pinned(services, job.adapter) as engine_adapter, aclosing(services.engine.generate(
+                job.request_id, prompt_token_ids=job.prompt_token_ids, params=job.params,
+                adapter=engine_adapter)) as outputs:
+            async for output in outputs:
+                now = time.monotonic()
+                (metrics.time_to_first_token if last is None else metrics.inter_token_latency).observe(
+                    now - previous_at)
+                previous_at, last = now, output
+                metrics.generation_tokens.inc(len(output.new_token_ids))
+                if output.finish_reason == "error":
+                    raise EngineRequestError(f"the engine failed on this request ({output.error}; "
+                                             f"request id {job.request_id})")
+                yield output
+    finally:
+        num_completion = len(last.token_ids) if last is not None else 0
+        admission.release(num_prompt + num_completion)
+        if last is not None:
+            services.usage.record(job.tenant, job.adapter.name if job.adapter else None, num_prompt,
+                                  num_completion)
+            if last.finished and last.finish_reason in ("stop", "length"):
+                metrics.finished(job.tenant, last.finish_reason, num_prompt, num_completion)
+                metrics.e2e_latency.observe(time.monotonic() - job.arrival)
+            elif not last.finished:
+                metrics.aborted.inc()
+
+
+@asynccontextmanager
+async def _pinned(services: Services, adapter: AdapterRecord | None) -> AsyncIterator[str | None]:
+    if adapter is None:
+        yield None
+        return
+    async with services.adapters.use(adapter) as name:
+        yield name
+
+
+async def first_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    output = await anext(outputs, None)
+    if output is None:  # the engine never ends a request without an output
+        raise EngineRequestError("the engine ended the request without output")
+    return output
+
+
+async def last_output(first: RequestOutput, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = first
+    while not last.finished:
+        output = await anext(outputs, None)
+        if output is None:
+            break
+        last = output
+    return last
+
+
+def token_logprobs(output: RequestOutput, newest_only: bool) -> list[TokenLogprob]:
+    """The output's token log-probabilities: all, or this step's. (The engine's list grows on
+    its own thread; the output's token count says how far this output reaches.)"""
+    end = len(output.token_ids)
+    start = end - len(output.new_token_ids) if newest_only else 0
+    return list((output.logprobs or [])[start:end])
+
+
+def usage_of(output: RequestOutput) -> Usage:
+    prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)

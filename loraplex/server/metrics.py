@@ -1,0 +1,119 @@
+"""Prometheus metrics, in a registry of the app's own (no global state). Names follow vLLM's
+where they mean the same thing, so existing dashboards and routers work; loraplex's own are
+prefixed `loraplex:`. Labels: `model_name` (the base model) and, for per-tenant counters,
+`tenant` (bounded by the number of tenants; adapters are never labels: see the usage API)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from loraplex.server.monitor import EngineMonitor
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0, 160.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+
+
+class Metrics:
+    def __init__(self, model_name: str, monitor: EngineMonitor, in_flight: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        labels = ["model_name"]
+        r = self.registry
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.",
+                                     labels, registry=r).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", labels,
+                                         registry=r).labels(model_name)
+        self.request_success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                                       [*labels, "finished_reason"], registry=r)
+        self.time_to_first_token = Histogram(
+            "vllm:time_to_first_token_seconds", "Time from arrival to the first generated token.",
+            labels, buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.inter_token_latency = Histogram(
+            "vllm:inter_token_latency_seconds", "Time between generated tokens of a request.",
+            labels, buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.e2e_latency = Histogram(
+            "vllm:e2e_request_latency_seconds", "Time from arrival to the end of a request.",
+            labels, buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per request.", labels,
+            buckets=TOKEN_BUCKETS, registry=r).labels(model_name)
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Generated tokens per request.", labels,
+            buckets=TOKEN_BUCKETS, registry=r).labels(model_name)
+        self.request_max_tokens = Histogram(
+            "vllm:request_params_max_tokens", "max_tokens per request.", labels,
+            buckets=TOKEN_BUCKETS, registry=r).labels(model_name)
+        self.rejected = Counter("loraplex:requests_rejected", "Requests refused before the engine, "
+                                "by reason (rate_limit, overloaded).", [*labels, "reason"], registry=r)
+        self.aborted = Counter("loraplex:requests_aborted", "Requests whose client left before "
+                               "the end (engine work stopped).", labels, registry=r).labels(model_name)
+        self.tenant_requests = Counter("loraplex:tenant_requests", "Finished requests per tenant.",
+                                       [*labels, "tenant"], registry=r)
+        self.tenant_tokens = Counter("loraplex:tenant_tokens", "Prompt plus generated tokens per "
+                                     "tenant.", [*labels, "tenant"], registry=r)
+        r.register(_EngineCollector(model_name, monitor, in_flight))
+
+    def finished(self, tenant: str, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        name = self.model_name
+        self.prompt_tokens.inc(prompt_tokens)
+        self.request_success.labels(name, reason).inc()
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(completion_tokens)
+        self.tenant_requests.labels(name, tenant).inc()
+        self.tenant_tokens.labels(name, tenant).inc(prompt_tokens + completion_tokens)
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    """Gauges read from the monitor's latest engine snapshot at scrape time."""
+
+    def __init__(self, model_name: str, monitor: EngineMonitor, in_flight: Callable[[], int]) -> None:
+        self._model_name = model_name
+        self._monitor = monitor
+        self._in_flight = in_flight
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator:
+        labels = [self._model_name]
+        in_flight = GaugeMetricFamily("loraplex:requests_in_flight", "Requests admitted and not "
+                                      "finished (the server's queue).", labels=["model_name"])
+        in_flight.add_metric(labels, self._in_flight())
+        yield in_flight
+        snapshot = self._monitor.latest
+        if snapshot is None:
+            return
+        gauges = {
+            "vllm:num_requests_running": ("Requests in the running batch.", snapshot.num_running),
+            "vllm:num_requests_waiting": ("Requests waiting for the engine.", snapshot.num_waiting),
+            "vllm:num_requests_swapped": ("Requests swapped out to host memory.", snapshot.num_swapped),
+            "vllm:kv_cache_usage_perc": ("KV cache use, 0 to 1.", snapshot.kv_cache_usage),
+            "loraplex:kv_blocks_used": ("KV blocks in use.", snapshot.kv_blocks_used),
+            "loraplex:kv_blocks_total": ("KV blocks allocated.", snapshot.kv_blocks_total),
+            "loraplex:lora_adapters_resident": ("Adapters in device slots.",
+                                                len(snapshot.resident_adapters)),
+            "loraplex:lora_adapter_slots": ("Device adapter slots.", snapshot.num_adapter_slots),
+            "loraplex:lora_adapters_host": ("Adapters held in host memory.",
+                                            len(snapshot.host_adapters)),
+            "loraplex:generation_tokens_per_second": ("Generated tokens per second, last interval.",
+                                                      snapshot.tokens_per_second),
+        }
+        for name, (documentation, value) in gauges.items():
+            family = GaugeMetricFamily(name, documentation, labels=["model_name"])
+            family.add_metric(labels, value)
+            yield family
+        preemptions = CounterMetricFamily("vllm:num_preemptions", "Requests preempted by the "
+                                          "scheduler.", labels=["model_name"])
+        preemptions.add_metric(labels, snapshot.num_preemptions)
+        yield preemptions

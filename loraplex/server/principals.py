@@ -1,0 +1,39 @@
+"""Who a presented API key speaks for, and the tenant's limits: registry reads behind a short
+cache, so a busy server does not hit the database for every request. Unknown keys are never
+cached. Blocking (database I/O): call `authenticate` and `tenant` from worker threads."""
+
+from __future__ import annotations
+
+import hashlib
+
+from loraplex.registry import Registry
+from loraplex.registry.records import Principal, TenantRecord
+from loraplex.server.cache import TTLCache
+
+
+class Principals:
+    def __init__(self, registry: Registry, ttl_s: float) -> None:
+        self._registry = registry
+        self._keys: TTLCache[str, Principal] = TTLCache(ttl_s)
+        self._tenants: TTLCache[str, TenantRecord] = TTLCache(ttl_s)
+
+    def cached(self, presented: str) -> Principal | None:
+        return self._keys.get(_digest(presented))
+
+    def authenticate(self, presented: str) -> Principal:
+        return self._keys.put(_digest(presented), self._registry.keys.authenticate(presented))
+
+    def cached_tenant(self, name: str) -> TenantRecord | None:
+        return self._tenants.get(name)
+
+    def tenant(self, name: str) -> TenantRecord:
+        return self._tenants.put(name, self._registry.tenants.get(name))
+
+    def forget(self) -> None:
+        """After a change made through the admin API (a revoked key, new limits)."""
+        self._keys.forget()
+        self._tenants.forget()
+
+
+def _digest(presented: str) -> str:
+    return hashlib.sha256(presented.encode("utf-8", "surrogatepass")).hexdigest()

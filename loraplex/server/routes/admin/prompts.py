@@ -1,0 +1,54 @@
+"""System prompts: add, list (with token counts), get, delete."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response, status
+from starlette.concurrency import run_in_threadpool
+
+from loraplex.registry.records import SystemPromptRecord
+from loraplex.server.auth import AdminDep
+from loraplex.server.deps import ServicesDep
+from loraplex.server.routes.admin.params import NameParam, TenantFilter
+from loraplex.server.routes.docs import error_responses
+from loraplex.server.schemas.admin import PromptCreate, SystemPrompt
+from loraplex.server.services import Services
+
+router = APIRouter(prefix="/prompts", tags=["Admin: system prompts"])
+
+
+async def _prompt(services: Services, record: SystemPromptRecord) -> SystemPrompt:
+    return SystemPrompt.of(record, await services.codec.count(record.text))
+
+
+@router.get("", response_model=list[SystemPrompt], summary="List system prompts",
+            responses=error_responses(401, 403, 404))
+async def list_prompts(admin: AdminDep, services: ServicesDep,
+                       tenant: TenantFilter = None
+                       ) -> list[SystemPrompt]:
+    records = await run_in_threadpool(services.registry.prompts.list, tenant)
+    return [await _prompt(services, record) for record in records]
+
+
+@router.post("", response_model=SystemPrompt, status_code=status.HTTP_201_CREATED,
+             summary="Add a system prompt", responses=error_responses(400, 401, 403, 404, 409))
+async def add_prompt(body: PromptCreate, admin: AdminDep, services: ServicesDep) -> SystemPrompt:
+    """A named system prompt of a tenant, optionally bound to one of its adapters (the engine
+    shares the KV cache of a prompt per adapter)."""
+    record = await run_in_threadpool(lambda: services.registry.prompts.add(
+        body.tenant, body.name, body.text, adapter=body.adapter, actor=admin.key_id))
+    return await _prompt(services, record)
+
+
+@router.get("/{tenant}/{name}", response_model=SystemPrompt, summary="Get a system prompt",
+            responses=error_responses(401, 403, 404))
+async def get_prompt(tenant: NameParam, name: NameParam, admin: AdminDep,
+                     services: ServicesDep) -> SystemPrompt:
+    return await _prompt(services, await run_in_threadpool(services.registry.prompts.get, tenant, name))
+
+
+@router.delete("/{tenant}/{name}", status_code=status.HTTP_204_NO_CONTENT, response_class=Response,
+               summary="Delete a system prompt", responses=error_responses(401, 403, 404))
+async def delete_prompt(tenant: NameParam, name: NameParam, admin: AdminDep,
+                        services: ServicesDep) -> Response:
+    await run_in_threadpool(lambda: services.registry.prompts.delete(tenant, name, actor=admin.key_id))
+    return Response(status_code=status.HTTP_204_NO_CONTENT)

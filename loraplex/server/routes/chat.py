@@ -1,0 +1,122 @@
+"""POST /v1/chat/completions: the messages through the model's chat template."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request, Response
+
+from loraplex.server.auth import TenantDep
+from loraplex.server.deps import ServicesDep
+from loraplex.server.errors import stream_error
+from loraplex.server.generation import (
+    Job,
+    first_output,
+    generate,
+    last_output,
+    resolve_model,
+    sampling_params,
+    token_logprobs,
+    usage_of,
+)
+from loraplex.server.request_id import request_id_of
+from loraplex.server.routes.completions import FINGERPRINT, STREAM_RESPONSE
+from loraplex.server.routes.docs import INFERENCE_ERRORS
+from loraplex.server.schemas.openai import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    ChatLogprobs,
+    TokenLogprob,
+    TopLogprob,
+)
+from loraplex.server.services import Services
+from loraplex.server.streaming import DONE, ClientDisconnected, EventStreamResponse, sse, until_disconnect
+from loraplex.types import RequestOutput
+
+router = APIRouter(prefix="/v1", tags=["OpenAI API"])
+
+
+@router.post("/chat/completions", response_model=ChatCompletion, summary="Answer a conversation",
+             responses={**INFERENCE_ERRORS, 200: STREAM_RESPONSE})
+async def create_chat_completion(body: ChatCompletionRequest, principal: TenantDep,
+                                 services: ServicesDep, request: Request) -> ChatCompletion | Response:
+    """The assistant's next message after `messages`, rendered with the model's chat template,
+    from the base model or one of your adapters (`model`). With `stream: true` the answer
+    comes as server-sent events; leaving the stream stops the generation."""
+    arrival = time.monotonic()
+    adapter = await resolve_model(services, principal.tenant, body.model)
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
+                for m in body.messages]
+    prompt_ids = await services.codec.encode_chat(messages)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(services, body, len(prompt_ids),
+                             max_tokens=body.max_completion_tokens or body.max_tokens,
+                             default_max_tokens=None, logprobs=logprobs, prompt_param="messages")
+    job = Job(request_id_of(request.scope), principal.tenant, body.model, adapter, prompt_ids, params,
+              arrival)
+    outputs = generate(services, job)
+    try:
+        first = await until_disconnect(request, first_output(outputs))
+        if body.stream:
+            return EventStreamResponse(_events(services, job, body, first, outputs), outputs.aclose)
+        last = await until_disconnect(request, last_output(first, outputs))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        if not body.stream:
+            await outputs.aclose()
+    return ChatCompletion(
+        id=f"chatcmpl-{job.request_id}", created=int(time.time()), model=job.model,
+        system_fingerprint=FINGERPRINT,
+        choices=[ChatChoice(message=AssistantMessage(content=last.text), finish_reason=last.finish_reason,
+                            logprobs=await _logprobs(services, last, body, newest_only=False))],
+        usage=usage_of(last),
+    )
+
+
+async def _events(services: Services, job: Job, body: ChatCompletionRequest, first: RequestOutput,
+                  outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+    base = {"id": f"chatcmpl-{job.request_id}", "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": job.model, "system_fingerprint": FINGERPRINT}
+    usage = {"usage": None} if body.include_usage else {}
+
+    def chunk(delta: dict, finish_reason: str | None = None, logprobs: ChatLogprobs | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs.model_dump() if logprobs else None,
+                  "finish_reason": finish_reason}
+        return sse(base | {"choices": [choice]} | usage)
+
+    yield chunk({"role": "assistant", "content": ""})
+    output: RequestOutput | None = first
+    try:
+        while output is not None:
+            if output.new_text or body.logprobs:
+                logprobs = await _logprobs(services, output, body, newest_only=True)
+                yield chunk({"content": output.new_text}, logprobs=logprobs)
+            if output.finished:
+                yield chunk({}, output.finish_reason)
+            last, output = output, (None if output.finished else await anext(outputs, None))
+        if body.include_usage:
+            yield sse(base | {"choices": [], "usage": usage_of(last).model_dump()})
+    except Exception as exc:  # after the stream began: an error event, then the end
+        yield sse(stream_error(exc, job.request_id))
+    yield DONE
+
+
+async def _logprobs(services: Services, output: RequestOutput, body: ChatCompletionRequest, *,
+                    newest_only: bool) -> ChatLogprobs | None:
+    if not body.logprobs:
+        return None
+    entries = token_logprobs(output, newest_only)
+    texts = iter(await services.codec.token_texts(
+        [t for e in entries for t in (e.token_id, *e.top)]))
+    content = []
+    for entry in entries:
+        token = next(texts)
+        top = [TopLogprob(token=text, logprob=lp, bytes=list(text.encode()))
+               for lp, text in zip(entry.top.values(), texts)]
+        content.append(TokenLogprob(token=token, logprob=entry.logprob, bytes=list(token.encode()),
+                                    top_logprobs=top))
+    return ChatLogprobs(content=content)

@@ -1,0 +1,1 @@
+"""Request and response bodies of the OpenAI-compatible and admin APIs."""

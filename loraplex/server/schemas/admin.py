@@ -1,0 +1,226 @@
+"""Bodies of the admin API (/admin/api). Responses never carry server paths, key hashes or
+secrets (except a new key's secret, once)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from loraplex.registry.records import (
+    AdapterRecord,
+    AuditRecord,
+    KeyRecord,
+    SystemPromptRecord,
+    TenantRecord,
+    UsageRecord,
+)
+
+NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
+Name = Annotated[str, Field(pattern=NAME_PATTERN, description="1 to 64 of A-Z a-z 0-9 . _ -")]
+Limit = Annotated[int | None, Field(ge=1, lt=2**31, description="A positive integer; null means "
+                                    "unlimited.")]
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# Tenants ---------------------------------------------------------------------------------------
+class TenantCreate(Body):
+    name: Name
+    weight: float = Field(1.0, gt=0, le=1e6, description="Share of the engine under contention.")
+    max_concurrent_requests: Limit = None
+    max_requests_per_minute: Limit = None
+    max_tokens_per_minute: Limit = None
+
+
+class TenantUpdate(Body):
+    """Fields left out keep their value; a limit set to null becomes unlimited."""
+
+    weight: float | None = Field(None, gt=0, le=1e6)
+    max_concurrent_requests: Limit = None
+    max_requests_per_minute: Limit = None
+    max_tokens_per_minute: Limit = None
+
+
+class Tenant(BaseModel):
+    name: str
+    weight: float
+    max_concurrent_requests: int | None
+    max_requests_per_minute: int | None
+    max_tokens_per_minute: int | None
+    created_at: datetime
+    requests_in_flight: int = Field(description="This server's requests of the tenant now.")
+
+    @classmethod
+    def of(cls, record: TenantRecord, in_flight: int) -> Tenant:
+        return cls(name=record.name, weight=record.weight,
+                   max_concurrent_requests=record.max_concurrent_requests,
+                   max_requests_per_minute=record.max_requests_per_minute,
+                   max_tokens_per_minute=record.max_tokens_per_minute, created_at=record.created_at,
+                   requests_in_flight=in_flight)
+
+
+# Keys ------------------------------------------------------------------------------------------
+class KeyCreate(Body):
+    """Either `tenant` (a tenant's key) or `admin: true` (an admin key)."""
+
+    tenant: str | None = Field(None, pattern=NAME_PATTERN)
+    admin: bool = False
+
+
+class ApiKey(BaseModel):
+    id: int
+    role: Literal["admin", "tenant"]
+    tenant: str | None
+    prefix: str = Field(description="The first characters of the key, to tell keys apart.")
+    created_at: datetime
+    last_used_at: datetime | None
+    revoked_at: datetime | None
+    is_revoked: bool
+
+    @classmethod
+    def of(cls, record: KeyRecord) -> ApiKey:
+        return cls(id=record.id, role=record.role, tenant=record.tenant, prefix=record.prefix,
+                   created_at=record.created_at, last_used_at=record.last_used_at,
+                   revoked_at=record.revoked_at, is_revoked=record.is_revoked)
+
+
+class CreatedApiKey(BaseModel):
+    key: ApiKey
+    secret: str = Field(description="The key itself: shown this once, stored nowhere.")
+
+
+# Adapters --------------------------------------------------------------------------------------
+class Adapter(BaseModel):
+    tenant: str
+    name: str
+    digest: str = Field(description="Identity: sha256 of the adapter's canonical tensors.")
+    sha256: str = Field(description="sha256 of adapter_model.safetensors as uploaded.")
+    config_sha256: str
+    base_model: str
+    rank: int
+    alpha: float
+    target_modules: list[str]
+    size_bytes: int
+    created_at: datetime
+    num_requests_served: int
+    is_loaded: bool = Field(description="Held in the engine's host memory now.")
+    is_resident: bool = Field(description="In a device slot now.")
+
+    @classmethod
+    def of(cls, record: AdapterRecord, loaded: set[str], resident: set[str]) -> Adapter:
+        return cls(tenant=record.tenant, name=record.name, digest=record.digest,
+                   sha256=record.weights_sha256, config_sha256=record.config_sha256,
+                   base_model=record.base_model, rank=record.rank, alpha=record.alpha,
+                   target_modules=list(record.target_modules), size_bytes=record.size_bytes,
+                   created_at=record.created_at, num_requests_served=record.num_requests_served,
+                   is_loaded=record.digest in loaded, is_resident=record.digest in resident)
+
+
+# System prompts --------------------------------------------------------------------------------
+class PromptCreate(Body):
+    tenant: Name
+    name: Name
+    text: str = Field(min_length=1, max_length=200_000)
+    adapter: str | None = Field(None, pattern=NAME_PATTERN,
+                                description="Bind the prompt to one of the tenant's adapters.")
+
+
+class SystemPrompt(BaseModel):
+    tenant: str
+    name: str
+    adapter: str | None
+    text: str
+    num_tokens: int = Field(description="Tokens under the base model's tokenizer.")
+    created_at: datetime
+
+    @classmethod
+    def of(cls, record: SystemPromptRecord, num_tokens: int) -> SystemPrompt:
+        return cls(tenant=record.tenant, name=record.name, adapter=record.adapter, text=record.text,
+                   num_tokens=num_tokens, created_at=record.created_at)
+
+
+# Usage -----------------------------------------------------------------------------------------
+class UsageRow(BaseModel):
+    tenant: str
+    adapter: str | None = Field(description="null for the base model.")
+    hour: datetime = Field(description="Start of the UTC hour.")
+    num_requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, record: UsageRecord) -> UsageRow:
+        return cls(tenant=record.tenant, adapter=record.adapter, hour=record.hour,
+                   num_requests=record.num_requests, prompt_tokens=record.prompt_tokens,
+                   completion_tokens=record.completion_tokens,
+                   total_tokens=record.prompt_tokens + record.completion_tokens)
+
+
+class UsageTotals(BaseModel):
+    num_requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class UsageReport(BaseModel):
+    since: datetime | None
+    until: datetime | None
+    rows: list[UsageRow]
+    totals: UsageTotals
+
+
+# Engine ----------------------------------------------------------------------------------------
+class ResidentAdapter(BaseModel):
+    digest: str
+    names: list[str] = Field(description="`tenant/name` of adapters with this digest seen lately.")
+
+
+class EngineState(BaseModel):
+    model: str
+    device: str
+    dtype: str
+    max_model_len: int
+    is_alive: bool
+    num_requests_running: int
+    num_requests_waiting: int
+    num_requests_swapped: int
+    num_requests_in_flight: int = Field(description="Admitted by the server and not finished.")
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_cache_usage: float
+    num_preemptions: int
+    num_adapter_slots: int
+    adapters_resident: list[ResidentAdapter] = Field(description="Adapters in device slots.")
+    num_adapters_loaded: int = Field(description="Adapters held in host memory.")
+    generation_tokens_per_second: float
+    num_generated_tokens: int
+    uptime_s: float
+
+
+# Audit and identity ----------------------------------------------------------------------------
+class AuditEntry(BaseModel):
+    id: int
+    actor_key_id: int | None
+    action: str
+    object_type: str
+    object_id: str
+    details: dict
+    created_at: datetime
+
+    @classmethod
+    def of(cls, record: AuditRecord) -> AuditEntry:
+        return cls(id=record.id, actor_key_id=record.actor_key_id, action=record.action,
+                   object_type=record.object_type, object_id=record.object_id,
+                   details=record.details, created_at=record.created_at)
+
+
+class Me(BaseModel):
+    key_id: int
+    role: Literal["admin", "tenant"]
+    tenant: str | None

@@ -1,0 +1,287 @@
+"""OpenAI API request and response bodies (the subset loraplex serves). Requests are strict:
+an unknown field is a 400 naming it (as OpenAI answers), known fields that do not change the
+output (user, metadata, store, ...) are accepted and ignored, and known features loraplex does
+not implement (tools, n > 1, penalties, echo, ...) are refused by name rather than ignored."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from loraplex.types import MAX_LOGPROBS, MAX_STOP_SEQUENCES
+
+MAX_STOP_LENGTH = 256
+
+Ignored = Annotated[Any, Field(default=None, description="Accepted and ignored.")]
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _only(value: Any, allowed: tuple[Any, ...], message: str) -> Any:
+    if value not in allowed:
+        raise ValueError(message)
+    return value
+
+
+class StreamOptions(Request):
+    include_usage: bool | None = Field(None, description="Send a last chunk with the usage of "
+                                       "the whole request and `choices: []`.")
+    include_obfuscation: Ignored
+
+
+class SamplingFields(Request):
+    """What completions and chat share."""
+
+    model: str = Field(description="The base model's id, or the name of one of your adapters.",
+                       min_length=1, max_length=256)
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
+    temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy. Default 1.")
+    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling. Default 1.")
+    top_k: int | None = Field(None, ge=-1, description="loraplex extension: keep the k most "
+                              "likely tokens (-1 or 0: all).")
+    n: int | None = Field(None, description="Only 1 is supported.")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]] | None = Field(
+        None, description=f"Up to {MAX_STOP_SEQUENCES} strings that end the output.")
+    seed: int | None = Field(None, description="The same seed, prompt and model give the same output.")
+    frequency_penalty: float | None = Field(None, description="Only 0 is supported.")
+    presence_penalty: float | None = Field(None, description="Only 0 is supported.")
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported (must be empty).")
+    user: Ignored
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int | None) -> int | None:
+        return _only(value, (None, 1), "only n=1 is supported")
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None) -> float | None:
+        return _only(value, (None, 0, 0.0), "penalties are not supported (use 0)")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        return _only(value or None, (None,), "logit_bias is not supported")
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, str) and not 0 < len(value) <= MAX_STOP_LENGTH:
+            raise ValueError(f"a stop string has 1 to {MAX_STOP_LENGTH} characters")
+        if isinstance(value, list) and len(value) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop strings")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="One prompt: text or token ids (a list holding one of them is accepted).")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Return the log-probability "
+                                 "of each token and of this many alternatives.")
+    echo: bool | None = Field(None, description="Not supported.")
+    suffix: str | None = Field(None, description="Not supported.")
+    best_of: int | None = Field(None, description="Only 1 is supported.")
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool | None) -> bool | None:
+        return _only(value, (None, False), "echo is not supported")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        return _only(value or None, (None,), "suffix is not supported")
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, value: int | None) -> int | None:
+        return _only(value, (None, 1), "only best_of=1 is supported")
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            if len(value) != 1:
+                raise ValueError("one prompt per request is supported")
+            value = value[0]
+        if not value:
+            raise ValueError("the prompt is empty")
+        return value
+
+
+class TextPart(Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] = Field(description="Text, or a list of text parts.")
+    name: str | None = Field(None, max_length=64)
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ResponseFormat(Request):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="Same as max_tokens.")
+    logprobs: bool | None = Field(None, description="Return the log-probability of each token.")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = Field(None, description="Only text.")
+    tools: list[Any] | None = Field(None, description="Not supported (must be empty).")
+    tool_choice: Literal["none", "auto"] | None = None
+    functions: list[Any] | None = Field(None, description="Not supported (must be empty).")
+    function_call: Literal["none", "auto"] | None = None
+    modalities: list[Literal["text"]] | None = None
+    audio: None = Field(None, description="Not supported.")
+    prediction: None = Field(None, description="Not supported.")
+    web_search_options: None = Field(None, description="Not supported.")
+    parallel_tool_calls: Ignored
+    metadata: Ignored
+    store: Ignored
+    service_tier: Ignored
+    reasoning_effort: Ignored
+    verbosity: Ignored
+    safety_identifier: Ignored
+    prompt_cache_key: Ignored
+    prompt_cache_options: Ignored
+    prompt_cache_retention: Ignored
+    moderation: Ignored
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
+        return _only(value or None, (None,), "tool calling is not supported")
+
+
+# Responses ------------------------------------------------------------------------------------
+FinishReason = Literal["stop", "length"]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    parent: str | None = Field(description="For an adapter, the base model's id; null for the "
+                               "base model.")
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

@@ -1,0 +1,75 @@
+"""The per-app services that routes reach through dependencies: created when the app's
+lifespan starts (the engine thread starts with them) and stopped when it ends."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from starlette.concurrency import run_in_threadpool
+
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.registry import Registry
+from loraplex.server.adapters import AdapterManager
+from loraplex.server.codec import TextCodec
+from loraplex.server.config import ServerConfig
+from loraplex.server.limits import Limiter
+from loraplex.server.metrics import Metrics
+from loraplex.server.monitor import EngineMonitor
+from loraplex.server.principals import Principals
+from loraplex.server.usage import UsageRecorder
+
+
+@dataclass
+class Services:
+    config: ServerConfig
+    registry: Registry
+    llm: LLMEngine
+    """The engine itself: only its fixed facts (tokenizer, context length, model config) are
+    read here; everything else goes through `engine`, on the engine thread."""
+    engine: AsyncEngine
+    principals: Principals
+    codec: TextCodec
+    adapters: AdapterManager
+    limiter: Limiter
+    usage: UsageRecorder
+    monitor: EngineMonitor
+    metrics: Metrics
+    upload_slots: asyncio.Semaphore
+    started_at: float = field(default_factory=time.time)
+    is_stopping: bool = False
+
+    @classmethod
+    def start(cls, config: ServerConfig, registry: Registry, llm: LLMEngine) -> Services:
+        """Start the engine thread and the background work; call from the event loop."""
+        engine = AsyncEngine(llm)
+        monitor = EngineMonitor(engine, config.engine_poll_interval_s)
+        limiter = Limiter(config.max_requests_in_flight, config.retry_after_s)
+        services = cls(
+            config=config, registry=registry, llm=llm, engine=engine,
+            principals=Principals(registry, config.registry_cache_ttl_s),
+            codec=TextCodec(llm.tokenizer),
+            adapters=AdapterManager(registry, engine, llm.model_config.shape,
+                                    llm.config.lora.max_lora_rank, config.max_host_adapters,
+                                    config.registry_cache_ttl_s),
+            limiter=limiter, usage=UsageRecorder(registry), monitor=monitor,
+            metrics=Metrics(config.model_id, monitor, lambda: limiter.num_in_flight),
+            upload_slots=asyncio.Semaphore(config.max_concurrent_uploads),
+        )
+        monitor.start()
+        return services
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        context = self.llm.max_model_len - 1
+        limit = self.config.max_prompt_tokens
+        return context if limit is None else min(limit, context)
+
+    async def stop(self) -> None:
+        self.is_stopping = True
+        await self.monitor.stop()
+        await run_in_threadpool(self.usage.close)
+        await run_in_threadpool(self.engine.shutdown)
+        self.codec.close()
