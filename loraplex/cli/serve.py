@@ -1,28 +1,165 @@
-"""`loraplex serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--device auto|cpu|cuda]`."""
+"""`loraplex serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--device auto|cpu|cuda]`.
+
+Upgrades the registry schema, reconciles the blob store, loads the model (the built-in demo
+without --model), records it as the served model, and serves the API with uvicorn until
+SIGTERM or Ctrl-C. With the demo, a fresh data dir also gets tenant `demo` with the demo
+adapters and a key, printed and written to `<data-dir>/demo-api-key`."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
-from loraplex.cli.common import add_registry_options
+from loraplex.cli.common import add_registry_options, registry_config
 from loraplex.errors import LoraplexError
+from loraplex.registry import Registry
+from loraplex.registry.errors import AuthenticationError, ConflictError, NotFoundError
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10
+DEMO_MODEL_ID = "loraplex-demo"
+DEMO_TENANT = "demo"
+DEMO_KEY_FILE = "demo-api-key"
+ADMIN_KEY_FILE = "admin-api-key"
+
+logger = logging.getLogger("loraplex.serve")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("serve", help="run the OpenAI-compatible server")
     parser.add_argument("--model", metavar="DIR",
                         help="local Hugging Face model folder (default: the built-in demo)")
+    parser.add_argument("--model-name", metavar="ID",
+                        help="the base model's id in the API (default: the folder's name)")
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"default {DEFAULT_HOST}")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--shutdown-timeout", type=int, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                        metavar="S", help="seconds requests in flight get to finish on SIGTERM "
+                        f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S})")
     add_registry_options(parser)
     parser.set_defaults(run=run)
 
 
+@dataclass(frozen=True)
+class ServedModel:
+    folder: Path
+    model_id: str
+    demo_adapters: dict[str, Path] | None
+    """The demo's adapter folders by name; None for a model given with --model."""
+
+
 def run(args: argparse.Namespace) -> None:
-    """Start the server. `args` holds model, host, port, device, data_dir and database_url
-    (resolve the registry settings with loraplex.cli.common.registry_config(args))."""
-    raise LoraplexError("`loraplex serve` is not built yet")
+    """Start the server and block until it stops."""
+    import uvicorn
+
+    from loraplex.config import EngineConfig
+    from loraplex.engine.llm_engine import LLMEngine
+    from loraplex.server import ServerConfig, create_app
+
+    _configure_logging()
+    config = registry_config(args)
+    with Registry.open(config) as registry:
+        report = registry.reconcile()
+        logger.info("registry %s: %d orphan blobs and %d temporary files removed, %d adapters "
+                    "missing blobs", config.url.split("://")[0], len(report.removed_blobs),
+                    len(report.removed_temp_files), len(report.missing_blobs))
+        served = _served_model(args, config.data_dir)
+        engine = LLMEngine(EngineConfig.from_kwargs(str(served.folder), device=args.device))
+        registry.models.set(served.model_id, engine.model_config.shape, engine.config.lora.max_lora_rank)
+        if served.demo_adapters is not None:
+            _set_up_demo(registry, served.demo_adapters, config.data_dir)
+        app = create_app(ServerConfig(model_id=served.model_id, admin_ui_dir=_admin_ui_dir()),
+                         registry, engine)
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=args.host, port=args.port, timeout_graceful_shutdown=args.shutdown_timeout,
+            log_level="info"))
+        url = f"http://{_url_host(args.host)}:{args.port}"
+        logger.info("serving %s on %s (device %s): OpenAI API at %s/v1, admin API at %s/admin/api",
+                    served.model_id, url, engine.device, url, url)
+        server.run()
+        if not server.started:
+            raise LoraplexError(f"could not serve on {args.host}:{args.port} (see the log above)")
+
+
+def _served_model(args: argparse.Namespace, data_dir: Path) -> ServedModel:
+    if args.model is not None:
+        folder = Path(args.model).expanduser().resolve()
+        return ServedModel(folder, args.model_name or folder.name, None)
+    from loraplex.demo import ensure_demo
+
+    logger.info("no --model: serving the built-in demo (built into %s on first start)", data_dir)
+    assets = ensure_demo(data_dir)
+    return ServedModel(Path(assets.model_dir), args.model_name or DEMO_MODEL_ID,
+                       {name: Path(folder) for name, folder in assets.adapters.items()})
+
+
+def _set_up_demo(registry: Registry, adapters: dict[str, Path], data_dir: Path) -> None:
+    """On a fresh registry: tenant `demo` with the demo adapters. Then make sure
+    `<data-dir>/demo-api-key` holds a valid key of it (an existing one is kept), and the same
+    for an admin key in `<data-dir>/admin-api-key`."""
+    try:
+        registry.tenants.get(DEMO_TENANT)
+    except NotFoundError:
+        try:
+            registry.tenants.create(DEMO_TENANT)
+        except ConflictError:  # another process created it just now
+            pass
+        else:
+            for name, folder in adapters.items():
+                registry.adapters.upload_dir(DEMO_TENANT, name, folder)
+            logger.info("created tenant %r with the demo adapters %s", DEMO_TENANT, ", ".join(adapters))
+    key = _ensure_key_file(registry, data_dir / DEMO_KEY_FILE, tenant=DEMO_TENANT)
+    _ensure_key_file(registry, data_dir / ADMIN_KEY_FILE, tenant=None)
+    print(f"demo API key (tenant {DEMO_TENANT!r}, also in {data_dir / DEMO_KEY_FILE}): {key}", flush=True)
+    print(f"admin API key in {data_dir / ADMIN_KEY_FILE}", flush=True)
+
+
+def _ensure_key_file(registry: Registry, path: Path, *, tenant: str | None) -> str:
+    """The key in `path` if it is still valid for `tenant` (None: an admin key), else a new
+    one written there (mode 0600)."""
+    if path.is_file():
+        key = path.read_text().strip()
+        try:
+            principal = registry.keys.authenticate(key)
+        except AuthenticationError:
+            logger.warning("%s holds a key that is no longer valid: replacing it", path)
+        else:
+            if principal.tenant == tenant and principal.is_admin == (tenant is None):
+                return key
+    created = registry.keys.create(tenant=tenant, admin=tenant is None)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(created.secret + "\n")
+    os.replace(temporary, path)
+    return created.secret
+
+
+def _admin_ui_dir() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("loraplex.admin_ui")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def _configure_logging() -> None:
+    root = logging.getLogger("loraplex")
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
