@@ -121,8 +121,12 @@ async def _logprobs(services: Services, output: RequestOutput, requested: int | 
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
-    return CompletionLogprobs(
-        tokens=tokens, token_logprobs=[e.logprob for e in entries],
-        top_logprobs=[{next(alternatives): lp for lp in e.top.values()} for e in entries],
-        text_offset=offsets,
-    )
+    top_logprobs = []
+    for entry in entries:
+        top: dict[str, float] = {}
+        for logprob in entry.top.values():  # tokens that decode alike keep the best
+            text = next(alternatives)
+            top[text] = max(logprob, top.get(text, logprob))
+        top_logprobs.append(top)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=[e.logprob for e in entries],
+                              top_logprobs=top_logprobs, text_offset=offsets)
