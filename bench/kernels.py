@@ -189,7 +189,8 @@ def bench_decode(batch: int, context: int, config: decode_attention.DecodeConfig
                   flops=4.0 * batch * HEADS * HEAD_DIM * context, **asdict(config))
 
 
-def bench_prefill(query_lens: list[int], context_lens: list[int]) -> Result:
+def bench_prefill(query_lens: list[int], context_lens: list[int],
+                  config: prefill_attention.PrefillConfig | None = None) -> Result:
     seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
     kv_layer, tables = paged_cache(seq_lens)
     starts = [0]
@@ -202,10 +203,12 @@ def bench_prefill(query_lens: list[int], context_lens: list[int]) -> Result:
     keys = sum(sum(c + i + 1 for i in range(n)) for n, c in zip(query_lens, context_lens))
     flops = 4.0 * HEADS * HEAD_DIM * keys
     nbytes = kv_bytes(seq_lens) + 2 * starts[-1] * HEADS * HEAD_DIM * 2
-    run = lambda _: prefill_attention.paged_attention(q, kv_layer, tables, qsl, lens,
-                                                      HEAD_DIM ** -0.5, return_lse=True)
+    config = config or prefill_attention.prefill_config(HEADS // KV_HEADS, HEAD_DIM)
+    run = lambda _: prefill_attention._launch(q, kv_layer, tables, qsl, lens, HEAD_DIM ** -0.5,
+                                              True, config)
     t = time_per_call(run, [None], min_calls=8)
-    return result("paged_attention", f"new={query_lens} context={context_lens}", t, nbytes, flops)
+    return result("paged_attention", f"new={query_lens} context={context_lens}", t, nbytes, flops,
+                  **asdict(config))
 
 
 # ---------------------------------------------------------------- LoRA
@@ -313,34 +316,21 @@ def bench_sample(batch: int, temperature: float, top_k: int, top_p: float) -> Re
 # ---------------------------------------------------------------- sweeps
 
 
-def sweep_decode() -> list[Result]:
+def sweep_cases() -> list[Callable[[], Result | None]]:
     out = []
-    cases = [(64, 2048, [1, 2, 4]), (8, 8192, [8, 16, 32]), (1, 8192, [16, 32])]
-    shapes = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2),
-              (128, 8, 3)]
-    for batch, context, split_options in cases:
-        for splits in split_options:
-            for block_n, warps, stages in shapes:
-                if batch < 64 and (block_n, warps, stages) not in ((64, 4, 2), (64, 4, 3)):
-                    continue
-                cfg = decode_attention.DecodeConfig(splits, block_n, warps, stages)
-                out.append(guarded(bench_decode, batch, context, cfg))
-    return out
-
-
-def sweep_lora() -> list[Result]:
-    out = []
+    for batch, context in ((64, 2048), (256, 1024), (8, 8192), (1, 8192)):
+        for cfg in decode_attention.CANDIDATE_CONFIGS:
+            programs = batch * KV_HEADS * cfg.num_splits
+            if programs > 4096 or (batch < 64 and programs < 64):
+                continue  # splits far from what this batch could use
+            out.append(lambda b=batch, c=context, cfg=cfg: guarded(bench_decode, b, c, cfg))
     case = LORA_CASES[0]
-    for block_k in (128, 256, 512):
-        for k_splits in (1, 2, 4, 8, 16):
-            for warps in (4, 8) if block_k == 256 else (4,):
-                cfg = lora.ShrinkConfig(block_m=1, block_k=block_k, k_splits=k_splits,
-                                        num_warps=warps)
-                out.append(guarded(bench_lora, case, shrink_cfg=cfg, which="shrink"))
-    for block_n in (64, 128, 256, 512):
-        for warps in (2, 4, 8):
-            cfg = lora.ExpandConfig(block_m=1, block_n=block_n, num_warps=warps)
-            out.append(guarded(bench_lora, case, expand_cfg=cfg, which="expand"))
+    out += [lambda cfg=cfg: guarded(bench_lora, case, shrink_cfg=cfg, which="shrink")
+            for cfg in lora.CANDIDATE_SHRINK_CONFIGS]
+    out += [lambda cfg=cfg: guarded(bench_lora, case, expand_cfg=cfg, which="expand")
+            for cfg in lora.CANDIDATE_EXPAND_CONFIGS]
+    out += [lambda cfg=cfg: guarded(bench_prefill, [2048], [0], cfg)
+            for cfg in prefill_attention.CANDIDATE_CONFIGS]
     return out
 
 
@@ -355,20 +345,23 @@ def guarded(fn, *args, **kwargs) -> Result | None:
         return None
 
 
-def main_cases() -> list[Result | None]:
+def main_cases() -> list[Callable[[], Result | None]]:
+    def case(fn, *args, **kwargs):
+        return lambda: guarded(fn, *args, **kwargs)
+
     return [
-        guarded(bench_norm, 64), guarded(bench_norm, 4096),
-        guarded(bench_silu, 64), guarded(bench_silu, 4096),
-        guarded(bench_rotary, 64), guarded(bench_rotary, 4096),
-        guarded(bench_decode, 64, 2048), guarded(bench_decode, 256, 1024),
-        guarded(bench_decode, 8, 8192), guarded(bench_decode, 1, 8192),
-        guarded(bench_prefill, [2048], [0]), guarded(bench_prefill, [512, 512], [4096, 1024]),
-        *[guarded(bench_lora, case) for case in LORA_CASES],
-        guarded(bench_lora, LORA_CASES[0], which="shrink"),
-        guarded(bench_lora, LORA_CASES[0], which="expand"),
-        guarded(bench_sample, 64, 0.0, 0, 1.0), guarded(bench_sample, 64, 1.0, 0, 1.0),
-        guarded(bench_sample, 64, 0.8, 50, 0.9), guarded(bench_sample, 64, 1.0, 0, 0.95),
-        guarded(bench_sample, 256, 0.8, 50, 0.9),
+        case(bench_decode, 64, 2048), case(bench_lora, LORA_CASES[0]),
+        case(bench_norm, 64), case(bench_norm, 4096),
+        case(bench_silu, 64), case(bench_silu, 4096),
+        case(bench_rotary, 64), case(bench_rotary, 4096),
+        case(bench_decode, 256, 1024), case(bench_decode, 8, 8192), case(bench_decode, 1, 8192),
+        case(bench_prefill, [2048], [0]), case(bench_prefill, [512, 512], [4096, 1024]),
+        *[case(bench_lora, c) for c in LORA_CASES[1:]],
+        case(bench_lora, LORA_CASES[0], which="shrink"),
+        case(bench_lora, LORA_CASES[0], which="expand"),
+        case(bench_sample, 64, 0.0, 0, 1.0), case(bench_sample, 64, 1.0, 0, 1.0),
+        case(bench_sample, 64, 0.8, 50, 0.9), case(bench_sample, 64, 1.0, 0, 0.95),
+        case(bench_sample, 256, 0.8, 50, 0.9),
     ]
 
 
@@ -401,6 +394,23 @@ def targets(results: list[Result]) -> dict[str, dict]:
     return out
 
 
+def run_and_record(cases: list[Callable[[], Result | None]], path: Path, meta: dict
+                   ) -> list[Result]:
+    """Runs the cases in turn, rewriting the JSON after each, so a run cut short by a time
+    limit still leaves every figure it got."""
+    results: list[Result] = []
+    for case in cases:
+        r = case()
+        if r is not None:
+            results.append(r)
+            print(f"  {r.kernel:<24} {r.case[:44]:<44} {r.time_us:9.2f} us {r.gbps:7.0f} GB/s "
+                  f"{100 * r.fraction_of_ceiling:5.1f}% {r.notes}", flush=True)
+        goals = targets(results)
+        path.write_text(json.dumps({**meta, "targets": goals,
+                                    "results": [asdict(x) for x in results]}, indent=1))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true",
@@ -415,22 +425,14 @@ def main() -> None:
             "python": platform.python_version(), "ceiling_bytes_per_s": CEILING_BYTES_PER_S,
             "ceiling_flops": CEILING_FLOPS}
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.sweep:
-        sweeps = [r for r in sweep_decode() + sweep_lora() if r is not None]
-        print_table(f"{name}: launch-config sweeps", sweeps)
-        path = args.out / f"kernels-{gpu_slug(name)}-sweep.json"
-        path.write_text(json.dumps({**meta, "sweeps": [asdict(r) for r in sweeps]}, indent=1))
-        print(f"wrote {path}")
-        return
-    results = [r for r in main_cases() if r is not None]
+    suffix = "-sweep" if args.sweep else ""
+    path = args.out / f"kernels-{gpu_slug(name)}{suffix}.json"
+    results = run_and_record(sweep_cases() if args.sweep else main_cases(), path, meta)
     print_table(f"{name}: per call, CUDA-graph replay, inputs cycled past L2", results)
-    goals = targets(results)
-    for goal, verdict in goals.items():
-        print(f"target {goal}: {100 * verdict['fraction']:.1f}% -> "
-              f"{'PASS' if verdict['pass'] else 'FAIL'}")
-    path = args.out / f"kernels-{gpu_slug(name)}.json"
-    path.write_text(json.dumps({**meta, "targets": goals,
-                                "results": [asdict(r) for r in results]}, indent=1))
+    if not args.sweep:
+        for goal, verdict in targets(results).items():
+            print(f"target {goal}: {100 * verdict['fraction']:.1f}% -> "
+                  f"{'PASS' if verdict['pass'] else 'FAIL'}")
     print(f"wrote {path}")
 
 

@@ -135,6 +135,15 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + d, res, mask=d < head_dim)
 
 
+# Launch configs (num_splits, block_n, num_warps, num_stages) that bench/kernels.py --sweep
+# times and the GPU tests check, so that any of them can become the default.
+CANDIDATE_CONFIGS = [DecodeConfig(*c) for c in (
+    (1, 64, 4, 4), (1, 64, 4, 3), (2, 64, 4, 4), (1, 32, 4, 4), (1, 32, 4, 5), (2, 32, 4, 5),
+    (1, 64, 8, 4), (1, 16, 4, 5), (1, 128, 8, 4), (8, 64, 4, 4), (16, 64, 4, 4), (32, 64, 4, 4),
+    (32, 32, 4, 5),
+)]
+
+
 def decode_config(batch: int, num_kv_heads: int, max_context: int, head_dim: int,
                   device: torch.device) -> DecodeConfig:
     """Launch config from shapes alone: enough splits that stage 1 has about two programs per
@@ -144,7 +153,9 @@ def decode_config(batch: int, num_kv_heads: int, max_context: int, head_dim: int
     useful = max(1, max_context // MIN_TOKENS_PER_SPLIT)
     num_splits = max(1, min(wanted, useful, MAX_SPLITS))
     block_n = 64 if head_dim <= 128 else 32
-    return DecodeConfig(num_splits=num_splits, block_n=block_n, num_warps=4, num_stages=2)
+    # The K/V loads depend on a block-table load, so the pipeliner spends a stage on the
+    # indices: 4 stages keep one K/V tile in flight ahead of the one being used.
+    return DecodeConfig(num_splits=num_splits, block_n=block_n, num_warps=4, num_stages=4)
 
 
 def _check(q, kv_layer, block_tables, seq_lens) -> None:

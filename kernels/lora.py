@@ -161,6 +161,16 @@ def _lora_expand_kernel(
             tl.store(y_tile, y + delta, mask=mask)
 
 
+# Per-token (BLOCK_M = 1) launch configs that the benchmark sweeps and the GPU tests check.
+CANDIDATE_SHRINK_CONFIGS = [ShrinkConfig(1, block_k, splits, warps) for block_k, splits, warps in (
+    (128, 4, 4), (128, 8, 4), (128, 16, 4), (256, 1, 4), (256, 2, 4), (256, 4, 4), (256, 8, 4),
+    (256, 16, 4), (256, 4, 8), (256, 8, 8), (512, 2, 4), (512, 4, 4), (512, 8, 8),
+)]
+CANDIDATE_EXPAND_CONFIGS = [ExpandConfig(1, block_n, warps) for block_n, warps in (
+    (64, 2), (128, 2), (128, 4), (256, 4), (256, 8), (512, 4), (512, 8),
+)]
+
+
 def shrink_config(num_tokens: int, num_slices: int, in_features: int, max_rank: int,
                   device: torch.device) -> ShrinkConfig:
     """GEMV path for up to MAX_GEMV_TOKENS tokens, tiles of 32 tokens above; split the input dim

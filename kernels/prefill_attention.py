@@ -127,6 +127,13 @@ def _prefill_kernel(
         tl.store(lse_ptr + tok * stride_lse_tok + heads, lse, mask=row_valid)
 
 
+# (block_m, block_n, num_warps, num_stages) that the benchmark sweeps and the GPU tests check.
+CANDIDATE_CONFIGS = [PrefillConfig(*c) for c in (
+    (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 3),
+    (128, 32, 4, 3),
+)]
+
+
 def prefill_config(group: int, head_dim: int) -> PrefillConfig:
     """Launch config from shapes: 64 q rows (tokens x group heads) a program, 64-key tiles."""
     block_m = max(64, next_pow2(group))

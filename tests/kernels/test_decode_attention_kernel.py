@@ -94,3 +94,20 @@ def test_decode_bf16_llama_shapes(batch, context):
     assert torch.isfinite(out).all()
     assert cosine(out, expected) > 0.99
     torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=0)
+
+
+@gpu
+@skip_without_cuda
+@pytest.mark.parametrize("config", decode_attention.CANDIDATE_CONFIGS, ids=str)
+def test_decode_bf16_candidate_configs(config):
+    seq_lens = [2048, 1, 0, 777, 1500, 16, 2047, 129]
+    kv_layer, block_tables = make_paged_kv(seq_lens, 8, 128, 16, torch.bfloat16, "cuda",
+                                           num_layers=1, layer=0)
+    q = _query(len(seq_lens), 32, 128, torch.bfloat16, "cuda")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    out = decode_attention._launch(q, kv_layer, block_tables, lens, 128 ** -0.5, config)
+    expected = ref.paged_decode_attention(q.float(), kv_layer.float(), block_tables, lens,
+                                          128 ** -0.5)
+    assert torch.isfinite(out).all() and torch.equal(out[2], torch.zeros_like(out[2]))
+    assert cosine(out, expected) > 0.99
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=0)

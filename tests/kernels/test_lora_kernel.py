@@ -130,3 +130,27 @@ def test_lora_bf16_llama_qkv(num_tokens, num_adapters):
     expected_y = ref.lora_expand(y.float(), expected_shrunk, b.float(), slots, ranks_t, offsets)
     out = lora.lora_expand(y, shrunk, b, slots, ranks_t, offsets)
     assert_close_bf16(out, expected_y, atol=6e-2, rtol=6e-2)
+
+
+_SHRINKS, _EXPANDS = lora.CANDIDATE_SHRINK_CONFIGS, lora.CANDIDATE_EXPAND_CONFIGS
+_TILED = (lora.ShrinkConfig(32, 64, 4, 4), lora.ExpandConfig(32, 64, 4))
+
+
+@gpu
+@skip_without_cuda
+@pytest.mark.parametrize("shrink,expand", [
+    *((s, _EXPANDS[i % len(_EXPANDS)]) for i, s in enumerate(_SHRINKS)), _TILED], ids=str)
+def test_lora_bf16_candidate_configs(shrink, expand):
+    g = torch.Generator().manual_seed(5)
+    ranks = [[0, 0, 0]] + [[16, 16, 16]] * 63 + [[8, 0, 16]]
+    a, b, ranks_t, offsets = _slot_buffers(ranks, 4096, (4096, 1024, 1024), 16, torch.bfloat16,
+                                           "cuda")
+    slots = (torch.randperm(65, generator=g)[:64]).to(torch.int32).cuda()  # includes slot 0
+    x = torch.randn(64, 4096, generator=g).to("cuda", torch.bfloat16)
+    y = torch.randn(64, 6144, generator=g).to("cuda", torch.bfloat16)
+    shrunk = lora._launch_shrink(x, a, slots, ranks_t, shrink)
+    expected_shrunk = ref.lora_shrink(x.float(), a.float(), slots, ranks_t)
+    assert_close_bf16(shrunk, expected_shrunk, atol=6e-2, rtol=6e-2)
+    expected_y = ref.lora_expand(y.float(), expected_shrunk, b.float(), slots, ranks_t, offsets)
+    out = lora._launch_expand(y, shrunk, b, slots, ranks_t, list(offsets), expand)
+    assert_close_bf16(out, expected_y, atol=6e-2, rtol=6e-2)

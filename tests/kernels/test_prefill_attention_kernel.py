@@ -71,12 +71,17 @@ def test_wrapper_rejects_bad_inputs():
 
 @gpu
 @skip_without_cuda
-def test_prefill_bf16_llama_shapes():
+@pytest.mark.parametrize("config", [None, *prefill_attention.CANDIDATE_CONFIGS], ids=str)
+def test_prefill_bf16_llama_shapes(config):
     query_lens, context_lens = [512, 300, 1, 1000], [0, 1024, 2000, 17]
     q, kv_layer, block_tables, qsl, lens = _batch(query_lens, context_lens, 32, 8, 128, 16,
                                                   torch.bfloat16, "cuda")
-    out, lse = prefill_attention.paged_attention(q, kv_layer, block_tables, qsl, lens,
-                                                 128 ** -0.5, return_lse=True)
+    if config is None:
+        out, lse = prefill_attention.paged_attention(q, kv_layer, block_tables, qsl, lens,
+                                                     128 ** -0.5, return_lse=True)
+    else:  # a config the benchmark sweeps
+        out, lse = prefill_attention._launch(q, kv_layer, block_tables, qsl, lens, 128 ** -0.5,
+                                             True, config)
     expected, expected_lse = ref.paged_attention(q.float(), kv_layer.float(), block_tables, qsl,
                                                  lens, 128 ** -0.5, return_lse=True)
     assert torch.isfinite(out).all()

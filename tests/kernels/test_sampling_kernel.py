@@ -83,6 +83,14 @@ def test_kept_set_is_exactly_the_reference_one(top_k, top_p, temperature):
     _assert_draws_cover_support(draw(SUPPORT_LOGITS, 60, temperature, top_k, top_p), probs)
 
 
+def test_tokens_tied_at_the_top_k_boundary_are_all_kept():
+    logits = torch.tensor([5.0, 4.0, 1.0, 4.0, 0.0, 4.0, -1.0, 2.0])
+    support = tie_inclusive_support(logits, 8.0, 2, 1.0)
+    assert support.tolist() == [True, True, False, True, False, True, False, False]
+    _assert_draws_cover_support(draw(logits, 60, 8.0, 2, 1.0, dtype=torch.float16),
+                                support.double())
+
+
 def test_kept_set_on_the_whole_row_path(monkeypatch):
     """Too many candidates for the scratch row: the searches run over the row itself."""
     monkeypatch.setattr(sampling, "MAX_CAND", 2)
@@ -164,16 +172,41 @@ def test_frequencies_over_a_million_draws(temperature, top_k, top_p):
     assert (freq - probs).abs().max() < 3e-3
 
 
+def tie_inclusive_support(logits: torch.Tensor, temperature: float, top_k: int, top_p: float):
+    """The kernel's kept set: the reference's, plus every token tied with its last member
+    (the reference cuts ties by sort order; 16-bit logits tie often)."""
+    scaled = logits.double() / temperature
+    keep = torch.ones_like(scaled, dtype=torch.bool)
+    if 0 < top_k < len(scaled):
+        keep = scaled >= scaled.sort(descending=True).values[top_k - 1]
+    probs = torch.where(keep, (scaled - scaled.max()).exp(), 0.0)
+    probs = probs / probs.sum()
+    values, order = scaled.sort(descending=True)
+    sorted_probs = probs[order]
+    # mass strictly above each value: the cumulative mass before its first tie
+    first = torch.searchsorted(-values, -values, side="left")
+    mass_above = (sorted_probs.cumsum(0) - sorted_probs)[first]
+    kept = torch.zeros_like(keep)
+    kept[order] = (mass_above < top_p) & keep[order]
+    return kept
+
+
 @gpu
 @skip_without_cuda
 def test_llama_vocab_support_and_greedy():
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(128256, generator=g) * 4
-    for top_k, top_p in [(50, 1.0), (0, 0.9), (1000, 0.8), (40000, 0.95)]:
-        support = filtered_probs(logits, 1.0, top_k, top_p) > 0
-        tokens = draw(logits, 4096, 1.0, top_k, top_p, device="cuda", dtype=torch.bfloat16)
-        bf16_support = filtered_probs(logits.bfloat16().float(), 1.0, top_k, top_p) > 0
-        assert bf16_support[tokens.cpu()].all(), (top_k, top_p)
-        assert support.sum() > 0
+    for dtype in (torch.float32, torch.bfloat16):
+        rounded = logits.to(dtype).float()
+        for top_k, top_p in [(50, 1.0), (0, 0.9), (1000, 0.8), (40000, 0.95)]:
+            support = tie_inclusive_support(rounded, 1.0, top_k, top_p)
+            assert support.sum() >= (filtered_probs(rounded, 1.0, top_k, top_p) > 0).sum()
+            tokens = draw(logits, 4096, 1.0, top_k, top_p, device="cuda", dtype=dtype)
+            assert support[tokens.cpu()].all(), (dtype, top_k, top_p)
+            if top_k == 50:  # a small kept set: all of it shows up in 4096 draws
+                drawn = torch.zeros_like(support)
+                drawn[tokens.cpu()] = True
+                hits = filtered_probs(rounded, 1.0, top_k, top_p) > 2e-3
+                assert drawn[hits].all()
     greedy = draw(logits, 8, 0.0, 0, 1.0, device="cuda")
     assert (greedy.cpu() == logits.argmax()).all()
