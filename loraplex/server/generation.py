@@ -82,7 +82,7 @@ def sampling_params(
         max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k,
         seed=None if body.seed is None else body.seed % 2**63, stop=body.stop or (),
-        logprobs=logprobs,
+        logprobs=logprobs, ignore_eos=bool(body.ignore_eos),
     )
 
 

@@ -50,8 +50,20 @@ def server(registry_config: RegistryConfig, engine: LLMEngine, adapter_dirs: dic
     """A server on SQLite or PostgreSQL with tenants acme (adapters `style` = qv, `shared` =
     mlp) and globex (adapter `shared` = qv2)."""
     with serve(registry_config, engine, tenants=("acme", "globex")) as running:
-        adapters = running.registry.adapters
-        adapters.upload_dir("acme", "style", adapter_dirs["qv"])
-        adapters.upload_dir("acme", "shared", adapter_dirs["mlp"])
-        adapters.upload_dir("globex", "shared", adapter_dirs["qv2"])
+        add_adapters(running, adapter_dirs)
         yield running
+
+
+@pytest.fixture
+def sqlite_server(tmp_path: Path, engine: LLMEngine, adapter_dirs: dict[str, Path]) -> Iterator[Server]:
+    """The same on SQLite only, for behaviour that does not depend on the database."""
+    with serve(RegistryConfig(data_dir=tmp_path / "data"), engine, tenants=("acme", "globex")) as running:
+        add_adapters(running, adapter_dirs)
+        yield running
+
+
+def add_adapters(server: Server, adapter_dirs: dict[str, Path]) -> None:
+    adapters = server.registry.adapters
+    adapters.upload_dir("acme", "style", adapter_dirs["qv"])
+    adapters.upload_dir("acme", "shared", adapter_dirs["mlp"])
+    adapters.upload_dir("globex", "shared", adapter_dirs["qv2"])

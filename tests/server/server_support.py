@@ -104,12 +104,15 @@ class Server:
         return httpx.Client(base_url=self.url, timeout=60,
                             headers={"Authorization": f"Bearer {key or self.admin_key}"})
 
-    def metric(self, name: str) -> float:
-        """The value of an unlabelled-but-model_name metric from /metrics."""
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of the sample `name` from /metrics whose labels include `labels`."""
+        from prometheus_client.parser import text_string_to_metric_families
+
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                return float(line.rsplit(" ", 1)[1])
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and labels.items() <= sample.labels.items():
+                    return sample.value
         raise KeyError(name)
 
 

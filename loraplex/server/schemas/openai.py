@@ -42,6 +42,8 @@ class SamplingFields(Request):
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling. Default 1.")
     top_k: int | None = Field(None, ge=-1, description="loraplex extension: keep the k most "
                               "likely tokens (-1 or 0: all).")
+    ignore_eos: bool | None = Field(None, description="loraplex extension (as vLLM's): keep "
+                                    "generating past the end-of-sequence token.")
     n: int | None = Field(None, description="Only 1 is supported.")
     stream: bool | None = False
     stream_options: StreamOptions | None = None

@@ -1,0 +1,221 @@
+"""Serving under pressure: concurrent clients (usage exact on SQLite and PostgreSQL), clients
+that leave (engine work aborted), tenant limits and a full server (429/503 with Retry-After),
+an engine failure in mid-stream, metrics and health."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from loraplex.registry import RegistryConfig
+from tests.server.server_support import MODEL_ID, Server, serve
+
+LONG = 480
+"""max_tokens that keeps a request busy for seconds (the context is 512)."""
+HOLD = {"max_tokens": LONG, "ignore_eos": True, "stream": True}
+
+
+def _wait_until(condition, timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def _engine(server: Server) -> dict:
+    with server.http() as http:
+        return http.get("/admin/api/engine").json()
+
+
+def test_concurrent_clients_lose_nothing(server: Server) -> None:
+    """Several threads, mixed tenants, adapters, streaming and not: every request answered, and
+    the usage the registry recorded is exactly the sum of the usage the clients were told."""
+    plan = [(tenant, model, stream) for tenant, model in [("acme", "style"), ("acme", MODEL_ID),
+                                                          ("acme", "shared"), ("globex", "shared")]
+            for stream in (False, True)] * 5
+    random.Random(0).shuffle(plan)
+
+    def call(job: tuple[str, str, bool]) -> tuple[str, str | None, int, int]:
+        tenant, model, stream = job
+        client = server.openai(tenant)
+        max_tokens = random.Random(hash(job)).randint(1, 12)
+        if stream:
+            chunks = list(client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": f"{tenant} {model}"}],
+                max_tokens=max_tokens, stream=True, stream_options={"include_usage": True}))
+            usage = chunks[-1].usage
+        else:
+            usage = client.completions.create(model=model, prompt=f"{tenant}/{model}",
+                                              max_tokens=max_tokens).usage
+        assert usage.completion_tokens <= max_tokens
+        return tenant, None if model == MODEL_ID else model, usage.prompt_tokens, usage.completion_tokens
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(call, plan))
+    assert len(results) == len(plan)
+    expected: Counter = Counter()
+    for tenant, adapter, prompt, completion in results:
+        expected[(tenant, adapter, "requests")] += 1
+        expected[(tenant, adapter, "prompt")] += prompt
+        expected[(tenant, adapter, "completion")] += completion
+    with server.http() as http:
+        report = http.get("/admin/api/usage").json()
+    recorded: Counter = Counter()
+    for row in report["rows"]:
+        key = (row["tenant"], row["adapter"])
+        recorded[(*key, "requests")] += row["num_requests"]
+        recorded[(*key, "prompt")] += row["prompt_tokens"]
+        recorded[(*key, "completion")] += row["completion_tokens"]
+    assert recorded == expected
+    assert server.metric("loraplex:requests_in_flight") == 0
+
+
+def test_a_client_that_leaves_a_stream_stops_its_engine_work(sqlite_server: Server) -> None:
+    server = sqlite_server
+    with server.http(server.keys["acme"]) as http, http.stream("POST", "/v1/completions", json={
+            "model": "style", "prompt": "go on", **HOLD}) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert _engine(server)["num_requests_running"] == 1
+    # The connection is closed: the engine request is aborted, not run to its end.
+    _wait_until(lambda: _engine(server)["num_requests_running"] == 0, 5, "the running count to drop")
+    assert server.metric("vllm:num_requests_running") == 0
+    assert server.metric("loraplex:requests_in_flight") == 0
+    assert server.metric("loraplex:requests_aborted_total") == 1
+    with server.http() as http:
+        (row,) = http.get("/admin/api/usage", params={"tenant": "acme"}).json()["rows"]
+    assert row["num_requests"] == 1 and 0 < row["completion_tokens"] < LONG
+
+
+def test_a_client_that_leaves_before_its_answer_stops_its_engine_work(sqlite_server: Server) -> None:
+    server = sqlite_server
+    body = json.dumps({"model": MODEL_ID, "prompt": "wait", "max_tokens": LONG, "ignore_eos": True}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.keys['acme']}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(request)
+        _wait_until(lambda: _engine(server)["num_generated_tokens"] > 0, 5, "generation to start")
+        assert _engine(server)["num_requests_running"] == 1
+    _wait_until(lambda: _engine(server)["num_requests_running"] == 0, 5, "the running count to drop")
+    _wait_until(lambda: server.metric("loraplex:requests_in_flight") == 0, 5, "the request to end")
+    with server.http() as http:
+        (row,) = http.get("/admin/api/usage", params={"tenant": "acme"}).json()["rows"]
+    assert row["completion_tokens"] < LONG
+
+
+def test_tenant_limits_answer_429_with_retry_after(sqlite_server: Server) -> None:
+    server = sqlite_server
+    client = server.openai("acme")
+    with server.http() as admin:
+        assert admin.patch("/admin/api/tenants/acme", json={"max_concurrent_requests": 1}).status_code == 200
+        with server.http(server.keys["acme"]) as http, http.stream("POST", "/v1/completions", json={
+                "model": MODEL_ID, "prompt": "hold", **HOLD}) as held:
+            lines = held.iter_lines()  # kept: dropping the iterator would close the stream
+            next(lines)
+            with pytest.raises(openai.RateLimitError) as caught:
+                client.completions.create(model=MODEL_ID, prompt="x", max_tokens=1)
+            assert caught.value.code == "rate_limit_exceeded"
+            assert int(caught.value.response.headers["retry-after"]) >= 1
+            assert server.openai("globex").completions.create(model=MODEL_ID, prompt="x", max_tokens=1)
+            assert admin.get("/admin/api/tenants/acme").json()["requests_in_flight"] == 1
+        _wait_until(lambda: server.metric("loraplex:requests_in_flight") == 0, 5, "the stream to end")
+        assert client.completions.create(model=MODEL_ID, prompt="x", max_tokens=1).choices
+
+        admin.patch("/admin/api/tenants/acme", json={"max_concurrent_requests": None,
+                                                     "max_requests_per_minute": 2})
+        for _ in range(2):
+            client.completions.create(model=MODEL_ID, prompt="x", max_tokens=1)
+        with pytest.raises(openai.RateLimitError) as caught:
+            client.completions.create(model=MODEL_ID, prompt="x", max_tokens=1)
+        headers = caught.value.response.headers
+        assert 1 <= int(headers["retry-after"]) <= 60
+        assert headers["x-ratelimit-limit-requests"] == "2"
+        assert headers["x-ratelimit-remaining-requests"] == "0"
+
+        admin.patch("/admin/api/tenants/acme", json={"max_requests_per_minute": None,
+                                                     "max_tokens_per_minute": 50})
+        with pytest.raises(openai.RateLimitError) as caught:  # can never fit: do not retry
+            client.completions.create(model=MODEL_ID, prompt="x", max_tokens=60)
+        assert caught.value.response.headers["x-should-retry"] == "false"
+        client.completions.create(model=MODEL_ID, prompt="xy", max_tokens=20)  # 22 tokens reserved
+        client.completions.create(model=MODEL_ID, prompt="xy", max_tokens=20)
+        with pytest.raises(openai.RateLimitError):  # 44 used, 22 more would pass 50
+            client.completions.create(model=MODEL_ID, prompt="xy", max_tokens=20)
+    assert server.metric("loraplex:requests_rejected_total", reason="rate_limit") == 4
+
+
+def test_a_full_server_answers_503_with_retry_after(tmp_path: Path, engine) -> None:
+    with serve(RegistryConfig(data_dir=tmp_path / "data"), engine, max_requests_in_flight=1) as server:
+        with server.http(server.keys["acme"]) as http, http.stream("POST", "/v1/completions", json={
+                "model": MODEL_ID, "prompt": "hold", **HOLD}) as held:
+            lines = held.iter_lines()  # kept: dropping the iterator would close the stream
+            next(lines)
+            response = http.post("/v1/completions", json={"model": MODEL_ID, "prompt": "x", "max_tokens": 1})
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+        assert response.json()["error"]["code"] == "server_overloaded"
+
+
+def test_an_engine_failure_mid_stream_is_an_error_event(sqlite_server: Server, engine) -> None:
+    """Fault injection at the model boundary (as a GPU error would): the stream ends with an
+    error event, the client raises, and the engine keeps serving."""
+    server = sqlite_server
+    real_execute = engine.runner.execute
+    failing = threading.Event()
+
+    def execute(plan):
+        if failing.is_set():
+            raise RuntimeError("injected device failure")
+        return real_execute(plan)
+
+    engine.runner.execute = execute
+    try:
+        client = server.openai("acme")
+        stream = client.chat.completions.create(model="style", messages=[{"role": "user", "content": "x"}],
+                                                max_tokens=LONG, stream=True, extra_body={"ignore_eos": True})
+        next(stream)
+        failing.set()
+        with pytest.raises(openai.APIError, match="the engine failed on this request"):
+            for _ in stream:
+                pass
+        failing.clear()
+        with server.http(server.keys["acme"]) as http:  # not streaming: a 500 with a request id
+            failing.set()
+            response = http.post("/v1/completions", json={"model": MODEL_ID, "prompt": "x", "max_tokens": 3})
+            failing.clear()
+        assert response.status_code == 500 and response.json()["error"]["code"] == "engine_error"
+        assert client.completions.create(model="style", prompt="still fine", max_tokens=3).choices
+    finally:
+        engine.runner.execute = real_execute
+    assert server.metric("loraplex:requests_in_flight") == 0
+
+
+def test_metrics_health_and_readiness(sqlite_server: Server) -> None:
+    server = sqlite_server
+    usage = server.openai("acme").completions.create(model="style", prompt="measure", max_tokens=5).usage
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/ready").json() == {"status": "ready", "model": MODEL_ID}
+    response = httpx.get(f"{server.url}/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    text = response.text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:num_preemptions_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "vllm:request_success_total", "loraplex:lora_adapters_resident",
+                 "loraplex:generation_tokens_per_second", "loraplex:requests_in_flight"):
+        assert name in text, name
+    assert server.metric("vllm:prompt_tokens_total") == usage.prompt_tokens
+    assert server.metric("vllm:generation_tokens_total") == usage.completion_tokens
+    assert server.metric("vllm:e2e_request_latency_seconds_count") == 1
+    assert server.metric("vllm:request_success_total", finished_reason="length") == 1
