@@ -258,23 +258,29 @@ def lora_inputs(case: LoraCase):
     return x, a, b, slots, ranks, offsets, y
 
 
-def lora_bytes(case: LoraCase) -> tuple[float, float]:
-    """(adapter bytes that must be read: the true rank of A and B of each active adapter;
-    all bytes: those plus x, y read and written, the shrunk buffer written and read)."""
+def lora_bytes(case: LoraCase, which: str = "both") -> tuple[float, float]:
+    """(adapter bytes that must be read: the true rank of A (shrink) and/or B (expand) of each
+    active adapter; all bytes: those plus x, y read and written, the shrunk buffer zeroed,
+    written and read)."""
     active = min(case.num_tokens, case.num_adapters)
     out_features = sum(case.slice_sizes)
-    adapter = active * case.rank * (len(case.slice_sizes) * case.in_features + out_features) * 2
+    a_bytes = active * case.rank * len(case.slice_sizes) * case.in_features * 2
+    b_bytes = active * case.rank * out_features * 2
     shrunk = len(case.slice_sizes) * case.num_tokens * case.max_rank * 4
-    io = case.num_tokens * (case.in_features + 2 * out_features) * 2 + 3 * shrunk
-    return adapter, adapter + io
+    x_io, y_io = case.num_tokens * case.in_features * 2, case.num_tokens * out_features * 2 * 2
+    if which == "shrink":
+        return a_bytes, a_bytes + x_io + 2 * shrunk
+    if which == "expand":
+        return b_bytes, b_bytes + y_io + shrunk
+    return a_bytes + b_bytes, a_bytes + b_bytes + x_io + y_io + 3 * shrunk
 
 
 def bench_lora(case: LoraCase, shrink_cfg: lora.ShrinkConfig | None = None,
                expand_cfg: lora.ExpandConfig | None = None, which: str = "both") -> Result:
-    adapter, total = lora_bytes(case)
+    adapter, total = lora_bytes(case, which)
     if ("lora", case) not in _INPUTS:
         _INPUTS.clear()
-        _INPUTS[("lora", case)] = [lora_inputs(case) for _ in range(num_sets(adapter))]
+        _INPUTS[("lora", case)] = [lora_inputs(case) for _ in range(num_sets(lora_bytes(case)[0]))]
     sets = _INPUTS[("lora", case)]
     x0, a0 = sets[0][0], sets[0][1]
     shrink_cfg = shrink_cfg or lora.shrink_config(case.num_tokens, a0.shape[1], case.in_features,
