@@ -1,0 +1,148 @@
+"""Compile every Triton kernel for the H100 (sm_90) on a machine without a GPU, with the
+launch configs the wrappers pick at Llama-3-8B shapes, and print one line per kernel:
+`OK name regs=R stack=S shared=B` or `FAIL name: error`. ptxas and cuobjdump come with the
+triton wheel. Run as `python -m tests.kernels.compile_sm90` with TRITON_INTERPRET unset (the
+interpreter replaces the kernels it decorates)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterator
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from loraplex.kernels import activation, lora, norm, rotary, sampling
+from loraplex.kernels import decode_attention as decode
+from loraplex.kernels import prefill_attention as prefill
+
+TARGET = GPUTarget("cuda", 90, 32)
+BF16, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
+KV_STRIDES = dict(stride_kv_block=32 * 2 * 16 * 8 * 128, stride_kv_kv=16 * 8 * 128,
+                  stride_kv_tok=8 * 128, stride_kv_head=128)
+
+
+def _signature(fn, args: dict, constexprs: dict) -> tuple[dict, dict]:
+    """Types of the runtime arguments, and the 16-divisibility the JIT would see for aligned
+    pointers and multiples of 16 (it decides vector widths and software pipelining)."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        value = args[name]
+        if isinstance(value, str):
+            sig[name] = value
+        elif isinstance(value, float):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i64" if abs(value) >= 2**31 else "i32"
+        if isinstance(value, str) or (isinstance(value, int) and value % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def _resources(cubin: bytes) -> tuple[str, str]:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        info = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    regs, stack = re.search(r"REG:(\d+)", info), re.search(r"STACK:(\d+)", info)
+    return (regs.group(1) if regs else "?"), (stack.group(1) if stack else "?")
+
+
+def compile_kernel(name: str, fn, args: dict, constexprs: dict, num_warps: int,
+                   num_stages: int = 2) -> str:
+    sig, attrs = _signature(fn, args, constexprs)
+    try:
+        kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
+                                target=TARGET,
+                                options={"num_warps": num_warps, "num_stages": num_stages})
+    except Exception as e:  # report, and go on with the other kernels
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"FAIL {name}: {first}"
+    regs, stack = _resources(kernel.asm["cubin"])
+    return f"OK {name} regs={regs} stack={stack} shared={kernel.metadata.shared}"
+
+
+def _cases() -> Iterator[tuple]:
+    norm_args = dict(x_ptr=BF16, residual_ptr=BF16, weight_ptr=BF16, out_ptr=BF16,
+                     residual_out_ptr=BF16, hidden=4096, stride_x=4096, stride_residual=4096,
+                     stride_out=4096, stride_residual_out=4096, eps=1e-5)
+    for fused in (True, False):
+        yield (f"rms_norm fused={fused}", norm._rms_norm_kernel, norm_args,
+               dict(HAS_RESIDUAL=fused, BLOCK=4096), 8)
+    yield ("rotary_store_kv", rotary._rotary_store_kv_kernel, dict(
+        positions_ptr=I64, q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, cos_sin_ptr=F32, kv_ptr=BF16,
+        slots_ptr=I64, q_out_ptr=BF16, stride_q_tok=6144, stride_q_head=128, stride_k_tok=6144,
+        stride_k_head=128, stride_v_tok=6144, stride_v_head=128, stride_cos_sin=128,
+        **KV_STRIDES, stride_q_out_tok=4096, stride_q_out_head=128, num_heads=32,
+        num_kv_heads=8, half=64, block_size=16), dict(BLOCK_H=32, BLOCK_KV_H=8, BLOCK_HALF=64), 4)
+    base = decode.decode_config(64, 8, 2048, 128, _cpu())  # one split at batch 64
+    for splits in (1, 8):  # the H100 takes 8 splits at batch 8, context 8192
+        cfg = decode.DecodeConfig(splits, base.block_n, base.num_warps, base.num_stages)
+        yield (f"decode {cfg}", decode._decode_split_kernel, dict(
+            q_ptr=BF16, kv_ptr=BF16, block_tables_ptr=I32, seq_lens_ptr=I32, out_ptr=BF16,
+            part_out_ptr=F32, part_lse_ptr=F32, stride_q_seq=4096, stride_q_head=128,
+            **KV_STRIDES, stride_bt_seq=512, stride_out_seq=4096, stride_out_head=128,
+            scale_log2=0.127, num_heads=32, group=4, head_dim=128),
+            dict(PAGE_SIZE=16, NUM_SPLITS=cfg.num_splits, BLOCK_H=16, BLOCK_N=cfg.block_n,
+                 BLOCK_D=128, UPCAST=False), cfg.num_warps, cfg.num_stages)
+    yield ("decode reduce", decode._decode_reduce_kernel, dict(
+        part_out_ptr=F32, part_lse_ptr=F32, seq_lens_ptr=I32, out_ptr=BF16, stride_out_seq=4096,
+        stride_out_head=128, num_heads=32, head_dim=128),
+        dict(NUM_SPLITS=8, BLOCK_S=8, BLOCK_N=64, BLOCK_D=128), 4)
+    cfg = prefill.prefill_config(4, 128)
+    yield (f"prefill {cfg}", prefill._prefill_kernel, dict(
+        q_ptr=BF16, kv_ptr=BF16, block_tables_ptr=I32, query_start_loc_ptr=I32, seq_lens_ptr=I32,
+        out_ptr=BF16, lse_ptr=F32, stride_q_tok=4096, stride_q_head=128, **KV_STRIDES,
+        stride_bt_seq=512, stride_out_tok=4096, stride_out_head=128, stride_lse_tok=32,
+        scale_log2=0.127, num_seqs=4, group=4, head_dim=128),
+        dict(PAGE_SIZE=16, RETURN_LSE=True, BLOCK_Q=cfg.block_m // 4, GROUP_P2=4,
+             BLOCK_N=cfg.block_n, BLOCK_D=128, UPCAST=False), cfg.num_warps, cfg.num_stages)
+    for num_tokens in (64, 2048):
+        s = lora.shrink_config(num_tokens, 3, 4096, 16, _cpu())
+        yield (f"lora shrink {s}", lora._lora_shrink_kernel, dict(
+            x_ptr=BF16, a_ptr=BF16, token_slots_ptr=I32, ranks_ptr=I32, out_ptr=F32,
+            num_tokens=num_tokens, in_features=4096, k_per_split=1024, stride_x_tok=4096,
+            stride_a_slot=3 * 16 * 4096, stride_a_slice=16 * 4096, stride_a_rank=4096,
+            stride_ranks_slot=3, stride_out_slice=num_tokens * 16, stride_out_tok=16),
+            dict(BLOCK_M=s.block_m, BLOCK_R=16, BLOCK_K=s.block_k, ATOMIC=True, UPCAST=False),
+            s.num_warps)
+        e = lora.expand_config(num_tokens, 16)
+        yield (f"lora expand {e}", lora._lora_expand_kernel, dict(
+            y_ptr=BF16, shrunk_ptr=F32, b_ptr=BF16, token_slots_ptr=I32, ranks_ptr=I32,
+            num_tokens=num_tokens, off0=0, off1=4096, off2=5120, off3=6144, off4=6144,
+            stride_y_tok=6144, stride_s_slice=num_tokens * 16, stride_s_tok=16,
+            stride_b_slot=6144 * 16, stride_b_out=16, stride_ranks_slot=3),
+            dict(BLOCK_M=e.block_m, BLOCK_N=e.block_n, BLOCK_R=16), e.num_warps)
+    yield ("silu_and_mul", activation._silu_and_mul_kernel, dict(
+        x_ptr=BF16, out_ptr=BF16, intermediate=14336, stride_x=28672, stride_out=14336),
+        dict(BLOCK_SIZE=activation.BLOCK), 4)
+    yield ("sample", sampling._sample_kernel, dict(
+        logits_ptr=F32, temperature_ptr=F32, top_k_ptr=I32, top_p_ptr=F32, seeds_ptr=I64,
+        offsets_ptr=I64, out_ptr=I64, cand_val_ptr=F32, cand_idx_ptr=I32, vocab=128256,
+        stride_row=128256), dict(MAX_CAND_=sampling.MAX_CAND, NUM_PIVOTS_=16,
+                                 NUM_LEVELS_=sampling.NUM_LEVELS, BLOCK_SIZE=sampling.BLOCK), 8)
+
+
+def _cpu():
+    import torch
+
+    return torch.device("cpu")
+
+
+def main() -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
+    for case in _cases():
+        print(compile_kernel(*case), flush=True)
+
+
+if __name__ == "__main__":
+    main()
