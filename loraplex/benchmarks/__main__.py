@@ -1,0 +1,10 @@
+"""`python -m loraplex.benchmarks decode|accuracy ...`."""
+
+import argparse
+
+from loraplex.benchmarks.cli import add_benchmarks
+
+parser = argparse.ArgumentParser(prog="python -m loraplex.benchmarks")
+add_benchmarks(parser)
+args = parser.parse_args()
+args.run(args)

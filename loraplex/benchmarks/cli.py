@@ -1,0 +1,81 @@
+"""`loraplex bench decode|accuracy` (also `python -m loraplex.benchmarks decode|accuracy`, which
+needs neither the registry's nor the server's packages, for bare GPU machines)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+DEFAULT_OUT = Path("bench/results")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(","))
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("bench", help="benchmarks (need a GPU)")
+    add_benchmarks(parser)
+
+
+def add_benchmarks(parser: argparse.ArgumentParser) -> None:
+    kinds = parser.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    decode = kinds.add_parser("decode", help="multi-adapter decode on a Llama-3-8B-shaped model "
+                              "against transformers + PEFT")
+    decode.add_argument("--batch-sizes", type=_ints, default=(1, 8, 32, 64, 128))
+    decode.add_argument("--prompt-len", type=int, default=512)
+    decode.add_argument("--new-tokens", type=int, default=128)
+    decode.add_argument("--rank", type=int, default=16)
+    decode.add_argument("--hf-batch-sizes", type=_ints, default=(1, 8, 32))
+    decode.add_argument("--hf-new-tokens", type=int, default=16)
+    decode.add_argument("--bandwidth", type=float, default=3.0e12,
+                        help="memory bandwidth for the floor, bytes/s (default: 3.0e12, the H100's)")
+    _common(decode)
+    decode.set_defaults(run=run_decode)
+    accuracy = kinds.add_parser("accuracy", help="the bf16 engine against its float32 reference path")
+    accuracy.add_argument("--num-requests", type=int, default=64)
+    accuracy.add_argument("--prompt-len", type=int, default=256)
+    accuracy.add_argument("--new-tokens", type=int, default=64)
+    accuracy.add_argument("--rank", type=int, default=16)
+    _common(accuracy)
+    accuracy.set_defaults(run=run_accuracy)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model-overrides", type=json.loads, default={},
+                        help="JSON of config.json keys replacing the Llama-3-8B shape")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help=f"results folder (default {DEFAULT_OUT})")
+
+
+def run_decode(args: argparse.Namespace) -> None:
+    from loraplex.benchmarks import decode
+
+    config = decode.DecodeBenchConfig(
+        batch_sizes=args.batch_sizes, prompt_len=args.prompt_len, new_tokens=args.new_tokens, rank=args.rank,
+        hf_batch_sizes=args.hf_batch_sizes, hf_new_tokens=args.hf_new_tokens, bandwidth=args.bandwidth,
+        device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
+        model=args.model_overrides,
+    )
+    path = decode.write(decode.run(config), args.out)
+    print(f"wrote {path}")
+    try:
+        decode.plot(path, path.with_suffix(".png"))
+        print(f"wrote {path.with_suffix('.png')}")
+    except ImportError:
+        print("matplotlib is not installed: no plot (run `python -m loraplex.benchmarks.plot` later)")
+
+
+def run_accuracy(args: argparse.Namespace) -> None:
+    from loraplex.benchmarks import accuracy
+
+    config = accuracy.AccuracyConfig(
+        num_requests=args.num_requests, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+        rank=args.rank, device=args.device, model=args.model_overrides,
+    )
+    result = accuracy.run(config)
+    path = accuracy.write(result, args.out)
+    print(json.dumps({k: v for k, v in result.items() if k != "config"}, indent=2))
+    print(f"wrote {path}")
