@@ -1,0 +1,152 @@
+// Engine: requests running, waiting and swapped, KV blocks, adapters in device slots and the
+// generation rate, polled from GET /admin/api/engine while the page is open and visible.
+
+import { api } from "../api.js";
+import { lineChart } from "../components/chart.js";
+import { h, replace } from "../components/dom.js";
+import { formatDuration, formatNumber, formatRate, shortHash } from "../components/format.js";
+import { pageHead } from "../components/page.js";
+import { table } from "../components/table.js";
+
+export const title = "Engine";
+
+export const POLL_MS = 1500;
+const HISTORY = 80;  // samples kept for the charts: two minutes at POLL_MS
+
+const STATS = [
+  { key: "running", label: "Running", value: (s) => formatNumber(s.num_requests_running) },
+  { key: "waiting", label: "Waiting", value: (s) => formatNumber(s.num_requests_waiting) },
+  { key: "swapped", label: "Swapped to host", value: (s) => formatNumber(s.num_requests_swapped) },
+  { key: "in-flight", label: "In flight (server)", value: (s) => formatNumber(s.num_requests_in_flight) },
+  {
+    key: "kv", label: "KV blocks in use", value: (s) => formatNumber(s.kv_blocks_used),
+    sub: (s) => `of ${formatNumber(s.kv_blocks_total)} (${(100 * s.kv_cache_usage).toFixed(1)}%)`,
+    meter: (s) => s.kv_cache_usage,
+  },
+  { key: "tokens-per-second", label: "Tokens per second", value: (s) => formatRate(s.generation_tokens_per_second) },
+  { key: "generated", label: "Tokens generated", value: (s) => formatNumber(s.num_generated_tokens), sub: () => "since start" },
+  {
+    key: "resident", label: "Adapters resident", value: (s) => formatNumber(s.adapters_resident.length),
+    sub: (s) => `of ${formatNumber(s.num_adapter_slots)} device slots`,
+    meter: (s) => (s.num_adapter_slots ? s.adapters_resident.length / s.num_adapter_slots : 0),
+  },
+  { key: "host", label: "Adapters in host memory", value: (s) => formatNumber(s.num_adapters_loaded) },
+  { key: "preemptions", label: "Preemptions", value: (s) => formatNumber(s.num_preemptions), sub: () => "since start" },
+];
+
+function statTiles() {
+  const tiles = {};
+  const list = h("dl", { class: "stats", "aria-label": "Engine figures" }, STATS.map((stat) => {
+    const value = h("span", { dataset: { stat: stat.key } }, "—");
+    const sub = stat.sub ? h("span", { class: "sub" }) : null;
+    const meterFill = stat.meter ? h("span", { class: "meter-fill" }) : null;
+    tiles[stat.key] = { value, sub, meterFill };
+    return h("div", { class: "stat" }, h("dt", {}, stat.label), h("dd", {}, value, sub,
+      meterFill ? h("span", { class: "meter", "aria-hidden": "true" }, meterFill) : null));
+  }));
+  return {
+    list,
+    update(state) {
+      for (const stat of STATS) {
+        const tile = tiles[stat.key];
+        tile.value.textContent = stat.value(state);
+        if (tile.sub) tile.sub.textContent = stat.sub(state);
+        if (tile.meterFill) tile.meterFill.style.width = `${Math.min(100, 100 * stat.meter(state)).toFixed(1)}%`;
+      }
+    },
+  };
+}
+
+function residentTable(state) {
+  return table({
+    caption: `${state.adapters_resident.length} of ${state.num_adapter_slots} adapter slots in use`,
+    rows: state.adapters_resident,
+    rowKey: (a) => a.digest,
+    empty: "No adapter is in a device slot now. Adapters load on first use.",
+    columns: [
+      { label: "Digest", cell: (a) => h("code", { title: a.digest }, shortHash(a.digest, 16)) },
+      { label: "Adapters (tenant/name)", cell: (a) => (a.names.length ? a.names.join(", ") : h("span", { class: "muted" }, "unknown")) },
+    ],
+  });
+}
+
+export function render(container) {
+  const history = [];
+  const tiles = statTiles();
+  const summary = h("p", { class: "muted", dataset: { role: "summary" } }, "Loading…");
+  const alert = h("div", { class: "alert alert-error", role: "alert", hidden: true });
+  const rateChart = h("div", {});
+  const requestChart = h("div", {});
+  const resident = h("div", {});
+  const liveDot = h("span", { class: "live-dot", "aria-hidden": "true" });
+  const liveText = h("span", {}, `Live, every ${POLL_MS / 1000} s`);
+  const pause = h("button", { type: "button", class: "button button-secondary", "aria-pressed": "false" }, "Pause updates");
+  let isPaused = false;
+  let timer = null;
+  let isStopped = false;
+
+  function draw(state) {
+    tiles.update(state);
+    const alive = state.is_alive ? "running" : "stopped";
+    summary.textContent = `${state.model} on ${state.device} (${state.dtype}), engine ${alive}, `
+      + `context up to ${formatNumber(state.max_model_len)} tokens, up ${formatDuration(state.uptime_s)}.`;
+    const labels = history.map((s) => s.at);
+    replace(rateChart, lineChart({
+      title: "Generated tokens per second, last two minutes",
+      labels, series: [{ name: "tokens/s", values: history.map((s) => s.state.generation_tokens_per_second) }],
+      yFormat: (v) => formatRate(v),
+    }));
+    replace(requestChart, lineChart({
+      title: "Requests running, waiting and swapped, last two minutes",
+      labels, series: [
+        { name: "running", values: history.map((s) => s.state.num_requests_running) },
+        { name: "waiting", values: history.map((s) => s.state.num_requests_waiting) },
+        { name: "swapped", values: history.map((s) => s.state.num_requests_swapped) },
+      ],
+      isInteger: true,
+    }));
+    replace(resident, residentTable(state));
+  }
+
+  async function poll() {
+    timer = null;
+    if (isStopped) return;
+    if (!isPaused && !document.hidden) {
+      try {
+        const state = await api.engine();
+        if (isStopped) return;
+        history.push({ at: new Date().toLocaleTimeString(), state });
+        if (history.length > HISTORY) history.shift();
+        alert.hidden = true;
+        draw(state);
+      } catch (error) {
+        if (error.status === 401 || isStopped) return;
+        alert.textContent = `Could not read the engine state: ${error.message} Retrying…`;
+        alert.hidden = false;
+      }
+    }
+    if (!isStopped) timer = setTimeout(poll, POLL_MS);
+  }
+
+  pause.addEventListener("click", () => {
+    isPaused = !isPaused;
+    pause.setAttribute("aria-pressed", String(isPaused));
+    pause.textContent = isPaused ? "Resume updates" : "Pause updates";
+    liveDot.classList.toggle("paused", isPaused);
+    liveText.textContent = isPaused ? "Paused" : `Live, every ${POLL_MS / 1000} s`;
+  });
+
+  container.append(
+    pageHead("Engine", null, h("span", { class: "live" }, liveDot, liveText), pause),
+    summary, alert, tiles.list,
+    h("div", { class: "chart-grid" },
+      h("section", { class: "card", "aria-labelledby": "rate-title" }, h("h2", { id: "rate-title" }, "Generation rate"), rateChart),
+      h("section", { class: "card", "aria-labelledby": "requests-title" }, h("h2", { id: "requests-title" }, "Requests"), requestChart)),
+    h("section", { class: "card", "aria-labelledby": "resident-title" },
+      h("h2", { id: "resident-title" }, "Adapters in device slots"), resident));
+  poll();
+  return () => {
+    isStopped = true;
+    if (timer) clearTimeout(timer);
+  };
+}
