@@ -74,7 +74,8 @@ def _mount_admin_ui(app: FastAPI, config: ServerConfig) -> None:
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's document without its 422 responses: validation errors are 400s here."""
+    """FastAPI's document with its 422 responses turned into 400s (as validation errors are
+    answered here)."""
     if app.openapi_schema is None:
         from fastapi.openapi.utils import get_openapi
 
@@ -82,7 +83,12 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                              routes=app.routes, tags=app.openapi_tags)
         for path in schema.get("paths", {}).values():
             for operation in path.values():
-                operation.get("responses", {}).pop("422", None)
+                responses = operation.get("responses", {})
+                if responses.pop("422", None) is not None:
+                    responses.setdefault("400", {
+                        "description": "Invalid request: the error names the parameter (`param`).",
+                        "content": {"application/json": {"schema": {
+                            "$ref": "#/components/schemas/ErrorResponse"}}}})
         for name in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(name, None)
         app.openapi_schema = schema

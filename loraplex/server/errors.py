@@ -6,6 +6,7 @@ not) try again. Internal errors are logged under the request id and answered gen
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -138,7 +139,7 @@ async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
 
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+    codes = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
     return JSONResponse(error_body(str(exc.detail), exc.status_code, codes.get(exc.status_code)),
                         exc.status_code, exc.headers)
 
@@ -151,11 +152,13 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    """FastAPI's 422 becomes a 400 naming the first offending field, as OpenAI answers."""
-    errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": "value_error"}
-    location = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
-    param = ".".join(location) or None
+    """FastAPI's 422 becomes a 400 naming the offending field, as OpenAI answers."""
+    errors = exc.errors() or [{"loc": (), "msg": "invalid request", "type": "value_error"}]
+    # A union (e.g. `prompt`: text or token ids) reports one error per form; the most telling
+    # is one where the type matched and a constraint failed.
+    first = next((e for e in errors if not str(e.get("type", "")).endswith(("_type", "_parsing"))),
+                 errors[0])
+    param = _param(first.get("loc", ()))
     kind = first.get("type", "")
     if kind == "extra_forbidden":
         message, code = f"Unrecognized request argument supplied: {param}", "unknown_parameter"
@@ -165,6 +168,20 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         message, code, param = "The request body is not valid JSON", "invalid_json", None
     else:
         message = first.get("msg", "invalid value")
-        message = f"{param}: {message}" if param else message
-        code = "invalid_value"
+        message, code = (f"{param}: {message}" if param else message), "invalid_value"
     return JSONResponse(error_body(message, 400, code, param), 400)
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|bytes|none|dict|list|tuple|set)$|[\[\-]")
+
+
+def _param(location: tuple) -> str | None:
+    """`messages.0.role` from pydantic's location, without its union tags (`list[int]`)."""
+    parts = []
+    for part in location:
+        if part in ("body", "query", "path", "header") and not parts:
+            continue
+        if isinstance(part, str) and _UNION_TAG.search(part):
+            break
+        parts.append(str(part))
+    return ".".join(parts) or None

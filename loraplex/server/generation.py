@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from loraplex.errors import InvalidRequestError, LoraplexError
 from loraplex.registry.errors import AdapterNotFoundError
+from loraplex.registry.names import NAME_PATTERN
 from loraplex.registry.records import AdapterRecord, TenantRecord
 from loraplex.server.errors import RateLimitError, ServiceUnavailableError
 from loraplex.server.schemas.openai import SamplingFields, Usage
@@ -49,6 +50,8 @@ async def resolve_model(services: Services, tenant: str, model: str) -> AdapterR
     if model == services.config.model_id:
         return None
     try:
+        if not NAME_PATTERN.fullmatch(model):  # no adapter has such a name: do not ask
+            raise AdapterNotFoundError(model)
         return await services.adapters.lookup(tenant, model)
     except AdapterNotFoundError:
         raise AdapterNotFoundError(f"The model `{model}` does not exist or you do not have access "
@@ -77,7 +80,8 @@ def sampling_params(
                 f"{max_tokens} in the completion).", param="max_tokens")
     else:
         max_tokens = min(default_max_tokens or room, room, cap)
-    top_k = body.top_k if body.top_k not in (None, 0) else -1
+    vocab = services.llm.model_config.vocab_size
+    top_k = body.top_k if body.top_k is not None and 0 < body.top_k < vocab else -1  # else: all
     return SamplingParams(
         max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k,

@@ -21,6 +21,7 @@ from loraplex.adapter_format import CONFIG_NAME, MAX_CONFIG_BYTES, PICKLE_NAMES,
 from loraplex.errors import AdapterError
 from loraplex.registry import Registry
 from loraplex.registry.errors import InvalidInputError
+from loraplex.registry.names import check_name
 from loraplex.registry.records import AdapterRecord
 from loraplex.server.multipart import PartData, PartEnd, PartStart, read_multipart
 
@@ -138,7 +139,7 @@ async def _receive(request: Request, registry: Registry, actor: int,
                 if current.name == CONFIG_FIELD:
                     config = bytes(buffer)
                 elif current.name in FIELDS:
-                    fields[current.name] = _field_text(current.name, buffer)
+                    fields[current.name] = _field_name(current.name, buffer)
                 elif channel is not None:
                     channel.finish()
                 current = None
@@ -197,8 +198,11 @@ def _check_size(name: str, size: int) -> None:
                                 param=name)
 
 
-def _field_text(name: str, value: bytearray) -> str:
+def _field_name(field: str, value: bytearray) -> str:
+    """A tenant or adapter name from the form, checked before it reaches the database."""
     try:
-        return value.decode("utf-8")
+        return check_name(value.decode("utf-8"), "adapter" if field == "name" else field)
     except UnicodeDecodeError:
-        raise InvalidInputError(f"the form field {name!r} is not UTF-8 text", param=name) from None
+        raise InvalidInputError(f"the form field {field!r} is not UTF-8 text", param=field) from None
+    except InvalidInputError as exc:
+        raise InvalidInputError(exc.message, param=field) from None

@@ -110,8 +110,9 @@ def test_system_prompts(server: Server) -> None:
                                                      "text": "again"}).status_code == 409
         assert http.post("/admin/api/prompts", json={"tenant": "acme", "name": "x", "text": "t",
                                                      "adapter": "missing"}).status_code == 404
-        empty = http.post("/admin/api/prompts", json={"tenant": "acme", "name": "x", "text": ""})
-        assert empty.status_code == 400 and empty.json()["error"]["param"] == "text"
+        for bad in ("", "nul \x00 inside"):  # (PostgreSQL cannot store NUL)
+            refused = http.post("/admin/api/prompts", json={"tenant": "acme", "name": "x", "text": bad})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "text"
         http.post("/admin/api/prompts", json={"tenant": "globex", "name": "plain", "text": "Hi"})
         assert [(p["tenant"], p["name"]) for p in http.get("/admin/api/prompts").json()] == [
             ("acme", "helper"), ("globex", "plain")]

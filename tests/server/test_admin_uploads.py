@@ -58,6 +58,8 @@ def _good(tmp_path: Path) -> dict[str, tuple[str, bytes]]:
 FORM_PROBLEMS = {
     "bad adapter name": (lambda f: {"data": {"tenant": "acme", "name": "../up"}, "files": f},
                          400, "invalid adapter name"),
+    "tenant name with NUL": (lambda f: {"data": {"tenant": "ac\x00me", "name": "x"}, "files": f},
+                             400, "invalid tenant name"),
     "unknown tenant": (lambda f: {"data": {"tenant": "nobody", "name": "x"}, "files": f},
                        404, "tenant 'nobody' does not exist"),
     "name taken": (lambda f: {"data": {"tenant": "acme", "name": "existing"}, "files": f},

@@ -117,7 +117,8 @@ def test_tenants_cannot_see_or_use_each_others_adapters(server: Server) -> None:
                  lambda: globex.completions.create(model="style", prompt="x", max_tokens=2),
                  lambda: globex.chat.completions.create(model="style", max_tokens=2,
                                                         messages=[{"role": "user", "content": "x"}]),
-                 lambda: globex.completions.create(model="no-such-adapter", prompt="x", max_tokens=2)):
+                 lambda: globex.completions.create(model="no-such-adapter", prompt="x", max_tokens=2),
+                 lambda: globex.completions.create(model="nul\x00name", prompt="x", max_tokens=2)):
         with pytest.raises(openai.NotFoundError) as caught:
             call()
         assert caught.value.code == "model_not_found" and caught.value.body["param"] == "model"

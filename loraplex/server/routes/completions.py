@@ -38,8 +38,14 @@ router = APIRouter(prefix="/v1", tags=["OpenAI API"])
 FINGERPRINT = f"loraplex-{__version__}"
 DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for completions."""
-STREAM_RESPONSE = {"content": {"text/event-stream": {"schema": {"type": "string"}}},
-                   "description": "With `stream: true`: `data: {chunk}` events, then `data: [DONE]`."}
+STREAM_RESPONSE = {
+    "description": "With `stream: true`: events whose `data` is a JSON chunk (the usage chunk last, "
+                   "with `choices: []`, if `stream_options.include_usage`), or an `error` object "
+                   "if generation fails after the stream began; then `data: [DONE]`.",
+    "content": {"text/event-stream": {"schema": {
+        "type": "object", "required": ["data"],
+        "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}},
+}
 
 
 @router.post("/completions", response_model=Completion, summary="Complete a prompt",

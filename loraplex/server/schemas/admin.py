@@ -124,7 +124,8 @@ class Adapter(BaseModel):
 class PromptCreate(Body):
     tenant: Name
     name: Name
-    text: str = Field(min_length=1, max_length=200_000)
+    text: str = Field(min_length=1, max_length=200_000, pattern=r"^[^\x00]*$",
+                      description="The prompt (no NUL characters).")
     adapter: str | None = Field(None, pattern=NAME_PATTERN,
                                 description="Bind the prompt to one of the tenant's adapters.")
 

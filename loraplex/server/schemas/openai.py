@@ -14,16 +14,18 @@ from loraplex.types import MAX_LOGPROBS, MAX_STOP_SEQUENCES
 MAX_STOP_LENGTH = 256
 
 Ignored = Annotated[Any, Field(default=None, description="Accepted and ignored.")]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
+Text = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+def unsupported() -> Any:
+    return Field(None, description="Not supported: only the value shown is accepted.")
+
 
 
 class Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-def _only(value: Any, allowed: tuple[Any, ...], message: str) -> Any:
-    if value not in allowed:
-        raise ValueError(message)
-    return value
 
 
 class StreamOptions(Request):
@@ -33,51 +35,29 @@ class StreamOptions(Request):
 
 
 class SamplingFields(Request):
-    """What completions and chat share."""
+    """What completions and chat share. Features loraplex lacks are refused unless they are
+    given their neutral value (n=1, penalties 0, an empty logit_bias, ...)."""
 
     model: str = Field(description="The base model's id, or the name of one of your adapters.",
                        min_length=1, max_length=256)
-    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (the server's cap "
+                                   "and the context length bound it too).")
     temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy. Default 1.")
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling. Default 1.")
     top_k: int | None = Field(None, ge=-1, description="loraplex extension: keep the k most "
                               "likely tokens (-1 or 0: all).")
     ignore_eos: bool | None = Field(None, description="loraplex extension (as vLLM's): keep "
                                     "generating past the end-of-sequence token.")
-    n: int | None = Field(None, description="Only 1 is supported.")
+    n: Literal[1] | None = Field(None, description="Only 1 is supported.")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]] | None = Field(
-        None, description=f"Up to {MAX_STOP_SEQUENCES} strings that end the output.")
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES)] | None = Field(
+        None, description=f"Up to {MAX_STOP_SEQUENCES} strings that end the output (not included).")
     seed: int | None = Field(None, description="The same seed, prompt and model give the same output.")
-    frequency_penalty: float | None = Field(None, description="Only 0 is supported.")
-    presence_penalty: float | None = Field(None, description="Only 0 is supported.")
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported (must be empty).")
+    frequency_penalty: Literal[0] | None = unsupported()
+    presence_penalty: Literal[0] | None = unsupported()
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = unsupported()
     user: Ignored
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int | None) -> int | None:
-        return _only(value, (None, 1), "only n=1 is supported")
-
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None) -> float | None:
-        return _only(value, (None, 0, 0.0), "penalties are not supported (use 0)")
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        return _only(value or None, (None,), "logit_bias is not supported")
-
-    @field_validator("stop")
-    @classmethod
-    def _few_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(value, str) and not 0 < len(value) <= MAX_STOP_LENGTH:
-            raise ValueError(f"a stop string has 1 to {MAX_STOP_LENGTH} characters")
-        if isinstance(value, list) and len(value) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop strings")
-        return value
 
     @property
     def include_usage(self) -> bool:
@@ -85,35 +65,19 @@ class SamplingFields(Request):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+    prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1, max_length=1)] | Annotated[
+        list[TokenIds], Field(min_length=1, max_length=1)] = Field(
         description="One prompt: text or token ids (a list holding one of them is accepted).")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Return the log-probability "
                                  "of each token and of this many alternatives.")
-    echo: bool | None = Field(None, description="Not supported.")
-    suffix: str | None = Field(None, description="Not supported.")
-    best_of: int | None = Field(None, description="Only 1 is supported.")
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool | None) -> bool | None:
-        return _only(value, (None, False), "echo is not supported")
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value: str | None) -> str | None:
-        return _only(value or None, (None,), "suffix is not supported")
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, value: int | None) -> int | None:
-        return _only(value, (None, 1), "only best_of=1 is supported")
+    echo: Literal[False] | None = unsupported()
+    suffix: Annotated[str, Field(max_length=0)] | None = unsupported()
+    best_of: Literal[1] | None = unsupported()
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, value: Any) -> Any:
         if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            if len(value) != 1:
-                raise ValueError("one prompt per request is supported")
             value = value[0]
         if not value:
             raise ValueError("the prompt is empty")
@@ -145,14 +109,14 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = Field(None, description="Return the log-probability of each token.")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = Field(None, description="Only text.")
-    tools: list[Any] | None = Field(None, description="Not supported (must be empty).")
+    tools: Annotated[list[Any], Field(max_length=0)] | None = unsupported()
     tool_choice: Literal["none", "auto"] | None = None
-    functions: list[Any] | None = Field(None, description="Not supported (must be empty).")
+    functions: Annotated[list[Any], Field(max_length=0)] | None = unsupported()
     function_call: Literal["none", "auto"] | None = None
     modalities: list[Literal["text"]] | None = None
-    audio: None = Field(None, description="Not supported.")
-    prediction: None = Field(None, description="Not supported.")
-    web_search_options: None = Field(None, description="Not supported.")
+    audio: None = unsupported()
+    prediction: None = unsupported()
+    web_search_options: None = unsupported()
     parallel_tool_calls: Ignored
     metadata: Ignored
     store: Ignored
@@ -164,11 +128,6 @@ class ChatCompletionRequest(SamplingFields):
     prompt_cache_options: Ignored
     prompt_cache_retention: Ignored
     moderation: Ignored
-
-    @field_validator("tools", "functions")
-    @classmethod
-    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
-        return _only(value or None, (None,), "tool calling is not supported")
 
 
 # Responses ------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ def _adapters(services: Services, records: list) -> list[Adapter]:
 async def list_adapters(admin: AdminDep, services: ServicesDep,
                         tenant: TenantFilter = None
                         ) -> list[Adapter]:
+    await run_in_threadpool(services.usage.flush)  # requests served so far are counted
     records = await run_in_threadpool(services.registry.adapters.list, tenant)
     return _adapters(services, list(records))
 
@@ -70,6 +71,7 @@ async def upload_adapter(request: Request, admin: AdminDep, services: ServicesDe
             responses=error_responses(401, 403, 404))
 async def get_adapter(tenant: NameParam, name: NameParam, admin: AdminDep,
                       services: ServicesDep) -> Adapter:
+    await run_in_threadpool(services.usage.flush)
     record = await run_in_threadpool(services.registry.adapters.get, tenant, name)
     return _adapters(services, [record])[0]
 
