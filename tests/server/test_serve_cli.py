@@ -1,0 +1,161 @@
+"""`loraplex serve` as operators run it: a separate process, killed with SIGKILL in the middle
+of an upload (the registry is consistent after a restart and the upload then succeeds), and
+stopped with SIGTERM (a clean shutdown)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from loraplex.adapter_format import SUPPORTED_MODULES, BaseModelShape
+from loraplex.registry import Registry, RegistryConfig
+from tests.registry.registry_support import adapter_config, adapter_tensors, registry_state, write_adapter
+from tests.server.server_support import make_model
+
+STARTUP_TIMEOUT_S = 90
+# Big enough that its adapter is a large upload (rank 64 on all seven modules: 9 MiB).
+WIDE = BaseModelShape(num_layers=4, hidden_size=512, intermediate_size=1024, num_heads=8,
+                      num_kv_heads=8, head_dim=64)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServeProcess:
+    process: subprocess.Popen
+    url: str
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def loraplex_serve(data_dir: Path, *args: str) -> Iterator[ServeProcess]:
+    """`loraplex serve` on a free port, ready to serve; killed if the test leaves it running."""
+    port = _free_port()
+    log = data_dir.parent / f"serve-{port}.log"
+    env = os.environ | {"LORAPLEX_DATA_DIR": str(data_dir)}
+    env.pop("LORAPLEX_DATABASE_URL", None)
+    with open(log, "wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "serve", "--port", str(port),
+                                    "--device", "cpu", *args], stdout=out, stderr=subprocess.STDOUT,
+                                   env=env)
+    served = ServeProcess(process, f"http://127.0.0.1:{port}", log)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            assert process.poll() is None, f"loraplex serve exited:\n{served.output()}"
+            assert time.monotonic() < deadline, f"loraplex serve did not start:\n{served.output()}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{served.url}/ready", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+        yield served
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(30)
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("wide") / "model", WIDE)
+
+
+def _registry(data_dir: Path) -> Registry:
+    return Registry.open(RegistryConfig(data_dir=data_dir), migrate=False)
+
+
+def _multipart(boundary: str, tenant: str, name: str, config: bytes) -> bytes:
+    head = b"".join(f'--{boundary}\r\nContent-Disposition: form-data; name="{field}"\r\n\r\n{value}\r\n'
+                    .encode() for field, value in (("tenant", tenant), ("name", name)))
+    head += (f'--{boundary}\r\nContent-Disposition: form-data; name="adapter_config"; '
+             f'filename="adapter_config.json"\r\n\r\n').encode() + config + b"\r\n"
+    return head + (f'--{boundary}\r\nContent-Disposition: form-data; name="adapter_model"; '
+                   f'filename="adapter_model.safetensors"\r\n\r\n').encode()
+
+
+def test_sigkill_during_an_upload_leaves_a_consistent_registry(tmp_path: Path, wide_model: Path) -> None:
+    data_dir = tmp_path / "data"
+    folder = write_adapter(tmp_path / "big", adapter_config(r=64, lora_alpha=64, target_modules=list(
+        SUPPORTED_MODULES)), adapter_tensors(WIDE, rank=64, modules=SUPPORTED_MODULES))
+    config = (folder / "adapter_config.json").read_bytes()
+    weights = (folder / "adapter_model.safetensors").read_bytes()
+    assert len(weights) > 8 << 20
+    with loraplex_serve(data_dir, "--model", str(wide_model)) as served:
+        with _registry(data_dir) as registry:
+            registry.tenants.create("acme")
+            admin_key = registry.keys.create(admin=True).secret
+            tenant_key = registry.keys.create(tenant="acme").secret
+            before = registry_state(registry)
+        boundary = "kill-boundary"
+        body = _multipart(boundary, "acme", "big", config)
+        total = len(body) + len(weights) + len(f"\r\n--{boundary}--\r\n")
+        request = (f"POST /admin/api/adapters HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {admin_key}\r\n"
+                   f"Content-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: {total}\r\n"
+                   f"\r\n").encode() + body
+        temp_dir = data_dir / "blobs" / "tmp"
+        host, port = served.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(request)
+            sent = 0
+            while not any(p.name.endswith(".tmp") for p in temp_dir.iterdir()):  # weights arriving
+                sock.sendall(weights[sent:sent + 65536])
+                sent += 65536
+                time.sleep(0.01)
+                assert sent < len(weights) // 2, "the weights never reached the registry"
+            sock.sendall(weights[sent:sent + (1 << 20)])  # more in flight, not all of it
+            served.process.send_signal(signal.SIGKILL)
+            served.process.wait(30)
+        left_behind = [p.name for p in temp_dir.iterdir()]
+        assert len(left_behind) == 2, left_behind  # the staged config and the partial weights
+
+    with loraplex_serve(data_dir, "--model", str(wide_model)) as served:  # reconciles on start
+        assert "2 temporary files removed" in served.output()
+        with _registry(data_dir) as registry:
+            assert registry_state(registry) == before
+            assert list(temp_dir.iterdir()) == []
+            assert registry.reconcile().is_consistent
+        with httpx.Client(base_url=served.url, timeout=120,
+                          headers={"Authorization": f"Bearer {admin_key}"}) as http:
+            response = http.post("/admin/api/adapters", data={"tenant": "acme", "name": "big"},
+                                 files={"adapter_config": ("adapter_config.json", config),
+                                        "adapter_model": ("adapter_model.safetensors", weights)})
+            assert response.status_code == 201, response.text
+            assert response.json()["size_bytes"] == len(weights)
+        completion = httpx.post(f"{served.url}/v1/completions", timeout=60,
+                                headers={"Authorization": f"Bearer {tenant_key}"},
+                                json={"model": "big", "prompt": "after the crash", "max_tokens": 3})
+        assert completion.status_code == 200, completion.text
+        with _registry(data_dir) as registry:
+            assert [a.name for a in registry.adapters.list("acme")] == ["big"]
+            assert registry.reconcile().is_consistent
+
+
+def test_sigterm_shuts_down_cleanly(tmp_path: Path, wide_model: Path) -> None:
+    data_dir = tmp_path / "data"
+    with loraplex_serve(data_dir, "--model", str(wide_model), "--model-name", "wide") as served:
+        with _registry(data_dir) as registry:
+            assert registry.models.get().model_id == "wide"
+            assert registry.models.get().shape == WIDE
+        assert "serving wide on http://127.0.0.1:" in served.output()
+        served.process.send_signal(signal.SIGTERM)
+        assert served.process.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
+        output = served.output()
+        assert "Application shutdown complete" in output and "Traceback" not in output
