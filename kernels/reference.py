@@ -173,13 +173,11 @@ def lora_shrink(
     adapter, are 0."""
     num_slices, max_rank = lora_a.shape[1], lora_a.shape[2]
     out = torch.zeros(num_slices, x.shape[0], max_rank, dtype=torch.float32, device=x.device)
-    for slot in token_slots.unique().tolist():
-        if slot == 0:
-            continue
-        rows = (token_slots == slot).nonzero().squeeze(1)
+    slot_ranks = ranks.tolist()
+    for slot, rows in _rows_by_slot(token_slots):
         xs = x[rows].float()
         for s in range(num_slices):
-            r = int(ranks[slot, s])
+            r = slot_ranks[slot][s]
             if r > 0:
                 out[s, rows, :r] = xs @ lora_a[slot, s, :r].float().T
     return out
@@ -192,18 +190,26 @@ def lora_expand(
     """y [num_tokens, out] += per slice s: shrunk[s] @ lora_b[slot, off_s:off_{s+1}, :rank].T,
     in place. shrunk [num_slices, num_tokens, max_rank] float32, lora_b
     [num_slots, out, max_rank], slice_offsets (num_slices + 1 ints, last = out)."""
-    for slot in token_slots.unique().tolist():
-        if slot == 0:
-            continue
-        rows = (token_slots == slot).nonzero().squeeze(1)
+    slot_ranks = ranks.tolist()
+    for slot, rows in _rows_by_slot(token_slots):
         for s in range(len(slice_offsets) - 1):
-            r = int(ranks[slot, s])
+            r = slot_ranks[slot][s]
             if r == 0:
                 continue
             lo, hi = slice_offsets[s], slice_offsets[s + 1]
             delta = shrunk[s, rows, :r] @ lora_b[slot, lo:hi, :r].float().T
             y[rows, lo:hi] += delta.to(y.dtype)
     return y
+
+
+def _rows_by_slot(token_slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """(slot, indices of its tokens) for every adapter slot present, slot 0 left out. Grouped
+    on the host: one device sync per call, not one per slot."""
+    groups: dict[int, list[int]] = {}
+    for index, slot in enumerate(token_slots.tolist()):
+        if slot:
+            groups.setdefault(slot, []).append(index)
+    return [(slot, torch.tensor(rows, device=token_slots.device)) for slot, rows in groups.items()]
 
 
 def sampling_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:

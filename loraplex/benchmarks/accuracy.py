@@ -53,21 +53,29 @@ def run(config: AccuracyConfig) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(config.seed)
     prompts = torch.randint(1000, model_config.vocab_size - 1000, (config.num_requests, config.prompt_len),
                             generator=generator).tolist()
+    _progress("model and adapters built", started)
     tokens, bf16_logits = _generate(config, model, adapters, prompts, "bfloat16", forced=None)
     bf16_s = time.perf_counter() - started
+    _progress("bf16 engine done", started)
     hf_logits = _hf_peft_logits(model, adapters, prompts, tokens)
+    _progress("transformers + PEFT bf16 done", started)
     reference = _float32_copy(model, device, max_len)
     del model
     gc.collect()
     torch.cuda.empty_cache() if device.type == "cuda" else None
     fp32_adapters = [_float32_adapter(a) for a in adapters]
     _, fp32_logits = _generate(config, reference, fp32_adapters, prompts, "float32", forced=tokens)
+    _progress("float32 reference done", started)
     return {
         "check": "accuracy", "config": asdict(config), "device": _device_name(device),
         "torch": torch.__version__, "seconds": round(time.perf_counter() - started, 1),
         "bf16_run_seconds": round(bf16_s, 1), **compare(tokens, bf16_logits, fp32_logits),
         "transformers_peft_bf16": compare(tokens, hf_logits, fp32_logits),
     }
+
+
+def _progress(what: str, started: float) -> None:
+    print(f"[{time.perf_counter() - started:7.1f} s] {what}", flush=True)
 
 
 def compare(

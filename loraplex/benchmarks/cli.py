@@ -29,6 +29,8 @@ def add_benchmarks(parser: argparse.ArgumentParser) -> None:
     decode.add_argument("--rank", type=int, default=16)
     decode.add_argument("--hf-batch-sizes", type=_ints, default=(1, 8, 32))
     decode.add_argument("--hf-new-tokens", type=int, default=16)
+    decode.add_argument("--profile", action="store_true",
+                        help="profile a few decode steps per batch size instead of benchmarking")
     decode.add_argument("--bandwidth", type=float, default=3.0e12,
                         help="memory bandwidth for the floor, bytes/s (default: 3.0e12, the H100's)")
     _common(decode)
@@ -59,6 +61,10 @@ def run_decode(args: argparse.Namespace) -> None:
         device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
         model=args.model_overrides,
     )
+    if args.profile:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "decode-profile.txt").write_text(decode.profile(config))
+        return
     path = decode.write(decode.run(config), args.out)
     print(f"wrote {path}")
     try:

@@ -55,10 +55,12 @@ def run(config: DecodeBenchConfig) -> dict[str, Any]:
     for name, host in adapters.items():
         engine.adapters.add_prepared(name, host)
     setup_s = time.perf_counter() - started
+    print(f"model and {num_adapters} adapters built in {setup_s:.1f} s", flush=True)
     started = time.perf_counter()
     if engine.runner.graphs is not None:
         engine.runner.graphs.capture_all()
     capture_s = time.perf_counter() - started
+    print(f"decode graphs captured in {capture_s:.1f} s", flush=True)
     rows = []
     for batch in config.batch_sizes:
         for with_adapters in (False, True):
@@ -78,6 +80,53 @@ def run(config: DecodeBenchConfig) -> dict[str, Any]:
         "torch": torch.__version__, "setup_s": round(setup_s, 1), "graph_capture_s": round(capture_s, 1),
         "weight_bytes": _weight_bytes(model), "rows": rows,
     }
+
+
+def profile(config: DecodeBenchConfig, steps: int = 8) -> str:
+    """Where a decode step's time goes: the kernels of `steps` steps at each batch size, with
+    and without adapters, as torch.profiler tables, and each step's wall time against the
+    GPU time of its kernels (the difference is host time the GPU waits for)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    device, dtype = torch.device(config.device), getattr(torch, config.dtype)
+    model_config = synthetic.model_config(config.model)
+    max_len = config.prompt_len + steps + 32
+    model = synthetic.random_model(model_config, select_ops(device), dtype, device, max_len, seed=config.seed)
+    num_adapters = max(config.batch_sizes)
+    engine = _engine(config, model, num_adapters, max_len)
+    for i in range(num_adapters):
+        engine.adapters.add_prepared(f"adapter-{i}", synthetic.random_adapter(
+            model_config, config.rank, dtype, device, str(i), seed=1000 + i, pin=device.type == "cuda"))
+    report = []
+    for batch in config.batch_sizes:
+        for with_adapters in (False, True):
+            prompts = _prompts(config, model_config, batch).tolist()
+            params = SamplingParams(max_tokens=steps + 3, temperature=0.0, ignore_eos=True)
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"p{batch}-{with_adapters}-{i}", prompt_token_ids=prompt, params=params,
+                                   adapter=f"adapter-{i}" if with_adapters else None)
+            for _ in range(3):  # prefill, then two warm decode steps
+                engine.step()
+            _sync(device)
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                started = time.perf_counter()
+                for _ in range(steps):
+                    engine.step()
+                _sync(device)
+                wall = (time.perf_counter() - started) / steps
+            while engine.has_unfinished_requests():
+                engine.step()
+            events = prof.key_averages()
+            gpu_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+                         for e in events) / steps
+            sort_key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") \
+                else "self_cuda_time_total"
+            report.append(f"\n=== batch {batch}, adapters {batch if with_adapters else 0}: "
+                          f"step wall {wall * 1e3:.3f} ms, kernels {gpu_us / 1e3:.3f} ms per step ===\n")
+            report.append(events.table(sort_by=sort_key, row_limit=22, max_name_column_width=60))
+            print(report[-2], report[-1], flush=True)
+    return "".join(report)
 
 
 def _engine(config: DecodeBenchConfig, model, num_adapters: int, max_len: int) -> LLMEngine:

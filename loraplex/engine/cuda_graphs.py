@@ -5,7 +5,9 @@ from a graph, a small kernel costs about 1 us. Everything a step changes (token 
 cache slots, block tables, sequence lengths, adapter slots, sampling parameters) is copied
 into preallocated device tensors before replay; padding rows have sequence length 0 (attention
 gives zeros), cache slot -1 (nothing stored) and adapter slot 0. One graph per (padded batch
-size, whether any token has an adapter): a batch without adapters launches no LoRA kernels.
+size, whether any token has an adapter, whether every row is greedy): a batch without
+adapters launches no LoRA kernels, and an all-greedy batch takes a plain argmax instead of the
+sampling kernel.
 
 Without capture (CPU, or `use_cuda_graphs=False`) the same static-buffer path runs eagerly, so
 its padding is tested where no GPU is present."""
@@ -79,7 +81,7 @@ class DecodeGraphRunner:
         # Outputs live in static buffers too, so the graphs' temporaries can share one pool.
         self.logits = torch.zeros(P, model.config.vocab_size, dtype=torch.float32, device=device)
         self.tokens = torch.zeros(P, dtype=torch.int64, device=device)
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
     def can_run(self, num_seqs: int) -> bool:
@@ -90,13 +92,12 @@ class DecodeGraphRunner:
         num_seqs = len(inputs.input_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
         self._fill(inputs, num_seqs, size)
-        has_lora = bool(inputs.token_slots.any())
+        key = (size, bool(inputs.token_slots.any()), not inputs.temperature.any())
         if not self.capture:
-            self._forward(size, has_lora)
+            self._forward(*key)
         else:
-            key = (size, has_lora)
             if key not in self._graphs:
-                self._graphs[key] = self._capture(size, has_lora)
+                self._graphs[key] = self._capture(*key)
             self._graphs[key].replay()
         return self.logits[:num_seqs], self.tokens[:num_seqs]
 
@@ -117,7 +118,7 @@ class DecodeGraphRunner:
         for name, device_pack in self._packs.items():
             device_pack.copy_(self._host[name], non_blocking=True)
 
-    def _forward(self, size: int, has_lora: bool) -> None:
+    def _forward(self, size: int, has_lora: bool, greedy: bool) -> None:
         attention = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
@@ -127,21 +128,24 @@ class DecodeGraphRunner:
         with torch.inference_mode(), forward_context(ForwardContext(self.kv_cache, attention, lora)):
             hidden = self.model(self.input_ids[:size], self.positions[:size])
             logits = self.model.compute_logits(hidden)
-            tokens = self.ops.sample(
-                logits, self.temperature[:size], self.top_k[:size], self.top_p[:size],
-                self.seeds[:size], self.offsets[:size])
+            if greedy:
+                tokens = logits.argmax(dim=-1)
+            else:
+                tokens = self.ops.sample(
+                    logits, self.temperature[:size], self.top_k[:size], self.top_p[:size],
+                    self.seeds[:size], self.offsets[:size])
             self.logits[:size].copy_(logits)
             self.tokens[:size].copy_(tokens)
 
-    def _capture(self, size: int, has_lora: bool) -> torch.cuda.CUDAGraph:
+    def _capture(self, size: int, has_lora: bool, greedy: bool) -> torch.cuda.CUDAGraph:
         # The warm-up runs on whatever the buffers hold: the current step's inputs (it stores
         # the same K/V that the replay then stores again) or padding (stores nothing).
-        self._forward(size, has_lora)  # compile every kernel before capture
+        self._forward(size, has_lora, greedy)  # compile every kernel before capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._forward(size, has_lora)
-        logger.debug("captured decode graph: batch %d, lora %s", size, has_lora)
+            self._forward(size, has_lora, greedy)
+        logger.debug("captured decode graph: batch %d, lora %s, greedy %s", size, has_lora, greedy)
         return graph
 
     def capture_all(self) -> None:
@@ -153,7 +157,9 @@ class DecodeGraphRunner:
         self.seq_lens.zero_()
         for size in reversed(self.sizes):
             for has_lora in (False, True):
-                if (size, has_lora) not in self._graphs:
-                    self._graphs[(size, has_lora)] = self._capture(size, has_lora)
+                for greedy in (False, True):
+                    key = (size, has_lora, greedy)
+                    if key not in self._graphs:
+                        self._graphs[key] = self._capture(*key)
         self.slot_mapping.copy_(saved[0])
         self.seq_lens.copy_(saved[1])
