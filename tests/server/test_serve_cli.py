@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from loraplex.adapter_format import SUPPORTED_MODULES, BaseModelShape
@@ -23,7 +24,7 @@ from loraplex.registry import Registry, RegistryConfig
 from tests.registry.registry_support import adapter_config, adapter_tensors, registry_state, write_adapter
 from tests.server.server_support import make_model
 
-STARTUP_TIMEOUT_S = 90
+STARTUP_TIMEOUT_S = 240  # the demo is built on first start; CI machines are slow
 # Big enough that its adapter is a large upload (rank 64 on all seven modules: 9 MiB).
 WIDE = BaseModelShape(num_layers=4, hidden_size=512, intermediate_size=1024, num_heads=8,
                       num_kv_heads=8, head_dim=64)
@@ -159,3 +160,33 @@ def test_sigterm_shuts_down_cleanly(tmp_path: Path, wide_model: Path) -> None:
         assert served.process.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
         output = served.output()
         assert "Application shutdown complete" in output and "Traceback" not in output
+
+
+def test_the_demo_on_a_fresh_data_dir_and_after_a_restart(tmp_path: Path) -> None:
+    from loraplex.demo import DEMO_ADAPTERS, DEMO_PROMPT
+
+    data_dir = tmp_path / "data"
+    key_file, admin_key_file = data_dir / "demo-api-key", data_dir / "admin-api-key"
+    with loraplex_serve(data_dir) as served:  # builds the demo on first start
+        key = key_file.read_text().strip()
+        assert f"demo API key (tenant 'demo', also in {key_file}): {key}" in served.output()
+        assert key_file.stat().st_mode & 0o777 == 0o600
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=key, max_retries=0)
+        names = sorted(adapter.name for adapter in DEMO_ADAPTERS)
+        assert [m.id for m in client.models.list().data] == ["loraplex-demo", *names]
+        answers = {model: client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": DEMO_PROMPT}], max_tokens=24,
+            temperature=0).choices[0].message.content for model in ["loraplex-demo", *names]}
+        assert len(set(answers.values())) == len(answers), answers  # each adapter has its voice
+        admin = httpx.get(f"{served.url}/admin/api/me", timeout=10,
+                          headers={"Authorization": f"Bearer {admin_key_file.read_text().strip()}"})
+        assert admin.json()["role"] == "admin"
+        served.process.send_signal(signal.SIGTERM)
+        served.process.wait(30)
+    with loraplex_serve(data_dir) as served:  # a later start reuses all of it
+        assert key_file.read_text().strip() == key and key in served.output()
+        assert openai.OpenAI(base_url=f"{served.url}/v1", api_key=key).models.list().data
+        with _registry(data_dir) as registry:
+            assert [t.name for t in registry.tenants.list()] == ["demo"]
+            assert len(registry.keys.list(tenant="demo")) == 1
+            assert sorted(a.name for a in registry.adapters.list("demo")) == names
