@@ -42,7 +42,7 @@ def _train_base(tokenizer: Any) -> Any:
 
     ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
            "pad_token_id": tokenizer.pad_token_id}
-    styles = [adapter.name for adapter in DEMO_ADAPTERS]
+    styles = [BASE_STYLE, *(adapter.name for adapter in DEMO_ADAPTERS)]
     examples = chat_examples(tokenizer, BASE_STYLE) + text_examples(tokenizer, styles)
     with seeded(TRAIN.seed, TRAIN.num_threads):
         model = LlamaForCausalLM(make_llama_config(DEMO_MODEL, len(tokenizer), **ids))
