@@ -94,6 +94,15 @@ document.getElementById("skip-link").addEventListener("click", (event) => {
 });
 
 menuToggle.addEventListener("click", () => setMenu(menuToggle.getAttribute("aria-expanded") !== "true"));
+nav.addEventListener("click", (event) => {
+  if (event.target.closest("a")) setMenu(false);  // also when the link is the page already shown
+});
+document.addEventListener("keydown", (event) => {
+  if (event.key !== "Escape" || menuToggle.hidden || menuToggle.getAttribute("aria-expanded") !== "true") return;
+  if (document.querySelector("dialog[open]")) return;
+  setMenu(false);
+  menuToggle.focus();
+});
 NARROW.addEventListener("change", () => {
   if (router) menuToggle.hidden = !NARROW.matches;
   setMenu(false);

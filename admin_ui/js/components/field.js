@@ -25,7 +25,8 @@ export function field({ label, name, type = "text", value, hint, required = fals
     else if (value !== undefined && value !== null) input.defaultValue = String(value);
   }
   input.setAttribute("aria-describedby", hint ? `${hintId} ${errorId}` : errorId);
-  const labelNode = h("label", { for: id }, label, required ? h("span", { class: "visually-hidden" }, " (required)") : null);
+  // `required` tells assistive technology that the field is required; the label stays the name.
+  const labelNode = h("label", { for: id }, label);
   const hintNode = hint ? h("span", { class: "hint", id: hintId }, hint) : null;
   const errorNode = h("span", { class: "error", id: errorId });
   const root = type === "checkbox"

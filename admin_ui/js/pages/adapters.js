@@ -90,7 +90,7 @@ function adapterTable(adapters, onDelete) {
     empty: "No adapters yet. Upload one above.",
     columns: [
       { label: "Tenant", cell: (a) => a.tenant },
-      { label: "Name", cell: (a) => h("strong", {}, a.name) },
+      { label: "Name", className: "nowrap", cell: (a) => h("strong", {}, a.name) },
       { label: "Rank", numeric: true, cell: (a) => String(a.rank) },
       {
         label: "Targets",

@@ -104,8 +104,8 @@ function keyTable(keys, onRevoke) {
       { label: "Prefix", cell: (k) => h("code", {}, `${k.prefix}…`) },
       { label: "Role", cell: (k) => h("span", { class: k.role === "admin" ? "badge badge-info" : "badge badge-off" }, k.role) },
       { label: "Tenant", cell: (k) => k.tenant ?? "—" },
-      { label: "Created", cell: (k) => formatDate(k.created_at) },
-      { label: "Last used", cell: (k) => (k.last_used_at ? formatDate(k.last_used_at) : "never") },
+      { label: "Created", className: "nowrap", cell: (k) => formatDate(k.created_at) },
+      { label: "Last used", className: "nowrap", cell: (k) => (k.last_used_at ? formatDate(k.last_used_at) : "never") },
       {
         label: "Status", cell: (k) => (k.is_revoked
           ? h("span", { class: "badge badge-bad", title: `Revoked ${formatDate(k.revoked_at)}` }, "revoked")

@@ -12,8 +12,8 @@ import { toast } from "../components/toast.js";
 
 export const title = "System prompts";
 
-const NO_ADAPTER = { value: "", label: "None (the base model and any adapter)" };
-const PREVIEW_CHARS = 80;
+const NO_ADAPTER = { value: "", label: "None" };
+const PREVIEW_CHARS = 60;
 
 function addForm(onAdded) {
   const tenant = field({ label: "Tenant", name: "tenant", type: "select", required: true });
@@ -85,11 +85,11 @@ function promptTable(prompts, { onView, onDelete }) {
     empty: "No system prompts yet.",
     columns: [
       { label: "Tenant", cell: (p) => p.tenant },
-      { label: "Name", cell: (p) => h("strong", {}, p.name) },
-      { label: "Adapter", cell: (p) => p.adapter ?? h("span", { class: "muted" }, "none") },
+      { label: "Name", className: "nowrap", cell: (p) => h("strong", {}, p.name) },
+      { label: "Adapter", className: "nowrap", cell: (p) => p.adapter ?? h("span", { class: "muted" }, "none") },
       { label: "Tokens", numeric: true, cell: (p) => formatNumber(p.num_tokens) },
       { label: "Text", cell: (p) => (p.text.length > PREVIEW_CHARS ? `${p.text.slice(0, PREVIEW_CHARS)}…` : p.text) },
-      { label: "Created", cell: (p) => formatDate(p.created_at) },
+      { label: "Created", className: "nowrap", cell: (p) => formatDate(p.created_at) },
       {
         label: "Actions", hideLabel: true, className: "actions",
         cell: (p) => [

@@ -126,7 +126,7 @@ function tenantTable(tenants, { onEdit, onDelete }) {
       { label: "Requests/min", numeric: true, cell: (t) => formatLimit(t.max_requests_per_minute) },
       { label: "Tokens/min", numeric: true, cell: (t) => formatLimit(t.max_tokens_per_minute) },
       { label: "In flight", numeric: true, cell: (t) => formatNumber(t.requests_in_flight) },
-      { label: "Created", cell: (t) => formatDate(t.created_at) },
+      { label: "Created", className: "nowrap", cell: (t) => formatDate(t.created_at) },
       {
         label: "Actions", hideLabel: true, className: "actions",
         cell: (t) => [
