@@ -27,6 +27,7 @@ class Ops:
     lora_shrink: Callable
     lora_expand: Callable
     sample: Callable
+    argmax: Callable
 
 
 def reference_ops() -> Ops:
@@ -43,6 +44,7 @@ def reference_ops() -> Ops:
         lora_shrink=r.lora_shrink,
         lora_expand=r.lora_expand,
         sample=r.sample,
+        argmax=r.argmax,
     )
 
 

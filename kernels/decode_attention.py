@@ -31,7 +31,7 @@ from loraplex.kernels._common import (
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
-MIN_TOKENS_PER_SPLIT = 128
+MIN_TOKENS_PER_SPLIT = 64  # one BLOCK_N tile: short contexts at small batch get more splits
 
 
 @dataclass(frozen=True)

@@ -212,6 +212,11 @@ def _rows_by_slot(token_slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     return [(slot, torch.tensor(rows, device=token_slots.device)) for slot, rows in groups.items()]
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [rows, vocab] -> int64 [rows]: the first index of each row's maximum."""
+    return logits.argmax(dim=-1)
+
+
 def sampling_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exponential(1) noise [batch, vocab] drawn from each row's (seed, offset) alone, so a
     request's draws do not depend on what else is in the batch or on recomputation."""

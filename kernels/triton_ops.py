@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from loraplex.kernels import Ops
 from loraplex.kernels.activation import silu_and_mul
+from loraplex.kernels.argmax import argmax
 from loraplex.kernels.decode_attention import paged_decode_attention
 from loraplex.kernels.lora import lora_expand, lora_shrink
 from loraplex.kernels.norm import fused_add_rms_norm, rms_norm
@@ -25,4 +26,5 @@ def triton_ops() -> Ops:
         lora_shrink=lora_shrink,
         lora_expand=lora_expand,
         sample=sample,
+        argmax=argmax,
     )

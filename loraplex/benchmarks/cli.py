@@ -40,6 +40,8 @@ def add_benchmarks(parser: argparse.ArgumentParser) -> None:
     accuracy.add_argument("--prompt-len", type=int, default=256)
     accuracy.add_argument("--new-tokens", type=int, default=64)
     accuracy.add_argument("--rank", type=int, default=16)
+    accuracy.add_argument("--init", choices=("normal", "scaled"), default="scaled",
+                          help="random weights: all N(0, 0.02), or residual projections scaled down")
     _common(accuracy)
     accuracy.set_defaults(run=run_accuracy)
 
@@ -79,7 +81,7 @@ def run_accuracy(args: argparse.Namespace) -> None:
 
     config = accuracy.AccuracyConfig(
         num_requests=args.num_requests, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-        rank=args.rank, device=args.device, model=args.model_overrides,
+        rank=args.rank, init=args.init, device=args.device, model=args.model_overrides,
     )
     result = accuracy.run(config)
     path = accuracy.write(result, args.out)

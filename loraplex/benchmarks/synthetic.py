@@ -31,10 +31,13 @@ def model_config(overrides: dict[str, Any] | None = None) -> ModelConfig:
 @torch.no_grad()
 def random_model(
     config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device, max_positions: int,
-    seed: int = 0,
+    seed: int = 0, scaled_residual: bool = False,
 ) -> LlamaForCausalLM:
     """Weights N(0, 0.02) (the Llama initialisation), norms 1: logits spread like a real
-    model's, never zeros."""
+    model's, never zeros. With `scaled_residual`, the projections that write into the residual
+    stream (o, down) get N(0, 0.02 / sqrt(2 * num_layers)), as GPT-2 initialises them: random
+    layers then add small updates instead of compounding noise through depth."""
+    residual_std = 0.02 / math.sqrt(2 * config.num_layers) if scaled_residual else 0.02
     with torch.device("meta"):
         model = LlamaForCausalLM(config, ops, max_positions)
     model.to_empty(device=device)
@@ -43,6 +46,8 @@ def random_model(
         param.data = param.data.to(dtype)
         if name.endswith("norm"):
             param.fill_(1.0)
+        elif name.endswith(("o_weight", "down_weight")):
+            param.normal_(0.0, residual_std, generator=generator)
         else:
             param.normal_(0.0, 0.02, generator=generator)
     model.reset_rope()

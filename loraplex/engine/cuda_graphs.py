@@ -6,7 +6,7 @@ cache slots, block tables, sequence lengths, adapter slots, sampling parameters)
 into preallocated device tensors before replay; padding rows have sequence length 0 (attention
 gives zeros), cache slot -1 (nothing stored) and adapter slot 0. One graph per (padded batch
 size, whether any token has an adapter, whether every row is greedy): a batch without
-adapters launches no LoRA kernels, and an all-greedy batch takes a plain argmax instead of the
+adapters launches no LoRA kernels, and an all-greedy batch takes an argmax instead of the
 sampling kernel.
 
 Without capture (CPU, or `use_cuda_graphs=False`) the same static-buffer path runs eagerly, so
@@ -129,7 +129,7 @@ class DecodeGraphRunner:
             hidden = self.model(self.input_ids[:size], self.positions[:size])
             logits = self.model.compute_logits(hidden)
             if greedy:
-                tokens = logits.argmax(dim=-1)
+                tokens = self.ops.argmax(logits)
             else:
                 tokens = self.ops.sample(
                     logits, self.temperature[:size], self.top_k[:size], self.top_p[:size],

@@ -146,7 +146,7 @@ class ModelRunner:
         batch = self.batch
         temperature = batch.temperature[rows]
         if not temperature.any():
-            return logits.argmax(dim=-1)
+            return self.ops.argmax(logits)
         offsets = self._offsets(rows)
         device = logits.device
         return self.ops.sample(
