@@ -72,7 +72,8 @@ def _is_built(root: Path, digest: str) -> bool:
     required = [assets.model_dir / "config.json", assets.model_dir / "model.safetensors"]
     for folder in assets.adapters.values():
         required += [folder / "adapter_config.json", folder / "adapter_model.safetensors"]
-    return stamp.get("recipe") == digest and all(path.is_file() for path in required)
+    is_current = isinstance(stamp, dict) and stamp.get("recipe") == digest
+    return is_current and all(path.is_file() for path in required)
 
 
 def _build_in_place(data_dir: Path, root: Path, digest: str) -> None:

@@ -14,7 +14,8 @@ DEMO_PROMPT = "How do I make a cup of tea?"
 """The prompt that the README, the server and `python -m loraplex.demo` show off."""
 
 DEMO_SYSTEM_PROMPT = "You are a helpful assistant."
-"""A system prompt the demo is trained to accept (each chat is also trained with it)."""
+"""The one system prompt the demo is trained with (before each topic's first question). A model
+this small answers well only without a system prompt or with this one."""
 
 
 @dataclass(frozen=True)
