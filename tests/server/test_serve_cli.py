@@ -1,11 +1,12 @@
 """`loraplex serve` as operators run it: a separate process, killed with SIGKILL in the middle
-of an upload (the registry is consistent after a restart and the upload then succeeds), and
-stopped with SIGTERM (a clean shutdown)."""
+of an upload (the registry is consistent after a restart and the upload then succeeds), stopped
+with SIGTERM (a clean shutdown), and on the built-in demo (tenant, adapters and key set up once)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,7 +25,8 @@ from loraplex.registry import Registry, RegistryConfig
 from tests.registry.registry_support import adapter_config, adapter_tensors, registry_state, write_adapter
 from tests.server.server_support import make_model
 
-STARTUP_TIMEOUT_S = 240  # the demo is built on first start; CI machines are slow
+STARTUP_TIMEOUT_S = 120
+DEMO_CACHE = Path(os.environ.get("LORAPLEX_TEST_DEMO_CACHE", Path.home() / ".cache" / "loraplex-tests"))
 # Big enough that its adapter is a large upload (rank 64 on all seven modules: 9 MiB).
 WIDE = BaseModelShape(num_layers=4, hidden_size=512, intermediate_size=1024, num_heads=8,
                       num_kv_heads=8, head_dim=64)
@@ -162,12 +164,23 @@ def test_sigterm_shuts_down_cleanly(tmp_path: Path, wide_model: Path) -> None:
         assert "Application shutdown complete" in output and "Traceback" not in output
 
 
-def test_the_demo_on_a_fresh_data_dir_and_after_a_restart(tmp_path: Path) -> None:
+def prepare_demo(data_dir: Path) -> None:
+    """Copy a built demo into `data_dir/demo` so that `loraplex serve` skips building it (tests/demo
+    covers the build; it takes tens of seconds on two cores). Built once into the cache the UI
+    tests share; `ensure_demo` rebuilds it there when the demo's recipe changes."""
+    from loraplex.demo import ensure_demo
+
+    assets = ensure_demo(DEMO_CACHE)
+    shutil.copytree(Path(assets.model_dir).parent, data_dir / "demo")
+
+
+def test_the_demo_on_a_fresh_registry_and_after_a_restart(tmp_path: Path) -> None:
     from loraplex.demo import DEMO_ADAPTERS, DEMO_PROMPT
 
     data_dir = tmp_path / "data"
+    prepare_demo(data_dir)
     key_file, admin_key_file = data_dir / "demo-api-key", data_dir / "admin-api-key"
-    with loraplex_serve(data_dir) as served:  # builds the demo on first start
+    with loraplex_serve(data_dir) as served:  # a registry with nothing in it
         key = key_file.read_text().strip()
         assert f"demo API key (tenant 'demo', also in {key_file}): {key}" in served.output()
         assert key_file.stat().st_mode & 0o777 == 0o600

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from loraplex.registry import RegistryConfig
-from tests.server.server_support import MODEL_ID, Server, serve
+from tests.server.server_support import MODEL_ID, Server, make_engine, serve
 
 LONG = 480
 """max_tokens that keeps a request busy for seconds (the context is 512)."""
@@ -219,3 +219,44 @@ def test_metrics_health_and_readiness(sqlite_server: Server) -> None:
     assert server.metric("vllm:generation_tokens_total") == usage.completion_tokens
     assert server.metric("vllm:e2e_request_latency_seconds_count") == 1
     assert server.metric("vllm:request_success_total", finished_reason="length") == 1
+
+
+def test_adapters_are_loaded_lazily_shared_by_identity_and_dropped_past_the_cap(
+        tmp_path: Path, model_dir: Path, adapter_dirs) -> None:
+    engine = make_engine(model_dir)  # its own: no adapter loaded by other tests
+    with serve(RegistryConfig(data_dir=tmp_path / "data"), engine, tenants=("acme", "globex"),
+               max_host_adapters=2) as server, server.http() as http:
+        for tenant, name, folder in [("acme", "a", "qv"), ("acme", "b", "mlp"), ("acme", "c", "qv2"),
+                                     ("globex", "same-as-a", "qv")]:
+            server.registry.adapters.upload_dir(tenant, name, adapter_dirs[folder])
+
+        def loaded() -> tuple[set[str], int]:
+            """(acme's adapters held for the engine, adapters the engine holds)."""
+            names = {a["name"] for a in http.get("/admin/api/adapters", params={"tenant": "acme"}).json()
+                     if a["is_loaded"]}
+            return names, http.get("/admin/api/engine").json()["num_adapters_loaded"]
+
+        def ask(tenant: str, model: str) -> str:
+            return server.openai(tenant).completions.create(model=model, prompt="x", max_tokens=2,
+                                                            temperature=0).choices[0].text
+
+        assert loaded() == (set(), 0)  # nothing is loaded before it is used
+        first = ask("acme", "a")
+        assert ask("globex", "same-as-a") == first
+        assert loaded() == ({"a"}, 1)  # two tenants, one identity, one copy
+        ask("acme", "b")
+        ask("acme", "c")  # a third adapter: the least recently used one (a) is dropped
+        _wait_until(lambda: loaded() == ({"b", "c"}, 2), 5, "adapter a to be dropped")
+        assert ask("acme", "a") == first  # and loaded again when needed
+        assert loaded() == ({"a", "c"}, 2)
+
+
+def test_the_admin_ui_is_served_beside_the_api(tmp_path: Path, engine) -> None:
+    ui = tmp_path / "ui"
+    ui.mkdir()
+    (ui / "index.html").write_text("<!doctype html><title>loraplex admin</title>")
+    with serve(RegistryConfig(data_dir=tmp_path / "data"), engine, admin_ui_dir=ui) as server:
+        page = httpx.get(f"{server.url}/admin/", timeout=10)
+        assert page.status_code == 200 and "loraplex admin" in page.text
+        with server.http() as http:
+            assert http.get("/admin/api/me").json()["role"] == "admin"
