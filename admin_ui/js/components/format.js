@@ -3,6 +3,8 @@
 const numberFormat = new Intl.NumberFormat(undefined);
 const dateFormat = new Intl.DateTimeFormat(undefined, { year: "numeric", month: "short", day: "numeric", hour: "2-digit", minute: "2-digit" });
 const thisYearFormat = new Intl.DateTimeFormat(undefined, { month: "short", day: "numeric", hour: "2-digit", minute: "2-digit" });
+const yearDay = new Intl.DateTimeFormat(undefined, { year: "numeric", month: "short", day: "numeric" });
+const thisYearDay = new Intl.DateTimeFormat(undefined, { month: "short", day: "numeric" });
 
 export function formatNumber(value) {
   return value === null || value === undefined ? "—" : numberFormat.format(value);
@@ -35,6 +37,19 @@ export function formatDate(iso) {
   const date = new Date(iso);
   if (Number.isNaN(date.getTime())) return iso;
   return (date.getFullYear() === new Date().getFullYear() ? thisYearFormat : dateFormat).format(date);
+}
+
+/** The day only, with the full date and time as a tooltip. */
+export function formatDay(iso) {
+  if (!iso) return "—";
+  const date = new Date(iso);
+  if (Number.isNaN(date.getTime())) return iso;
+  const format = date.getFullYear() === new Date().getFullYear() ? thisYearDay : yearDay;
+  const node = document.createElement("time");
+  node.dateTime = iso;
+  node.title = formatDate(iso);
+  node.textContent = format.format(date);
+  return node;
 }
 
 export function formatDuration(seconds) {

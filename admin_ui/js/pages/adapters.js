@@ -5,7 +5,7 @@ import { api } from "../api.js";
 import { confirmDialog } from "../components/dialog.js";
 import { h, replace } from "../components/dom.js";
 import { checkFields, field, formAlert, NAME_HINT, showApiError } from "../components/field.js";
-import { formatBytes, formatDate, formatNumber, shortHash } from "../components/format.js";
+import { formatBytes, formatDay, formatNumber, shortHash } from "../components/format.js";
 import { card, loadInto, pageHead, rowButton } from "../components/page.js";
 import { table } from "../components/table.js";
 import { toast } from "../components/toast.js";
@@ -99,7 +99,7 @@ function adapterTable(adapters, onDelete) {
       },
       { label: "Size", numeric: true, className: "nowrap", cell: (a) => formatBytes(a.size_bytes) },
       { label: "sha256", cell: (a) => h("code", { title: a.sha256 }, shortHash(a.sha256, 10)) },
-      { label: "Created", className: "nowrap", cell: (a) => formatDate(a.created_at) },
+      { label: "Created", className: "nowrap", cell: (a) => formatDay(a.created_at) },
       { label: "Requests", numeric: true, cell: (a) => formatNumber(a.num_requests_served) },
       {
         label: "On GPU", cell: (a) => (a.is_resident

@@ -60,7 +60,7 @@ function createForm(onCreated) {
   const alert = formAlert();
   const submit = h("button", { type: "submit", class: "button" }, "Create tenant");
   const form = h("form", { novalidate: true },
-    alert, h("div", { class: "form-grid" }, Object.values(fields).map((f) => f.root)),
+    alert, h("div", { class: "form-grid compact" }, Object.values(fields).map((f) => f.root)),
     h("div", { class: "form-actions" }, submit));
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
