@@ -10,18 +10,25 @@ from typing import Any
 
 import pytest
 
-from tests.ui.ui_support import DESKTOP, LiveServer, launch_chromium, prepare_demo, run_server, sign_in
+from tests.ui.ui_support import (
+    DESKTOP,
+    FAILED,
+    NARROW,
+    LiveServer,
+    launch_chromium,
+    open_page,
+    prepare_demo,
+    run_server,
+    sign_in,
+)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
     report = yield
     if report.when == "call":
-        item.stash[_FAILED] = report.failed
+        item.stash[FAILED] = report.failed
     return report
-
-
-_FAILED = pytest.StashKey[bool]()
 
 
 @pytest.fixture(scope="session")
@@ -47,23 +54,16 @@ def browser() -> Iterator[Any]:
         chromium.close()
 
 
-def _new_page(browser: Any, request: pytest.FixtureRequest, tmp_path: Path, viewport: dict) -> Iterator[Any]:
-    context = browser.new_context(viewport=viewport, locale="en-US", timezone_id="UTC")
-    context.set_default_timeout(15_000)
-    page = context.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
-    yield page
-    if request.node.stash.get(_FAILED, False):
-        page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
-    context.close()
-    assert not errors, f"JavaScript errors on the page: {errors}"
-
-
 @pytest.fixture
 def page(browser: Any, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
     """A page in a fresh context at 1280x800."""
-    yield from _new_page(browser, request, tmp_path, DESKTOP)
+    yield from open_page(browser, request.node, tmp_path, DESKTOP)
+
+
+@pytest.fixture
+def narrow_page(browser: Any, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    """A page in a fresh context at 400x800."""
+    yield from open_page(browser, request.node, tmp_path, NARROW)
 
 
 @pytest.fixture

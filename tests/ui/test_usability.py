@@ -3,14 +3,9 @@ labelled with its errors wired to it, and at 400 px a collapsed menu and no side
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
-
 import pytest
 from playwright.sync_api import expect
 
-from tests.ui.conftest import _new_page
 from tests.ui.ui_support import NARROW, LiveServer, screenshot, sign_in
 
 PAGES = {"adapters": "Adapters", "tenants": "Tenants", "keys": "API keys", "prompts": "System prompts",
@@ -104,11 +99,6 @@ def test_errors_are_tied_to_their_field(admin_page):
                                                 "This field is required.")
     name.type("acme")
     expect(name).not_to_have_attribute("aria-invalid", "true")
-
-
-@pytest.fixture
-def narrow_page(browser, request, tmp_path: Path) -> Iterator[Any]:
-    yield from _new_page(browser, request, tmp_path, NARROW)
 
 
 def test_narrow_window_collapses_the_menu_and_never_scrolls_sideways(narrow_page, server: LiveServer):

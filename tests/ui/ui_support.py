@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from loraplex.registry.config import DATABASE_URL_ENV
 
@@ -37,6 +38,8 @@ recipe changes."""
 SERVER_START_TIMEOUT_S = 240
 DESKTOP = {"width": 1280, "height": 800}
 NARROW = {"width": 400, "height": 800}
+FAILED = pytest.StashKey[bool]()
+"""Set on each test item by conftest's report hook: whether its call phase failed."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,21 @@ def launch_chromium(playwright: Any) -> Any:
         raise RuntimeError(f"Chromium not found at {CHROMIUM}: install Debian's package "
                            "(`apt-get install -y chromium`; scripts/test.sh does) or set LORAPLEX_CHROMIUM")
     return playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+
+
+def open_page(browser: Any, item: pytest.Item, tmp_path: Path, viewport: dict) -> Iterator[Any]:
+    """A page in a fresh browser context (its own sessionStorage); afterwards a screenshot in
+    `tmp_path` if the test failed, and a failure if the page raised JavaScript errors."""
+    context = browser.new_context(viewport=viewport, locale="en-US", timezone_id="UTC")
+    context.set_default_timeout(15_000)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    yield page
+    if item.stash.get(FAILED, False):
+        page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
+    context.close()
+    assert not errors, f"JavaScript errors on the page: {errors}"
 
 
 def sign_in(page: Any, server: LiveServer, route: str = "adapters") -> Any:
