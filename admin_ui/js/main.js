@@ -54,6 +54,7 @@ function showApp(me) {
 function showSignIn(notice) {
   if (router) router.stop();
   router = null;
+  for (const dialog of document.querySelectorAll("dialog")) dialog.remove();  // e.g. a form open when the key was revoked
   document.body.classList.remove("signed-in");
   nav.hidden = true;
   session.hidden = true;

@@ -57,8 +57,15 @@ def test_a_revoked_admin_key_ends_the_session(page, server: LiveServer, admin):
     page.get_by_role("button", name="Sign in").click()
     expect(page.get_by_role("navigation", name="Main")).to_be_visible()
 
-    assert admin.post(f"/keys/{created['key']['id']}/revoke").status_code == 200
     page.get_by_role("link", name="Tenants").click()
+    page.get_by_role("button", name="Edit tenant demo").click()
+    dialog = page.get_by_role("dialog", name="Edit tenant demo")
+    expect(dialog).to_be_visible()
+
+    assert admin.post(f"/keys/{created['key']['id']}/revoke").status_code == 200
+    dialog.get_by_label("Weight").press("Enter")  # the save is refused: back to signing in
     expect(page.get_by_label("Admin API key")).to_be_visible()
     expect(page.get_by_text("no longer accepted")).to_be_visible()
+    expect(dialog).to_have_count(0)
     assert page.evaluate("sessionStorage.length") == 0
+    assert admin.get("/tenants/demo").json()["weight"] == 1
