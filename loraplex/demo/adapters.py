@@ -17,7 +17,9 @@ class DemoAdapter:
     target_modules: tuple[str, ...]
     """PEFT target modules (projection names of the Llama blocks)."""
     rank: int
+    """LoRA rank r."""
     alpha: float
+    """lora_alpha: the update is scaled by alpha / rank (or alpha / sqrt(rank))."""
     use_rslora: bool = False
     """Scale by alpha / sqrt(rank) instead of alpha / rank."""
     lr: float = 1e-2

@@ -16,6 +16,7 @@ class DemoModel:
     model: Any
     """A peft.PeftModel over a transformers LlamaForCausalLM, in eval mode."""
     tokenizer: Any
+    """The transformers tokenizer of the model folder."""
 
 
 def load_demo_model(assets: DemoAssets) -> DemoModel:

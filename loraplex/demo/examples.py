@@ -19,6 +19,7 @@ IGNORE_INDEX = -100
 @dataclass(frozen=True)
 class Example:
     token_ids: tuple[int, ...]
+    """The whole sequence, bos to eos."""
     num_prompt_tokens: int
     """The loss covers the tokens after these."""
 

@@ -13,15 +13,23 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class DemoModelSpec:
     hidden_size: int = 128
+    """Model width; head_dim is hidden_size / num_heads = 32."""
     intermediate_size: int = 384
+    """Width of the SwiGLU MLP (3 x hidden, about Llama's ratio)."""
     num_layers: int = 2
+    """Decoder blocks."""
     num_heads: int = 4
+    """Query heads."""
     num_kv_heads: int = 2
-    """Fewer than num_heads: grouped-query attention."""
+    """Key/value heads, fewer than num_heads: grouped-query attention."""
     max_position_embeddings: int = 2048
+    """Longest sequence the server will accept for the demo."""
     rope_theta: float = 10000.0
+    """Rotary embedding base (plain rope, no scaling)."""
     rms_norm_eps: float = 1e-5
+    """Epsilon of the RMS norms."""
     tie_word_embeddings: bool = False
+    """The LM head has its own weights, as in Llama 2/3-8B."""
 
 
 DEMO_MODEL = DemoModelSpec()

@@ -23,10 +23,14 @@ class TrainSettings:
     batch_size: int = 16
     """Examples per step; each batch holds examples of similar length (little padding)."""
     base_epochs: int = 30
+    """Passes over the base model's examples (all weights trained)."""
     base_lr: float = 3e-3
+    """AdamW learning rate of the base model."""
     adapter_epochs: int = 20
-    """Adapters set their own learning rate (DemoAdapter.lr)."""
+    """Passes over each adapter's examples; adapters set their own learning rate
+    (DemoAdapter.lr)."""
     max_grad_norm: float = 1.0
+    """Gradients are clipped to this norm before each step."""
 
 
 TRAIN = TrainSettings()
