@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException
 
 from loraplex.engine.async_engine import EngineDeadError
@@ -40,10 +41,6 @@ class PermissionDeniedError(LoraplexError):
     """A valid key that may not use this route (a tenant key on the admin API)."""
 
     code = "permission_denied"
-
-
-class RequestTooLargeError(LoraplexError):
-    code = "request_too_large"
 
 
 class RateLimitError(LoraplexError):
@@ -74,7 +71,6 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (UnknownAdapterError, 404),
     (NotFoundError, 404),
     (ConflictError, 409),
-    (RequestTooLargeError, 413),
     (RateLimitError, 429),
     (AdapterError, 400),
     (InvalidInputError, 400),
@@ -99,12 +95,10 @@ def error_body(message: str, status: int, code: str | None, param: str | None = 
     return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 
 
-def error_response(exc: LoraplexError, request_id: str | None = None) -> JSONResponse:
+def error_response(exc: LoraplexError) -> JSONResponse:
     status = status_of(exc)
-    headers = dict(getattr(exc, "headers", {}))
-    if request_id:
-        headers[REQUEST_ID_HEADER] = request_id
-    return JSONResponse(error_body(exc.message, status, exc.code, exc.param), status, headers)
+    return JSONResponse(error_body(exc.message, status, exc.code, exc.param), status,
+                        dict(getattr(exc, "headers", {})))
 
 
 def stream_error(exc: BaseException, request_id: str) -> dict[str, Any]:
@@ -121,7 +115,7 @@ def install_error_handlers(app: FastAPI) -> None:
     handlers: dict[type[Exception], Any] = {
         LoraplexError: _loraplex_error, EngineDeadError: _engine_dead,
         RequestValidationError: _validation_error, HTTPException: _http_error,
-        Exception: _internal_error,
+        OperationalError: _database_unavailable, Exception: _internal_error,
     }
     for cls, handler in handlers.items():
         app.add_exception_handler(cls, handler)
@@ -136,6 +130,13 @@ async def _loraplex_error(request: Request, exc: LoraplexError) -> JSONResponse:
 async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
     return JSONResponse(error_body("the engine has stopped; the server must be restarted", 503,
                                    "engine_unavailable"), 503, {"Retry-After": "30"})
+
+
+async def _database_unavailable(request: Request, exc: OperationalError) -> JSONResponse:
+    logger.error("request %s: the registry database failed: %s", request_id_of(request.scope),
+                 str(exc.orig or exc).strip().splitlines()[0])
+    return JSONResponse(error_body("the registry database is unavailable; retry shortly", 503,
+                                   "registry_unavailable"), 503, {"Retry-After": "1"})
 
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:

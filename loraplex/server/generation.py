@@ -5,6 +5,7 @@ accounting (limits released, usage recorded, metrics) however the request ended.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
@@ -20,6 +21,8 @@ from loraplex.server.errors import RateLimitError, ServiceUnavailableError
 from loraplex.server.schemas.openai import SamplingFields, Usage
 from loraplex.server.services import Services
 from loraplex.types import RequestOutput, SamplingParams, TokenLogprob
+
+logger = logging.getLogger(__name__)
 
 
 class ContextLengthError(InvalidRequestError):
@@ -123,9 +126,10 @@ async def generate(services: Services, job: Job) -> AsyncIterator[RequestOutput]
                     now - previous_at)
                 previous_at, last = now, output
                 metrics.generation_tokens.inc(len(output.new_token_ids))
-                if output.finish_reason == "error":
-                    raise EngineRequestError(f"the engine failed on this request ({output.error}; "
-                                             f"request id {job.request_id})")
+                if output.finish_reason == "error":  # the detail stays in the log
+                    logger.error("request %s failed in the engine: %s", job.request_id, output.error)
+                    raise EngineRequestError(f"the engine failed on this request (request id "
+                                             f"{job.request_id})")
                 yield output
     finally:
         num_completion = len(last.token_ids) if last is not None else 0

@@ -260,3 +260,32 @@ def test_the_admin_ui_is_served_beside_the_api(tmp_path: Path, engine) -> None:
         assert page.status_code == 200 and "loraplex admin" in page.text
         with server.http() as http:
             assert http.get("/admin/api/me").json()["role"] == "admin"
+
+
+def test_a_failing_registry_database_answers_503_and_recovers(sqlite_server: Server) -> None:
+    """The SQLite file moved away under the running server (new connections find an empty
+    database): requests that need the registry get 503 with Retry-After, not a 500."""
+    server = sqlite_server
+    database = server.registry.config.data_dir / "registry.db"
+    files = [database.with_name(database.name + suffix) for suffix in ("", "-wal", "-shm")]
+    time.sleep(0.3)  # past the server's cache of keys
+    server.registry.db.dispose()
+    for path in files:
+        if path.exists():
+            path.rename(path.with_name(path.name + ".away"))
+    try:
+        response = httpx.get(f"{server.url}/v1/models", timeout=10,
+                             headers={"Authorization": f"Bearer {server.keys['acme']}"})
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "registry_unavailable"
+        assert response.headers["retry-after"] == "1" and response.headers["x-request-id"]
+        assert httpx.get(f"{server.url}/ready", timeout=10).status_code == 503
+    finally:
+        server.registry.db.dispose()
+        for path in files:
+            path.unlink(missing_ok=True)
+            away = path.with_name(path.name + ".away")
+            if away.exists():
+                away.rename(path)
+    assert httpx.get(f"{server.url}/ready", timeout=10).status_code == 200
+    assert server.openai("acme").models.list().data
