@@ -166,11 +166,6 @@ def test_prompts(cli, registry_config: RegistryConfig, tmp_path: Path,
                     str(text_file)), "has no adapter named 'nope'")
 
 
-def test_serve_is_wired_but_not_built(cli) -> None:
-    _fails_with(cli("serve", "--model", "m", "--host", "0.0.0.0", "--port", "9000", "--device",
-                    "cpu"), "not built yet")
-
-
 def test_options_come_from_the_environment_or_before_the_command(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -70,3 +70,12 @@ def test_console_script(registry_config: RegistryConfig) -> None:
     assert key.returncode == 0 and KEY.fullmatch(key.stdout) and key.stderr == ""
     _assert_one_line_error(_run(registry_config, "key", "revoke", "7",
                                 command=[str(CONSOLE_SCRIPT)]), 1, "API key 7 does not exist")
+
+
+def test_serve_refuses_a_model_folder_it_cannot_serve(registry_config: RegistryConfig,
+                                                      tmp_path: Path) -> None:
+    result = _run(registry_config, "serve", "--model", str(tmp_path / "missing"), "--port", "9",
+                  "--device", "cpu")
+    assert result.returncode == 1 and result.stdout == "" and "Traceback" not in result.stderr
+    last = result.stderr.splitlines()[-1]  # serve logs its start-up steps first
+    assert last.startswith("loraplex: error: ") and "has no config.json" in last, result.stderr
