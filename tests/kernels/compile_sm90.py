@@ -105,22 +105,7 @@ def _cases() -> Iterator[tuple]:
         scale_log2=0.127, num_seqs=4, group=4, head_dim=128),
         dict(PAGE_SIZE=16, RETURN_LSE=True, BLOCK_Q=cfg.block_m // 4, GROUP_P2=4,
              BLOCK_N=cfg.block_n, BLOCK_D=128, UPCAST=False), cfg.num_warps, cfg.num_stages)
-    for num_tokens in (64, 2048):
-        s = lora.shrink_config(num_tokens, 3, 4096, 16, _cpu())
-        yield (f"lora shrink {s}", lora._lora_shrink_kernel, dict(
-            x_ptr=BF16, a_ptr=BF16, token_slots_ptr=I32, ranks_ptr=I32, out_ptr=F32,
-            num_tokens=num_tokens, in_features=4096, k_per_split=1024, stride_x_tok=4096,
-            stride_a_slot=3 * 16 * 4096, stride_a_slice=16 * 4096, stride_a_rank=4096,
-            stride_ranks_slot=3, stride_out_slice=num_tokens * 16, stride_out_tok=16),
-            dict(BLOCK_M=s.block_m, BLOCK_R=16, BLOCK_K=s.block_k, ATOMIC=True, UPCAST=False),
-            s.num_warps)
-        e = lora.expand_config(num_tokens, 16)
-        yield (f"lora expand {e}", lora._lora_expand_kernel, dict(
-            y_ptr=BF16, shrunk_ptr=F32, b_ptr=BF16, token_slots_ptr=I32, ranks_ptr=I32,
-            num_tokens=num_tokens, off0=0, off1=4096, off2=5120, off3=6144, off4=6144,
-            stride_y_tok=6144, stride_s_slice=num_tokens * 16, stride_s_tok=16,
-            stride_b_slot=6144 * 16, stride_b_out=16, stride_ranks_slot=3),
-            dict(BLOCK_M=e.block_m, BLOCK_N=e.block_n, BLOCK_R=16), e.num_warps)
+    yield from _lora_cases()
     yield ("silu_and_mul", activation._silu_and_mul_kernel, dict(
         x_ptr=BF16, out_ptr=BF16, intermediate=14336, stride_x=28672, stride_out=14336),
         dict(BLOCK_SIZE=activation.BLOCK), 4)
@@ -129,6 +114,35 @@ def _cases() -> Iterator[tuple]:
         offsets_ptr=I64, out_ptr=I64, cand_val_ptr=F32, cand_idx_ptr=I32, vocab=128256,
         stride_row=128256), dict(MAX_CAND_=sampling.MAX_CAND, NUM_PIVOTS_=16,
                                  NUM_LEVELS_=sampling.NUM_LEVELS, BLOCK_SIZE=sampling.BLOCK), 8)
+
+
+def _lora_cases() -> Iterator[tuple]:
+    """The per-token LoRA candidates (the H100 picks among them) at qkv shapes, rank 16, and
+    the tile path the wrappers pick for a 2048-token prefill chunk."""
+    shrink_args = dict(x_ptr=BF16, a_ptr=BF16, token_slots_ptr=I32, ranks_ptr=I32, out_ptr=F32,
+                       in_features=4096, stride_x_tok=4096, stride_a_slot=3 * 16 * 4096,
+                       stride_a_slice=16 * 4096, stride_a_rank=4096, stride_ranks_slot=3,
+                       stride_out_slice=64 * 16, stride_out_tok=16)
+    for s in lora.CANDIDATE_SHRINK_CONFIGS:
+        yield (f"lora shrink {s}", lora._shrink_rows_kernel, dict(shrink_args, max_rank=16),
+               dict(BLOCK_R=s.block_r, BLOCK_K=s.block_k, EVEN_K=True, NUM_STAGES=s.num_stages),
+               s.num_warps)
+    s = lora.shrink_config(2048, 3, 4096, 16, _cpu())
+    yield (f"lora shrink {s}", lora._shrink_tiles_kernel,
+           dict(shrink_args, num_tokens=2048, k_per_split=1024, stride_out_slice=2048 * 16),
+           dict(BLOCK_M=s.block_m, BLOCK_R=16, BLOCK_K=s.block_k, ATOMIC=True, UPCAST=False),
+           s.num_warps, s.num_stages)
+    expand_args = dict(y_ptr=BF16, shrunk_ptr=F32, b_ptr=BF16, token_slots_ptr=I32,
+                       ranks_ptr=I32, out_features=6144, max_rank=16, off0=0, off1=4096,
+                       off2=5120, off3=6144, off4=6144, stride_y_tok=6144,
+                       stride_s_slice=64 * 16, stride_s_tok=16, stride_b_slot=6144 * 16,
+                       stride_b_out=16, stride_ranks_slot=3)
+    for num_tokens, configs in ((64, lora.CANDIDATE_EXPAND_CONFIGS),
+                                (2048, [lora.expand_config(2048, 16)])):
+        for e in configs:
+            yield (f"lora expand {e}", lora._expand_kernel, dict(expand_args, num_tokens=num_tokens),
+                   dict(BLOCK_M=e.block_m, BLOCK_N=e.block_n, RANK_CHUNK=lora.RANK_CHUNK,
+                        EVEN_R=True, NUM_STAGES=e.num_stages), e.num_warps)
 
 
 def _cpu():
