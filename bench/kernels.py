@@ -1,6 +1,7 @@
 """Benchmarks of the Triton kernels at Llama-3-8B shapes (GPU only).
 
-    python bench/kernels.py [--sweep] [--out bench/results]
+    python bench/kernels.py [--sweep] [--only REGEX] [--lora-baseline FILE] [--tag TAG]
+                            [--out bench/results]
 
 Each case is timed by replaying a CUDA graph of many calls (as the engine runs them), cycling
 over enough independent input sets that the inputs do not sit in L2 between calls; the figure
@@ -8,11 +9,16 @@ is the median over replays, per call. Achieved bandwidth = bytes that must move 
 read once, each output written once) / time, printed next to the 3.0 TB/s measured copy
 ceiling of the lent H100. Writes bench/results/kernels-<gpu>.json; `--sweep` instead times
 alternative launch configs of decode attention and LoRA (kernels-<gpu>-sweep.json).
+`--only` keeps the cases whose names match a regular expression (`--only lora`);
+`--lora-baseline` also times another implementation of lora.py (a file with the same
+wrappers, e.g. `git show <commit>:kernels/lora.py > /tmp/lora_old.py`) on each LoRA case;
+`--tag` goes into the JSON's name (kernels-<gpu>-<tag>[-sweep].json).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import platform
@@ -23,6 +29,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import triton
@@ -231,6 +238,7 @@ LORA_CASES = [
     LoraCase("qkv, 64 x 64 r16 in max_rank-64 slots", 64, 64, 16, 64, HIDDEN, (HIDDEN, 1024, 1024)),
     LoraCase("gate_up, 64 x 64 r16", 64, 64, 16, 16, HIDDEN, (INTERMEDIATE, INTERMEDIATE)),
     LoraCase("down, 64 x 64 r16", 64, 64, 16, 16, INTERMEDIATE, (HIDDEN,)),
+    LoraCase("o, 64 x 64 r16", 64, 64, 16, 16, HIDDEN, (HIDDEN,)),
     LoraCase("qkv, 256 tokens x 8 adapters r16", 256, 8, 16, 16, HIDDEN, (HIDDEN, 1024, 1024)),
     LoraCase("qkv, prefill 2048 tokens x 4 adapters r16", 2048, 4, 16, 16, HIDDEN,
              (HIDDEN, 1024, 1024)),
@@ -275,33 +283,49 @@ def lora_bytes(case: LoraCase, which: str = "both") -> tuple[float, float]:
     return a_bytes + b_bytes, a_bytes + b_bytes + x_io + y_io + 3 * shrunk
 
 
-def bench_lora(case: LoraCase, shrink_cfg: lora.ShrinkConfig | None = None,
-               expand_cfg: lora.ExpandConfig | None = None, which: str = "both") -> Result:
+def bench_lora(case: LoraCase, shrink_cfg=None, expand_cfg=None, which: str = "both",
+               impl: ModuleType = lora) -> Result:
+    """Times lora.py's launchers (or `impl`'s: another version of the module with the same
+    launchers) with the given configs, else those the module picks."""
     adapter, total = lora_bytes(case, which)
     if ("lora", case) not in _INPUTS:
         _INPUTS.clear()
-        _INPUTS[("lora", case)] = [lora_inputs(case) for _ in range(num_sets(lora_bytes(case)[0]))]
+        # enough sets that the smaller op (shrink alone or expand alone) also misses L2
+        smallest = min(lora_bytes(case, "shrink")[0], lora_bytes(case, "expand")[0])
+        _INPUTS[("lora", case)] = [lora_inputs(case) for _ in range(num_sets(smallest))]
     sets = _INPUTS[("lora", case)]
     x0, a0 = sets[0][0], sets[0][1]
-    shrink_cfg = shrink_cfg or lora.shrink_config(case.num_tokens, a0.shape[1], case.in_features,
+    shrink_cfg = shrink_cfg or impl.shrink_config(case.num_tokens, a0.shape[1], case.in_features,
                                                   case.max_rank, x0.device)
-    expand_cfg = expand_cfg or lora.expand_config(case.num_tokens, case.max_rank)
-    shrunk = {id(s): lora._launch_shrink(s[0], s[1], s[3], s[4], shrink_cfg) for s in sets}
+    expand_cfg = expand_cfg or impl.expand_config(case.num_tokens, case.max_rank)
+    shrunk = {id(s): impl._launch_shrink(s[0], s[1], s[3], s[4], shrink_cfg) for s in sets}
 
     def run(s):
         x, a, b, slots, ranks, offsets, y = s
         if which in ("both", "shrink"):
-            sh = lora._launch_shrink(x, a, slots, ranks, shrink_cfg)
+            sh = impl._launch_shrink(x, a, slots, ranks, shrink_cfg)
         else:
             sh = shrunk[id(s)]
         if which in ("both", "expand"):
-            lora._launch_expand(y, sh, b, slots, ranks, offsets, expand_cfg)
+            impl._launch_expand(y, sh, b, slots, ranks, offsets, expand_cfg)
 
     t = time_per_call(run, sets)
-    res = result(f"lora_{which}" if which != "both" else "lora_shrink+expand", case.name, t,
-                 adapter, total_bytes=total, shrink=asdict(shrink_cfg), expand=asdict(expand_cfg))
+    kernel = f"lora_{which}" if which != "both" else "lora_shrink+expand"
+    if impl is not lora:
+        kernel += f"@{impl.__name__}"
+    res = result(kernel, case.name, t, adapter, total_bytes=total, shrink=asdict(shrink_cfg),
+                 expand=asdict(expand_cfg))
     res.notes["all_bytes_gbps"] = total / t / 1e9
     return res
+
+
+def load_module(path: Path) -> ModuleType:
+    """A module from a file (another version of a kernels module, for comparison)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # triton's JIT looks its kernels' module up
+    spec.loader.exec_module(module)
+    return module
 
 
 # ---------------------------------------------------------------- sampling
@@ -322,21 +346,43 @@ def bench_sample(batch: int, temperature: float, top_k: int, top_p: float) -> Re
 # ---------------------------------------------------------------- sweeps
 
 
-def sweep_cases() -> list[Callable[[], Result | None]]:
+Case = tuple[str, Callable[[], "Result | None"]]
+
+
+def case(fn, *args, **kwargs) -> Case:
+    """(a name to filter on, a thunk that runs fn and survives its failure)."""
+    def describe(value) -> str:
+        if isinstance(value, LoraCase):
+            return value.name
+        return value.__name__ if isinstance(value, ModuleType) else str(value)
+
+    words = [describe(a) for a in args] + [f"{k}={describe(v)}" for k, v in kwargs.items()]
+    return f"{fn.__name__}({', '.join(words)})", lambda: guarded(fn, *args, **kwargs)
+
+
+def lora_cases(*prefixes: str) -> list[LoraCase]:
+    return [next(c for c in LORA_CASES if c.name.startswith(p)) for p in prefixes]
+
+
+LORA_SWEEP_CASES = lora_cases("qkv, 64 tokens", "gate_up", "down", "o,")
+
+
+def sweep_cases() -> list[Case]:
     out = []
     for batch, context in ((64, 2048), (256, 1024), (8, 8192), (1, 8192)):
         for cfg in decode_attention.CANDIDATE_CONFIGS:
             programs = batch * KV_HEADS * cfg.num_splits
             if programs > 4096 or (batch < 64 and programs < 64):
                 continue  # splits far from what this batch could use
-            out.append(lambda b=batch, c=context, cfg=cfg: guarded(bench_decode, b, c, cfg))
-    case = LORA_CASES[0]
-    out += [lambda cfg=cfg: guarded(bench_lora, case, shrink_cfg=cfg, which="shrink")
-            for cfg in lora.CANDIDATE_SHRINK_CONFIGS]
-    out += [lambda cfg=cfg: guarded(bench_lora, case, expand_cfg=cfg, which="expand")
-            for cfg in lora.CANDIDATE_EXPAND_CONFIGS]
-    out += [lambda cfg=cfg: guarded(bench_prefill, [2048], [0], cfg)
-            for cfg in prefill_attention.CANDIDATE_CONFIGS]
+            out.append(case(bench_decode, batch, context, cfg))
+    for lora_case in LORA_SWEEP_CASES:
+        out += [case(bench_lora, lora_case, shrink_cfg=cfg, which="shrink")
+                for cfg in lora.CANDIDATE_SHRINK_CONFIGS]
+        out += [case(bench_lora, lora_case, expand_cfg=cfg, which="expand")
+                for cfg in lora.CANDIDATE_EXPAND_CONFIGS]
+    out += [case(bench_lora, lora_cases("qkv, prefill")[0], shrink_cfg=s, expand_cfg=e)
+            for s, e in lora.CANDIDATE_TILE_CONFIGS]
+    out += [case(bench_prefill, [2048], [0], cfg) for cfg in prefill_attention.CANDIDATE_CONFIGS]
     return out
 
 
@@ -351,20 +397,24 @@ def guarded(fn, *args, **kwargs) -> Result | None:
         return None
 
 
-def main_cases() -> list[Callable[[], Result | None]]:
-    def case(fn, *args, **kwargs):
-        return lambda: guarded(fn, *args, **kwargs)
+def main_cases(lora_baseline: ModuleType | None = None) -> list[Case]:
+    def lora_case(*args, **kwargs) -> list[Case]:
+        """The case, and the baseline implementation's right after it."""
+        both = [case(bench_lora, *args, **kwargs)]
+        if lora_baseline is not None:
+            both.append(case(bench_lora, *args, **kwargs, impl=lora_baseline))
+        return both
 
     return [
-        case(bench_decode, 64, 2048), case(bench_lora, LORA_CASES[0]),
+        case(bench_decode, 64, 2048), *lora_case(LORA_CASES[0]),
         case(bench_norm, 64), case(bench_norm, 4096),
         case(bench_silu, 64), case(bench_silu, 4096),
         case(bench_rotary, 64), case(bench_rotary, 4096),
         case(bench_decode, 256, 1024), case(bench_decode, 8, 8192), case(bench_decode, 1, 8192),
         case(bench_prefill, [2048], [0]), case(bench_prefill, [512, 512], [4096, 1024]),
-        *[case(bench_lora, c) for c in LORA_CASES[1:]],
-        case(bench_lora, LORA_CASES[0], which="shrink"),
-        case(bench_lora, LORA_CASES[0], which="expand"),
+        *[c for lc in LORA_CASES[1:] for c in lora_case(lc)],
+        *lora_case(LORA_CASES[0], which="shrink"),
+        *lora_case(LORA_CASES[0], which="expand"),
         case(bench_sample, 64, 0.0, 0, 1.0), case(bench_sample, 64, 1.0, 0, 1.0),
         case(bench_sample, 64, 0.8, 50, 0.9), case(bench_sample, 64, 1.0, 0, 0.95),
         case(bench_sample, 256, 0.8, 50, 0.9),
@@ -378,10 +428,10 @@ def gpu_slug(name: str) -> str:
 
 def print_table(title: str, results: list[Result]) -> None:
     print(f"\n{title}")
-    print(f"{'kernel':<24} {'case':<44} {'us':>9} {'GB/s':>8} {'of 3.0TB/s':>10} {'TFLOP/s':>8}")
+    print(f"{'kernel':<32} {'case':<44} {'us':>9} {'GB/s':>8} {'of 3.0TB/s':>10} {'TFLOP/s':>8}")
     for r in results:
         tf = f"{r.tflops:8.1f}" if r.flops else " " * 8
-        print(f"{r.kernel:<24} {r.case[:44]:<44} {r.time_us:9.2f} {r.gbps:8.0f} "
+        print(f"{r.kernel:<32} {r.case[:44]:<44} {r.time_us:9.2f} {r.gbps:8.0f} "
               f"{100 * r.fraction_of_ceiling:9.1f}% {tf}")
 
 
@@ -400,16 +450,15 @@ def targets(results: list[Result]) -> dict[str, dict]:
     return out
 
 
-def run_and_record(cases: list[Callable[[], Result | None]], path: Path, meta: dict
-                   ) -> list[Result]:
+def run_and_record(cases: list[Case], path: Path, meta: dict) -> list[Result]:
     """Runs the cases in turn, rewriting the JSON after each, so a run cut short by a time
     limit still leaves every figure it got."""
     results: list[Result] = []
-    for case in cases:
-        r = case()
+    for _, run in cases:
+        r = run()
         if r is not None:
             results.append(r)
-            print(f"  {r.kernel:<24} {r.case[:44]:<44} {r.time_us:9.2f} us {r.gbps:7.0f} GB/s "
+            print(f"  {r.kernel:<32} {r.case[:44]:<44} {r.time_us:9.2f} us {r.gbps:7.0f} GB/s "
                   f"{100 * r.fraction_of_ceiling:5.1f}% {r.notes}", flush=True)
         goals = targets(results)
         path.write_text(json.dumps({**meta, "targets": goals,
@@ -421,6 +470,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true",
                         help="time alternative launch configs instead of the main cases")
+    parser.add_argument("--only", metavar="REGEX",
+                        help="run only the cases whose names match (e.g. 'lora')")
+    parser.add_argument("--lora-baseline", type=Path, metavar="FILE",
+                        help="another version of kernels/lora.py, timed beside it")
+    parser.add_argument("--tag", help="suffix of the JSON file's name")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -431,9 +485,13 @@ def main() -> None:
             "python": platform.python_version(), "ceiling_bytes_per_s": CEILING_BYTES_PER_S,
             "ceiling_flops": CEILING_FLOPS}
     args.out.mkdir(parents=True, exist_ok=True)
-    suffix = "-sweep" if args.sweep else ""
+    suffix = (f"-{args.tag}" if args.tag else "") + ("-sweep" if args.sweep else "")
     path = args.out / f"kernels-{gpu_slug(name)}{suffix}.json"
-    results = run_and_record(sweep_cases() if args.sweep else main_cases(), path, meta)
+    baseline = load_module(args.lora_baseline) if args.lora_baseline else None
+    cases = sweep_cases() if args.sweep else main_cases(baseline)
+    if args.only:
+        cases = [c for c in cases if re.search(args.only, c[0])]
+    results = run_and_record(cases, path, meta)
     print_table(f"{name}: per call, CUDA-graph replay, inputs cycled past L2", results)
     if not args.sweep:
         for goal, verdict in targets(results).items():
