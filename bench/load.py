@@ -6,9 +6,11 @@ Starts `loraplex serve` (CPU, the demo; built once into --data-dir) unless --url
 runs, all at once: `--clients` streaming chat clients of tenant `demo` (no limits) spread over
 the base model and the three demo adapters, and `--limited-clients` more of a tenant limited to
 --limit concurrent requests, which must see 429s past its limit and nothing else. Each client
-makes --requests requests in a row with the official openai async client (no retries). Any
-error other than those 429s fails the run. Writes bench/results/load.json: requests per second,
-time to first token p50/p99, output tokens per second, the 429 count."""
+makes --requests requests in a row over plain asyncio connections (see stream_chat; the openai
+client lists the models), without retries. Any error other than those 429s fails the run.
+Writes bench/results/load.json: requests per second, time to first token p50/p99, output tokens
+per second, the 429 count, and how much the client's own event loop lagged (on a small machine
+the client shares the CPU with the server; a lagging client inflates the latencies it sees)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import socket
 import statistics
 import subprocess
@@ -34,6 +37,8 @@ ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results" / "load.json"
 DEMO_TENANT = "demo"
 LIMITED_TENANT = "bench-limited"
+CONTENT = re.compile(rb'"delta":\{"content":"[^"]')
+"""A chunk that carries generated text (the first chunk holds only the role and "")."""
 QUESTIONS = ("How do I make a cup of tea?", "What is the capital of France?", "Tell me about the sea.",
              "How far away is the moon?", "Why is the sky blue?")
 
@@ -46,59 +51,92 @@ class Stats:
     completed: int = 0
     rate_limited: int = 0
     errors: list[str] = field(default_factory=list)
+    client_lag_s: list[float] = field(default_factory=list)
 
 
-async def client(api: openai.AsyncOpenAI, models: list[str], index: int, args: argparse.Namespace,
+async def client(url: str, key: str, models: list[str], index: int, args: argparse.Namespace,
                  stats: Stats, *, is_limited: bool) -> None:
+    """One user: `args.requests` streaming chats in a row."""
     for turn in range(args.requests):
         model = models[(index + turn) % len(models)]
-        question = QUESTIONS[(index * 7 + turn) % len(QUESTIONS)]
+        body = {"model": model, "stream": True, "max_tokens": args.max_tokens, "temperature": 0.7,
+                "ignore_eos": True, "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": QUESTIONS[(index * 7 + turn) % len(QUESTIONS)]}]}
         started = time.perf_counter()
-        first = None
         try:
-            stream = await api.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": question}], stream=True,
-                max_tokens=args.max_tokens, temperature=0.7, stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True})
-            usage = None
-            async for chunk in stream:
-                if first is None and chunk.choices and chunk.choices[0].delta.content:
-                    first = time.perf_counter()
-                usage = chunk.usage or usage
-        except openai.RateLimitError:
+            status, first, events = await stream_chat(url, key, body)
+        except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+            stats.errors.append(f"{model}: {type(exc).__name__}: {exc}")
+            continue
+        if status == 429:
             if not is_limited:
                 stats.errors.append(f"429 for the unlimited tenant ({model})")
             stats.rate_limited += 1
             await asyncio.sleep(0.05)
             continue
-        except openai.APIError as exc:
-            stats.errors.append(f"{model}: {type(exc).__name__}: {exc}")
-            continue
-        if usage is None or first is None:
-            stats.errors.append(f"{model}: a stream without content or usage")
+        usage = next((json.loads(e[6:])["usage"] for e in events
+                      if e.startswith(b'data: {"') and b'"usage":{' in e), None)
+        if status != 200 or usage is None or first is None or any(b'"error":' in e for e in events):
+            stats.errors.append(f"{model}: HTTP {status} {b' '.join(events)[:200]!r}")
             continue
         stats.ttft_s.append(first - started)
         stats.e2e_s.append(time.perf_counter() - started)
-        stats.completion_tokens += usage.completion_tokens
+        stats.completion_tokens += usage["completion_tokens"]
         stats.completed += 1
 
 
+async def stream_chat(url: str, key: str, body: dict) -> tuple[int, float | None, list[bytes]]:
+    """POST /v1/chat/completions over a plain asyncio connection (HTTP/1.1, chunked response),
+    scanning the stream for the first generated text: (status, when that text came, the last
+    events). A general-purpose client (httpx, openai) parses every chunk in Python, and 200 of
+    them on the server's two cores make the client, not the server, what is measured."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nAuthorization: Bearer %s\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+                     % (host.encode(), key.encode(), len(payload)) + payload)
+        head = await reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        if status != 200:  # an error body (JSON), then the server closes the connection
+            return status, None, [await reader.read()]
+        first, tail = None, b""
+        while True:  # chunked transfer encoding: a hex size line, the data, CRLF
+            size = int((await reader.readline()).strip() or b"0", 16)
+            if size == 0:
+                break
+            data = (await reader.readexactly(size + 2))[:-2]
+            if first is None and CONTENT.search(data):
+                first = time.perf_counter()
+            tail = (tail + data)[-4096:]
+        return status, first, tail.split(b"\n\n")
+    finally:
+        writer.close()
+
+
 async def run_load(url: str, demo_key: str, limited_key: str | None, args: argparse.Namespace) -> dict:
-    limits = httpx.Limits(max_connections=args.clients + args.limited_clients + 10)
-    async with httpx.AsyncClient(limits=limits, timeout=600) as http:
-        demo = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=demo_key, max_retries=0, http_client=http)
-        models = [m.id async for m in demo.models.list()]
-        stats = Stats()
-        tasks = [client(demo, models, i, args, stats, is_limited=False) for i in range(args.clients)]
-        if limited_key is not None:
-            limited = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=limited_key, max_retries=0,
-                                         http_client=http)
-            tasks += [client(limited, models[:1], i, args, stats, is_limited=True)
-                      for i in range(args.limited_clients)]
-        started = time.perf_counter()
-        await asyncio.gather(*tasks)
-        duration = time.perf_counter() - started
+    demo = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=demo_key, max_retries=0)
+    models = [m.id async for m in demo.models.list()]
+    await demo.close()
+    stats = Stats()
+    lag = asyncio.ensure_future(measure_lag(stats))
+    tasks = [client(url, demo_key, models, i, args, stats, is_limited=False) for i in range(args.clients)]
+    if limited_key is not None:
+        tasks += [client(url, limited_key, models[:1], i, args, stats, is_limited=True)
+                  for i in range(args.limited_clients)]
+    started = time.perf_counter()
+    await asyncio.gather(*tasks)
+    duration = time.perf_counter() - started
+    lag.cancel()
     return report(stats, duration, models, args)
+
+
+async def measure_lag(stats: Stats, interval_s: float = 0.05) -> None:
+    while True:
+        started = time.perf_counter()
+        await asyncio.sleep(interval_s)
+        stats.client_lag_s.append(time.perf_counter() - started - interval_s)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -122,8 +160,11 @@ def report(stats: Stats, duration: float, models: list[str], args: argparse.Name
         "ttft_mean_ms": round(statistics.fmean(stats.ttft_s) * 1000, 1) if stats.ttft_s else None,
         "e2e_p50_ms": round(percentile(stats.e2e_s, 50) * 1000, 1),
         "e2e_p99_ms": round(percentile(stats.e2e_s, 99) * 1000, 1),
+        "client_loop_lag_p50_ms": round(percentile(stats.client_lag_s, 50) * 1000, 1),
+        "client_loop_lag_p99_ms": round(percentile(stats.client_lag_s, 99) * 1000, 1),
         "error_samples": stats.errors[:5],
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
+        "load_average_1min_before": args.load_before,
         "device": "cpu",
     }
 
@@ -192,6 +233,7 @@ def main() -> int:
     parser.add_argument("--admin-key")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
+    args.load_before = round(os.getloadavg()[0], 2)  # other work on the machine skews the figures
 
     with contextlib.ExitStack() as stack:
         url = args.url or stack.enter_context(serve_demo(args.data_dir, args.data_dir.parent /
