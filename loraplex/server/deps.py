@@ -7,7 +7,6 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from loraplex.engine.async_engine import AsyncEngine
 from loraplex.registry import Registry
 from loraplex.server.errors import ServiceUnavailableError
 from loraplex.server.services import Services
@@ -24,10 +23,5 @@ def get_registry(request: Request) -> Registry:
     return get_services(request).registry
 
 
-def get_engine(request: Request) -> AsyncEngine:
-    return get_services(request).engine
-
-
 ServicesDep = Annotated[Services, Depends(get_services)]
 RegistryDep = Annotated[Registry, Depends(get_registry)]
-EngineDep = Annotated[AsyncEngine, Depends(get_engine)]

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 
+from fastapi import Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from loraplex.errors import InvalidRequestError, LoraplexError
@@ -20,6 +21,7 @@ from loraplex.registry.records import AdapterRecord, TenantRecord
 from loraplex.server.errors import RateLimitError, ServiceUnavailableError
 from loraplex.server.schemas.openai import SamplingFields, Usage
 from loraplex.server.services import Services
+from loraplex.server.streaming import ClientDisconnected, EventStreamResponse, until_disconnect
 from loraplex.types import RequestOutput, SamplingParams, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -151,6 +153,26 @@ async def _pinned(services: Services, adapter: AdapterRecord | None) -> AsyncIte
         return
     async with services.adapters.use(adapter) as name:
         yield name
+
+
+async def run_job(request: Request, services: Services, job: Job, *, stream: bool,
+                  events: Callable[[RequestOutput, AsyncIterator[RequestOutput]], AsyncIterator[str]]
+                  ) -> RequestOutput | Response:
+    """Run the job for an HTTP request: with `stream`, a server-sent event response of
+    `events(first output, the rest)`, sent once the first output exists (so a refusal is still
+    an HTTP error); else the finished output. A client that leaves first stops the job (and gets
+    a 499 that nobody reads)."""
+    outputs = generate(services, job)
+    try:
+        first = await until_disconnect(request, first_output(outputs))
+        if stream:
+            return EventStreamResponse(events(first, outputs), outputs.aclose)
+        return await until_disconnect(request, last_output(first, outputs))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        if not stream:
+            await outputs.aclose()
 
 
 async def first_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:

@@ -12,10 +12,8 @@ from loraplex.server.deps import ServicesDep
 from loraplex.server.errors import stream_error
 from loraplex.server.generation import (
     Job,
-    first_output,
-    generate,
-    last_output,
     resolve_model,
+    run_job,
     sampling_params,
     token_logprobs,
     usage_of,
@@ -33,7 +31,7 @@ from loraplex.server.schemas.openai import (
     TopLogprob,
 )
 from loraplex.server.services import Services
-from loraplex.server.streaming import DONE, ClientDisconnected, EventStreamResponse, sse, until_disconnect
+from loraplex.server.streaming import DONE, sse
 from loraplex.types import RequestOutput
 
 router = APIRouter(prefix="/v1", tags=["OpenAI API"])
@@ -57,17 +55,10 @@ async def create_chat_completion(body: ChatCompletionRequest, principal: TenantD
                              default_max_tokens=None, logprobs=logprobs, prompt_param="messages")
     job = Job(request_id_of(request.scope), principal.tenant, body.model, adapter, prompt_ids, params,
               arrival)
-    outputs = generate(services, job)
-    try:
-        first = await until_disconnect(request, first_output(outputs))
-        if body.stream:
-            return EventStreamResponse(_events(services, job, body, first, outputs), outputs.aclose)
-        last = await until_disconnect(request, last_output(first, outputs))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        if not body.stream:
-            await outputs.aclose()
+    last = await run_job(request, services, job, stream=bool(body.stream),
+                         events=lambda first, outputs: _events(services, job, body, first, outputs))
+    if isinstance(last, Response):
+        return last
     return ChatCompletion(
         id=f"chatcmpl-{job.request_id}", created=int(time.time()), model=job.model,
         system_fingerprint=FINGERPRINT,

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, status
 
 from loraplex.server.auth import AdminDep
-from loraplex.server.deps import ServicesDep
+from loraplex.server.deps import RegistryDep, ServicesDep
 from loraplex.server.routes.admin.params import TenantFilter
 from loraplex.server.routes.docs import error_responses
 from loraplex.server.schemas.admin import ApiKey, CreatedApiKey, KeyCreate, Me
@@ -17,16 +17,16 @@ router = APIRouter(tags=["Admin: API keys"])
 
 @router.get("/keys", response_model=list[ApiKey], summary="List API keys (never their secrets)",
             responses=error_responses(401, 403, 404))
-def list_keys(admin: AdminDep, services: ServicesDep,
+def list_keys(admin: AdminDep, registry: RegistryDep,
               tenant: TenantFilter = None) -> list[ApiKey]:
-    return [ApiKey.of(k) for k in services.registry.keys.list(tenant=tenant)]
+    return [ApiKey.of(k) for k in registry.keys.list(tenant=tenant)]
 
 
 @router.post("/keys", response_model=CreatedApiKey, status_code=status.HTTP_201_CREATED,
              summary="Create an API key", responses=error_responses(400, 401, 403, 404))
-def create_key(body: KeyCreate, admin: AdminDep, services: ServicesDep) -> CreatedApiKey:
+def create_key(body: KeyCreate, admin: AdminDep, registry: RegistryDep) -> CreatedApiKey:
     """A key for `tenant`, or an admin key (`admin: true`). `secret` is in this response only."""
-    created = services.registry.keys.create(tenant=body.tenant, admin=body.admin, actor=admin.key_id)
+    created = registry.keys.create(tenant=body.tenant, admin=body.admin, actor=admin.key_id)
     return CreatedApiKey(key=ApiKey.of(created.key), secret=created.secret)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Response, status
+from starlette.concurrency import run_in_threadpool
 
 from loraplex.registry.tenants import UNCHANGED
 from loraplex.server.auth import AdminDep
@@ -53,8 +54,8 @@ def update_tenant(name: NameParam, body: TenantUpdate, admin: AdminDep, services
 @router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT, response_class=Response,
                summary="Delete a tenant with its keys, adapters, prompts and usage",
                responses=error_responses(401, 403, 404))
-def delete_tenant(name: NameParam, admin: AdminDep, services: ServicesDep) -> Response:
-    services.registry.tenants.delete(name, actor=admin.key_id)
+async def delete_tenant(name: NameParam, admin: AdminDep, services: ServicesDep) -> Response:
+    await run_in_threadpool(lambda: services.registry.tenants.delete(name, actor=admin.key_id))
     services.principals.forget()
-    services.adapters.forget(name)
+    services.adapters.forget(name)  # (the adapter manager lives on the event loop)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
