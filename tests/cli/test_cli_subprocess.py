@@ -60,7 +60,6 @@ def test_operator_session(registry_config: RegistryConfig, tmp_path: Path) -> No
              str(adapter), "--model", str(model)), 1, "invalid adapter name '../x'")
     _assert_one_line_error(_run(registry_config, "key", "create"), 2,
                            "one of the arguments --tenant --admin is required")
-    _assert_one_line_error(_run(registry_config, "serve"), 1, "not built yet")
 
 
 def test_console_script(registry_config: RegistryConfig) -> None:
