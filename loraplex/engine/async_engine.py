@@ -8,6 +8,7 @@ client that disconnects) aborts its request, which frees its KV blocks at once."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -111,9 +112,14 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - anything that kills the loop kills the engine
             logger.exception("the engine thread died")
             self.error = exc
-            for loop, stream in self._streams.values():
-                loop.call_soon_threadsafe(stream.put_nowait, exc)
-            self._fail_pending(exc)
+        else:
+            self.error = EngineDeadError("the engine was shut down")
+        # Whoever still waits on a stream or a command hears that the engine is gone.
+        for loop, stream in self._streams.values():
+            with contextlib.suppress(RuntimeError):  # RuntimeError: that caller's loop is closed
+                loop.call_soon_threadsafe(stream.put_nowait, self.error)
+        self._streams.clear()
+        self._fail_pending(self.error)
 
     def _run_commands(self) -> None:
         while True:

@@ -38,7 +38,7 @@ class InputBatch:
         self.adapter_slot[row] = seq.adapter_slot
         p = seq.params
         self.temperature[row] = p.temperature
-        self.top_k[row] = p.top_k
+        self.top_k[row] = min(p.top_k, 2**31 - 1)  # any k past the vocabulary means "off"
         self.top_p[row] = p.top_p
         self.seed[row] = seq.seed
         self.logprobs[row] = -1 if p.logprobs is None else p.logprobs

@@ -69,6 +69,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self._eos_ids())
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, Detokenizer] = {}
+        self._orphans: set[str] = set()  # removed adapters still used by running requests
         self._arrivals = 0
         self._seeds = random.Random(config.seed)
         self.num_generated_tokens = 0
@@ -80,10 +81,20 @@ class LLMEngine:
         return self.adapters.add(name, source)
 
     def remove_adapter(self, name: str) -> None:
+        """Forget `name`. Requests already using the adapter finish with it; its memory is
+        freed when the last of them ends."""
         digest = self.adapters.remove(name)
-        if digest is not None and not any(r.adapter == digest for r in self._requests.values()):
-            self.slots.evict(digest)
-            self.adapters.drop(digest)
+        if digest is not None:
+            self._orphans.add(digest)
+            self._drop_orphans()
+
+    def _drop_orphans(self) -> None:
+        in_use = {r.adapter for r in self._requests.values()}
+        for digest in [d for d in self._orphans if d not in in_use]:
+            self._orphans.discard(digest)
+            if digest not in self.adapters.names.values():  # not re-added meanwhile
+                self.slots.evict(digest)
+                self.adapters.drop(digest)
 
     # Requests -----------------------------------------------------------------------------
     def add_request(
@@ -136,6 +147,8 @@ class LLMEngine:
             return False
         self._detokenizers.pop(request_id, None)
         self.scheduler.finish(request, "abort")
+        if self._orphans:
+            self._drop_orphans()
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -161,6 +174,8 @@ class LLMEngine:
         for request in self.scheduler.update(plan, result):
             self.num_generated_tokens += 1
             outputs.append(self._process(request, result.logprobs.get(request.request_id)))
+        if self._orphans:
+            self._drop_orphans()
         return outputs
 
     def _process(self, request: Request, logprob) -> RequestOutput:
@@ -194,7 +209,7 @@ class LLMEngine:
             text=detokenizer.text if detokenizer is not None else "",
             finished=request.is_finished, finish_reason=request.finish_reason,
             new_token_ids=new_ids, new_text=new_text,
-            logprobs=request.logprobs if request.params.logprobs is not None else None,
+            logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
             adapter=request.adapter_name,
         )
 

@@ -65,3 +65,21 @@ def test_leaving_a_stream_early_aborts_the_request(engine):
         return await engine.call(lambda e: (e.num_requests, e.blocks.num_used_blocks))
 
     assert asyncio.run(main()) == (0, 0)
+
+
+def test_shutdown_ends_streams_that_are_still_waiting(tiny_llama):
+    from loraplex.engine.async_engine import EngineDeadError
+
+    engine = AsyncEngine(LLMEngine(EngineConfig.from_kwargs(str(tiny_llama[0]), device="cpu")))
+
+    async def main():
+        stream = engine.generate("long", prompt_token_ids=[5, 6], params=SamplingParams(
+            max_tokens=100000, ignore_eos=True))
+        await stream.__anext__()
+        engine.shutdown()
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))
+    assert not engine.is_alive

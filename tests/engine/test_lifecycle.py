@@ -128,3 +128,28 @@ def test_same_adapter_under_two_names_shares_one_slot(llm, tiny_llama):
                         sampling_params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert outs[0].token_ids == outs[1].token_ids
     assert len(llm.engine.slots.resident) == 1
+
+
+def test_adapter_removed_while_in_use_is_freed_when_its_last_request_ends(llm):
+    engine = llm.engine
+    engine.add_request("r", prompt_token_ids=[5, 6], adapter="mlp16",
+                       params=SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    digest = engine.adapters.resolve("mlp16")
+    llm.remove_adapter("mlp16")
+    assert engine.slots.slot_of(digest) is not None  # the running request still uses it
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    assert outputs[-1].finished and len(outputs[-1].token_ids) == 4
+    assert engine.slots.slot_of(digest) is None
+    assert digest not in engine.adapters._host
+    _assert_all_returned(engine)
+
+
+def test_top_k_beyond_any_vocabulary_means_no_filter(llm):
+    params = SamplingParams(max_tokens=3, temperature=0.7, top_k=10**12, seed=1, ignore_eos=True)
+    unfiltered = SamplingParams(max_tokens=3, temperature=0.7, seed=1, ignore_eos=True)
+    a = llm.generate(prompt_token_ids=[[5, 6]], sampling_params=params)[0].token_ids
+    b = llm.generate(prompt_token_ids=[[5, 6]], sampling_params=unfiltered)[0].token_ids
+    assert a == b
