@@ -38,6 +38,7 @@ def main() -> None:
         for _ in range(3):
             engine.step()
         torch.cuda.synchronize()
+        phases = _time_phases(engine, 5)
         started = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
@@ -59,9 +60,39 @@ def main() -> None:
             engine.step()
         row = {"batch": batch, "engine_step_ms": round(step_ms, 3),
                "replay_and_sync_ms": round(replay_sync_ms, 3), "replays_queued_ms": round(queued_ms, 3),
-               "replay_launch_cpu_ms": round(launch_ms, 3)}
+               "replay_launch_cpu_ms": round(launch_ms, 3), "phases_ms": phases}
         print(json.dumps(row), flush=True)
         results.append(row)
+
+
+def _time_phases(engine, steps: int) -> list[dict[str, float]]:
+    """Milliseconds of each part of a step (schedule, runner, output processing), synchronised."""
+    scheduler, runner = engine.scheduler, engine.runner
+    rows = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        plan = scheduler.schedule()
+        t1 = time.perf_counter()
+        runner._apply(plan)
+        host = runner.prepare(plan)
+        t2 = time.perf_counter()
+        inputs = runner._decode_inputs(host)
+        t3 = time.perf_counter()
+        logits, tokens = runner.graphs.run(inputs)
+        t4 = time.perf_counter()
+        torch.cuda.synchronize()
+        t5 = time.perf_counter()
+        sample_rows = host.rows[host.samples]
+        result = runner._result(plan, logits, sample_rows, tokens)
+        runner._advance(plan, sample_rows, result.sampled_tokens)
+        for request in scheduler.update(plan, result):
+            engine._process(request, None)
+        t6 = time.perf_counter()
+        rows.append({k: round(v * 1e3, 3) for k, v in (
+            ("schedule", t1 - t0), ("prepare", t2 - t1), ("decode_inputs", t3 - t2),
+            ("fill_and_replay", t4 - t3),
+            ("gpu_wait", t5 - t4), ("results", t6 - t5))})
+    return rows
 
 
 if __name__ == "__main__":
