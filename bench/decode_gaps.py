@@ -73,7 +73,7 @@ def _time_phases(engine, steps: int) -> list[dict[str, float]]:
         t0 = time.perf_counter()
         plan = scheduler.schedule()
         t1 = time.perf_counter()
-        runner._apply(plan)
+        runner.apply(plan)
         host = runner.prepare(plan)
         t2 = time.perf_counter()
         inputs = runner._decode_inputs(host)
@@ -82,9 +82,7 @@ def _time_phases(engine, steps: int) -> list[dict[str, float]]:
         t4 = time.perf_counter()
         torch.cuda.synchronize()
         t5 = time.perf_counter()
-        sample_rows = host.rows[host.samples]
-        result = runner._result(plan, logits, sample_rows, tokens)
-        runner._advance(plan, sample_rows, result.sampled_tokens)
+        result = runner.finish(plan, host, logits, tokens)
         for request in scheduler.update(plan, result):
             engine._process(request, None)
         t6 = time.perf_counter()

@@ -62,10 +62,10 @@ def measure(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         plan = scheduler.schedule()
         t1 = time.perf_counter()
-        runner._apply(plan)
-        inputs = runner.prepare(plan)
+        runner.apply(plan)
+        host = runner.prepare(plan)
         t2 = time.perf_counter()
-        result = _run_model(runner, plan, inputs)
+        result = runner.finish(plan, host, *runner.run(host))
         t3 = time.perf_counter()
         for request in scheduler.update(plan, result):
             engine._process(request, None)
@@ -88,16 +88,6 @@ def measure(args: argparse.Namespace) -> dict:
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
     }
-
-
-def _run_model(runner, plan, host):
-    """The model forward and sampling, exactly as ModelRunner.execute does after prepare()."""
-    logits, tokens = runner._run_eager(host)
-    sample_rows = host.rows[host.samples]
-    with torch.inference_mode():
-        result = runner._result(plan, logits, sample_rows, tokens)
-    runner._advance(plan, sample_rows, result.sampled_tokens)
-    return result
 
 
 def main() -> None:

@@ -9,10 +9,8 @@ float32 argmax is the token bf16 chose, and the relative distance of the logits.
 from __future__ import annotations
 
 import gc
-import json
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -192,11 +190,3 @@ def _float32_copy(model: LlamaForCausalLM, device: torch.device, max_len: int) -
 def _float32_adapter(host: HostAdapter) -> HostAdapter:
     return HostAdapter(host.digest, host.rank, {g: t.float() for g, t in host.a.items()},
                        {g: t.float() for g, t in host.b.items()}, host.ranks)
-
-
-def write(result: dict[str, Any], out_dir: Path) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    device = result["device"].replace(" ", "-").replace("/", "-").lower()
-    path = out_dir / f"accuracy-{device}-{result['config']['init']}-init.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    return path

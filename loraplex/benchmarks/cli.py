@@ -77,13 +77,13 @@ def run_decode(args: argparse.Namespace) -> None:
 
 
 def run_accuracy(args: argparse.Namespace) -> None:
-    from loraplex.benchmarks import accuracy
+    from loraplex.benchmarks import accuracy, decode
 
     config = accuracy.AccuracyConfig(
         num_requests=args.num_requests, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
         rank=args.rank, init=args.init, device=args.device, model=args.model_overrides,
     )
     result = accuracy.run(config)
-    path = accuracy.write(result, args.out)
+    path = decode.write(result, args.out, name=f"accuracy-{args.init}-init")
     print(json.dumps({k: v for k, v in result.items() if k != "config"}, indent=2))
     print(f"wrote {path}")

@@ -240,10 +240,11 @@ def _print_row(row: dict[str, Any]) -> None:
           f"{100 * row['fraction_of_floor']:5.1f}% of floor", flush=True)
 
 
-def write(result: dict[str, Any], out_dir: Path) -> Path:
+def write(result: dict[str, Any], out_dir: Path, name: str = "decode") -> Path:
+    """`<out_dir>/<name>-<device>.json`, e.g. decode-nvidia-h100-80gb-hbm3.json."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    name = result["device"].replace(" ", "-").replace("/", "-").lower()
-    path = out_dir / f"decode-{name}.json"
+    device = result["device"].replace(" ", "-").replace("/", "-").lower()
+    path = out_dir / f"{name}-{device}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path
 

@@ -52,24 +52,36 @@ class ModelRunner:
                                             capture=self.device.type == "cuda")
 
     def execute(self, plan: StepPlan) -> StepResult:
-        self._apply(plan)
+        """One step: apply the plan, prepare its inputs, run the model, return the tokens.
+        (The phases are public so that benchmarks can time them apart.)"""
+        self.apply(plan)
         if plan.is_empty:
             return StepResult()
         host = self.prepare(plan)
-        if self.graphs is not None and host.max_query_len == 1 and self.graphs.can_run(len(host.rows)):
-            logits, tokens = self.graphs.run(self._decode_inputs(host))
-            if not host.samples.all():  # a prompt chunk of one token that does not sample yet
-                keep = _to(np.flatnonzero(host.samples), self.device)
-                logits, tokens = logits[keep], tokens[keep]
-        else:
-            logits, tokens = self._run_eager(host)
+        logits, tokens = self.run(host)
+        return self.finish(plan, host, logits, tokens)
+
+    def run(self, host: HostInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [num_samples, vocab], tokens [num_samples]) of the rows that sample: a decode
+        step replays a CUDA graph, anything else runs eagerly."""
+        if self.graphs is None or host.max_query_len != 1 or not self.graphs.can_run(len(host.rows)):
+            return self._run_eager(host)
+        logits, tokens = self.graphs.run(self._decode_inputs(host))
+        if not host.samples.all():  # a prompt chunk of one token that does not sample yet
+            keep = _to(np.flatnonzero(host.samples), self.device)
+            logits, tokens = logits[keep], tokens[keep]
+        return logits, tokens
+
+    def finish(self, plan: StepPlan, host: HostInputs, logits: torch.Tensor, tokens: torch.Tensor
+               ) -> StepResult:
+        """The step's result (waits for the device), and the runner's records advanced."""
         sample_rows = host.rows[host.samples]
         with torch.inference_mode():
             result = self._result(plan, logits, sample_rows, tokens)
-        self._advance(plan, sample_rows, result.sampled_tokens)
+        self._advance(plan, host.rows, sample_rows, result.sampled_tokens)
         return result
 
-    def _apply(self, plan: StepPlan) -> None:
+    def apply(self, plan: StepPlan) -> None:
         """Bring the runner's records up to date with the plan."""
         batch = self.batch
         for request_id in plan.forgotten_ids:
@@ -172,9 +184,8 @@ class ModelRunner:
                 )
         return result
 
-    def _advance(self, plan: StepPlan, sample_rows: np.ndarray, tokens: list[int]) -> None:
+    def _advance(self, plan: StepPlan, rows: np.ndarray, sample_rows: np.ndarray, tokens: list[int]) -> None:
         batch = self.batch
-        rows = np.fromiter((batch.row_of[r] for r in plan.request_ids), np.int64, len(plan.request_ids))
         batch.num_computed[rows] += np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
         for row, token in zip(sample_rows.tolist(), tokens):
             batch.tokens[row].append(token)
