@@ -16,7 +16,7 @@ from playwright.sync_api import expect
 
 from loraplex.demo import DEMO_PROMPT
 from loraplex.registry import Registry, RegistryConfig
-from tests.ui.ui_support import LiveServer, copy_adapter, screenshot, upload_adapter
+from tests.ui.ui_support import LiveServer, copy_adapter, go_to, screenshot, upload_adapter
 
 TENANTS = {"acme": {"weight": 2, "max_concurrent_requests": 8, "max_tokens_per_minute": 20000},
            "globex": {"weight": 1, "max_requests_per_minute": 120}}
@@ -94,11 +94,11 @@ def test_screenshots_of_every_page(page, server: LiveServer, admin, tmp_path: Pa
     expect(page.get_by_text("exceeds the limit")).to_be_visible()
     screenshot(page, "adapters-upload-error")
 
-    page.get_by_role("link", name="Tenants").click()
+    go_to(page, "Tenants")
     expect(page.locator('tr[data-key="globex"]')).to_be_visible()
     screenshot(page, "tenants")
 
-    page.get_by_role("link", name="API keys").click()
+    go_to(page, "API keys")
     expect(page.locator("tbody tr").first).to_be_visible()
     screenshot(page, "keys")
     page.get_by_label("Tenant", exact=True).first.select_option("acme")
@@ -107,15 +107,15 @@ def test_screenshots_of_every_page(page, server: LiveServer, admin, tmp_path: Pa
     screenshot(page, "keys-created")
     page.keyboard.press("Escape")
 
-    page.get_by_role("link", name="System prompts").click()
+    go_to(page, "System prompts")
     expect(page.locator('tr[data-key="acme/support"]')).to_be_visible()
     screenshot(page, "prompts")
 
-    page.get_by_role("link", name="Usage").click()
+    go_to(page, "Usage")
     expect(page.locator('#usage-by-adapter-card .legend li[data-series="acme/support-bot"]')).to_be_visible()
     screenshot(page, "usage")
 
-    page.get_by_role("link", name="Engine").click()
+    go_to(page, "Engine")
     expect(page.locator('[data-stat="running"]')).to_have_text("0")
     page.wait_for_timeout(4000)  # some idle history on the charts first
     stop = threading.Event()

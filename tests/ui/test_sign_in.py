@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from playwright.sync_api import expect
 
-from tests.ui.ui_support import LiveServer, sign_in
+from tests.ui.ui_support import LiveServer, go_to, sign_in
 
 
 def test_sign_in_refuses_unknown_and_tenant_keys_next_to_the_field(page, server: LiveServer):
@@ -57,7 +57,7 @@ def test_a_revoked_admin_key_ends_the_session(page, server: LiveServer, admin):
     page.get_by_role("button", name="Sign in").click()
     expect(page.get_by_role("navigation", name="Main")).to_be_visible()
 
-    page.get_by_role("link", name="Tenants").click()
+    go_to(page, "Tenants")
     page.get_by_role("button", name="Edit tenant demo").click()
     dialog = page.get_by_role("dialog", name="Edit tenant demo")
     expect(dialog).to_be_visible()

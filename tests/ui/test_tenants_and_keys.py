@@ -7,7 +7,7 @@ import openai
 import pytest
 from playwright.sync_api import expect
 
-from tests.ui.ui_support import LiveServer
+from tests.ui.ui_support import LiveServer, go_to
 
 
 def _error_of(page, control):
@@ -16,7 +16,7 @@ def _error_of(page, control):
 
 def test_create_and_edit_a_tenant(admin_page, server: LiveServer, admin):
     page = admin_page
-    page.get_by_role("link", name="Tenants").click()
+    go_to(page, "Tenants")
     expect(page.get_by_role("heading", name="Tenants", level=1)).to_be_focused()
 
     name = page.get_by_label("Name", exact=True)
@@ -71,7 +71,7 @@ def test_create_a_key_shown_once_use_it_revoke_it_and_get_401(admin_page, server
     assert admin.post("/tenants", json={"name": "ui-keys"}).status_code == 201
     page = admin_page
     page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=server.url)
-    page.get_by_role("link", name="API keys").click()
+    go_to(page, "API keys")
     page.get_by_label("Kind of key").select_option("tenant")
     page.get_by_label("Tenant", exact=True).first.select_option("ui-keys")
     page.get_by_role("button", name="Create key").click()
@@ -115,7 +115,7 @@ def test_create_a_key_shown_once_use_it_revoke_it_and_get_401(admin_page, server
 
 def test_an_admin_key_needs_no_tenant(admin_page, server: LiveServer, admin):
     page = admin_page
-    page.get_by_role("link", name="API keys").click()
+    go_to(page, "API keys")
     page.get_by_label("Kind of key").select_option("admin")
     expect(page.get_by_label("Tenant", exact=True).first).to_be_disabled()
     page.get_by_role("button", name="Create key").click()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from playwright.sync_api import expect
 
-from tests.ui.ui_support import NARROW, LiveServer, screenshot, sign_in
+from tests.ui.ui_support import NARROW, LiveServer, go_to, screenshot, sign_in
 
 PAGES = {"adapters": "Adapters", "tenants": "Tenants", "keys": "API keys", "prompts": "System prompts",
          "usage": "Usage", "engine": "Engine"}
@@ -90,7 +90,7 @@ def test_every_control_is_labelled_on_every_page(admin_page, route: str):
 
 def test_errors_are_tied_to_their_field(admin_page):
     page = admin_page
-    page.get_by_role("link", name="Tenants").click()
+    go_to(page, "Tenants")
     name = page.get_by_label("Name", exact=True)
     name.press("Enter")  # Enter submits; the empty required name is refused before any call
     expect(name).to_have_attribute("aria-invalid", "true")

@@ -9,7 +9,7 @@ import re
 from playwright.sync_api import expect
 
 from loraplex.demo import DEMO_PROMPT
-from tests.ui.ui_support import LiveServer, upload_adapter
+from tests.ui.ui_support import LiveServer, go_to, upload_adapter
 
 NUM_ADAPTER_REQUESTS = 3
 NUM_BASE_REQUESTS = 2
@@ -39,7 +39,7 @@ def test_usage_charts_count_the_requests(admin_page, server: LiveServer, admin):
         completion_tokens["base"] += reply.usage.completion_tokens
 
     page = admin_page
-    page.get_by_role("link", name="Usage").click()
+    go_to(page, "Usage")
     page.get_by_label("Show").select_option("num_requests")
     total = NUM_ADAPTER_REQUESTS + NUM_BASE_REQUESTS
     expect(_legend(page, "tenant", "ui-usage")).to_have_attribute("data-total", str(total))
@@ -76,7 +76,7 @@ def test_engine_page_refreshes_live_and_stops_when_left(admin_page, server: Live
             polls.append(request.url)
 
     page.on("request", count_polls)
-    page.get_by_role("link", name="Engine").click()
+    go_to(page, "Engine")
     generated = page.locator('[data-stat="generated"]')
     expect(generated).to_have_text(re.compile(r"^[\d,]+$"))
     before = int(generated.inner_text().replace(",", ""))
@@ -92,7 +92,7 @@ def test_engine_page_refreshes_live_and_stops_when_left(admin_page, server: Live
 
     page.get_by_role("button", name="Pause updates").click()
     expect(page.get_by_role("button", name="Resume updates")).to_have_attribute("aria-pressed", "true")
-    page.get_by_role("link", name="Tenants").click()
+    go_to(page, "Tenants")
     expect(page.get_by_role("heading", name="Tenants", level=1)).to_be_visible()
     num_polls = len(polls)
     page.wait_for_timeout(3500)
@@ -101,7 +101,7 @@ def test_engine_page_refreshes_live_and_stops_when_left(admin_page, server: Live
 
 def test_add_a_system_prompt_and_view_it_with_its_token_count(admin_page, server: LiveServer, admin):
     page = admin_page
-    page.get_by_role("link", name="System prompts").click()
+    go_to(page, "System prompts")
     page.get_by_label("Tenant", exact=True).select_option("demo")
     adapter = page.get_by_label("Adapter")
     expect(adapter.locator('option[value="pirate"]')).to_have_count(1)

@@ -160,6 +160,15 @@ def sign_in(page: Any, server: LiveServer, route: str = "adapters") -> Any:
     return page
 
 
+def go_to(page: Any, title: str) -> None:
+    """Follow the navigation link to a page and wait until its heading is shown: the previous
+    page stays on screen until the new one has rendered, so acting at once can hit it."""
+    from playwright.sync_api import expect
+
+    page.get_by_role("navigation", name="Main").get_by_role("link", name=title, exact=True).click()
+    expect(page.get_by_role("heading", level=1, name=title, exact=True)).to_be_visible()
+
+
 def screenshot(page: Any, name: str) -> Path:
     """Save the viewport as docs/screenshots/<name>.png (shown in the README)."""
     SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
