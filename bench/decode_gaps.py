@@ -82,9 +82,7 @@ def _time_phases(engine, steps: int) -> list[dict[str, float]]:
         t4 = time.perf_counter()
         torch.cuda.synchronize()
         t5 = time.perf_counter()
-        result = runner.finish(plan, host, logits, tokens)
-        for request in scheduler.update(plan, result):
-            engine._process(request, None)
+        engine.process_result(plan, runner.finish(plan, host, logits, tokens))
         t6 = time.perf_counter()
         rows.append({k: round(v * 1e3, 3) for k, v in (
             ("schedule", t1 - t0), ("prepare", t2 - t1), ("decode_inputs", t3 - t2),

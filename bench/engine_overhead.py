@@ -67,8 +67,7 @@ def measure(args: argparse.Namespace) -> dict:
         t2 = time.perf_counter()
         result = runner.finish(plan, host, *runner.run(host))
         t3 = time.perf_counter()
-        for request in scheduler.update(plan, result):
-            engine._process(request, None)
+        engine.process_result(plan, result)
         t4 = time.perf_counter()
         assert len(plan.request_ids) == args.requests and plan.num_tokens == args.requests
         schedule.append(t1 - t0)

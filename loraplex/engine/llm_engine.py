@@ -17,7 +17,7 @@ from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.detokenizer import Detokenizer
 from loraplex.engine.lora_weights import LoraSlotBuffers
 from loraplex.engine.model_runner import ModelRunner
-from loraplex.engine.plan import StepPlan
+from loraplex.engine.plan import StepPlan, StepResult
 from loraplex.engine.request import Request
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.sizing import make_kv_cache, resolve_device, resolve_dtype, resolve_max_model_len
@@ -169,6 +169,10 @@ class LLMEngine:
         except Exception as exc:  # the model failed: fail this step's requests, keep serving
             logger.exception("engine step failed")
             return self._fail(plan, exc)
+        return self.process_result(plan, result)
+
+    def process_result(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """Advance the scheduler by a step's result, apply stops, and build the outputs."""
         self.num_prompt_tokens += plan.num_tokens - len(result.sampled_ids)
         outputs = []
         for request in self.scheduler.update(plan, result):
