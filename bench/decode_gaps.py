@@ -13,6 +13,7 @@ import time
 import torch
 
 from loraplex.benchmarks import decode, synthetic
+from loraplex.engine.llm_engine import InFlight
 from loraplex.kernels import select_ops
 from loraplex.types import SamplingParams
 
@@ -66,8 +67,10 @@ def main() -> None:
 
 
 def _time_phases(engine, steps: int) -> list[dict[str, float]]:
-    """Milliseconds of each part of a step (schedule, runner, output processing), synchronised."""
+    """Milliseconds of each part of a step (schedule, runner, output processing), run one at a
+    time and synchronised (no overlap)."""
     scheduler, runner = engine.scheduler, engine.runner
+    engine.drain()
     rows = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -82,7 +85,8 @@ def _time_phases(engine, steps: int) -> list[dict[str, float]]:
         t4 = time.perf_counter()
         torch.cuda.synchronize()
         t5 = time.perf_counter()
-        engine.process_result(plan, runner.finish(plan, host, logits, tokens))
+        launched = runner.dispatch(plan, host, logits, tokens)
+        engine.process(InFlight(plan, scheduler.advance(plan), launched), runner.collect(launched))
         t6 = time.perf_counter()
         rows.append({k: round(v * 1e3, 3) for k, v in (
             ("schedule", t1 - t0), ("prepare", t2 - t1), ("decode_inputs", t3 - t2),

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from loraplex import LLM, SamplingParams  # noqa: E402
+from loraplex.engine.llm_engine import InFlight  # noqa: E402
 from tests.factories import ADAPTERS, make_adapter  # noqa: E402
 
 
@@ -65,9 +66,11 @@ def measure(args: argparse.Namespace) -> dict:
         runner.apply(plan)
         host = runner.prepare(plan)
         t2 = time.perf_counter()
-        result = runner.finish(plan, host, *runner.run(host))
+        launched = runner.dispatch(plan, host, *runner.run(host))
+        step = InFlight(plan, scheduler.advance(plan), launched)
+        result = runner.collect(launched)
         t3 = time.perf_counter()
-        engine.process_result(plan, result)
+        engine.process(step, result)
         t4 = time.perf_counter()
         assert len(plan.request_ids) == args.requests and plan.num_tokens == args.requests
         schedule.append(t1 - t0)

@@ -66,6 +66,10 @@ class EngineConfig:
     """Seed for requests that set none of their own."""
     use_cuda_graphs: bool = True
     """Capture decode steps as CUDA graphs (CUDA only)."""
+    async_scheduling: bool | None = None
+    """Plan and launch each step while the device still runs the previous one, so the host's
+    work hides behind the device's (None: on CUDA only, where it pays). Outputs then come one
+    step later, and a request that stops on a token computes one token more (discarded)."""
     kernels: str = "auto"
     """"auto" (Triton on CUDA, the torch reference on CPU), "triton" or "reference"."""
     cache: CacheConfig = field(default_factory=CacheConfig)

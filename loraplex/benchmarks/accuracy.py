@@ -147,16 +147,11 @@ def _hf_peft_logits(model: LlamaForCausalLM, adapters: list[HostAdapter], prompt
 
 
 def _record_logits(engine: LLMEngine, into: dict[str, list[torch.Tensor]]) -> None:
-    runner = engine.runner
-    original = runner._result
-
-    def record(plan, logits, rows, tokens):
-        result = original(plan, logits, rows, tokens)
-        for request_id, row in zip(result.sampled_ids, logits.float().cpu()):
+    def record(sampled_ids: list[str], logits: torch.Tensor) -> None:
+        for request_id, row in zip(sampled_ids, logits.float().cpu()):
             into.setdefault(request_id, []).append(row)
-        return result
 
-    runner._result = record
+    engine.runner.on_logits = record
 
 
 def _force_tokens(engine: LLMEngine, forced: dict[str, list[int]]) -> None:

@@ -4,7 +4,9 @@ A Triton launch costs about 19 us of host time and a decode step has hundreds of
 from a graph, a small kernel costs about 1 us. Everything a step changes (token ids, positions,
 cache slots, block tables, sequence lengths, adapter slots, sampling parameters) is copied
 into preallocated device tensors before replay; padding rows have sequence length 0 (attention
-gives zeros), cache slot -1 (nothing stored) and adapter slot 0. One graph per (padded batch
+gives zeros), cache slot -1 (nothing stored), adapter slot 0 and the spare row of `row_tokens`.
+An input token that is still on the device (PENDING) is read from `row_tokens`, where each
+replay leaves the tokens it sampled. One graph per (padded batch
 size, whether any token has an adapter, whether every row is greedy): a batch without
 adapters launches no LoRA kernels, and an all-greedy batch takes an argmax instead of the
 sampling kernel.
@@ -39,7 +41,8 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 class DecodeInputs:
     """A decode step's inputs for its `num_seqs` sequences, on the host."""
 
-    input_ids: np.ndarray  # [num_seqs] int64
+    rows: np.ndarray  # [num_seqs] int64: InputBatch rows
+    input_ids: np.ndarray  # [num_seqs] int64, PENDING (-1) for a token still on the device
     positions: np.ndarray  # [num_seqs] int64
     slot_mapping: np.ndarray  # [num_seqs] int64
     block_tables: np.ndarray  # [num_seqs, max_blocks] int32
@@ -55,16 +58,18 @@ class DecodeInputs:
 class DecodeGraphRunner:
     def __init__(
         self, model: LlamaForCausalLM, kv_cache: torch.Tensor, lora: LoraSlotBuffers, ops: Ops,
-        max_batch: int, max_blocks_per_seq: int, capture: bool,
+        row_tokens: torch.Tensor, max_batch: int, max_blocks_per_seq: int, capture: bool,
     ) -> None:
+        """row_tokens [max_batch + 1] int64: the last token sampled for each row (the runner's)."""
         self.model, self.kv_cache, self.lora, self.ops = model, kv_cache, lora, ops
+        self.row_tokens = row_tokens
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch, self.capture = max_batch, capture
         device = kv_cache.device
         P = max_batch
         # Per-step inputs, packed by dtype so a step is four copies from pinned host memory.
         self._packs = {
-            "i64": torch.zeros(5, P, dtype=torch.int64, device=device),
+            "i64": torch.zeros(6, P, dtype=torch.int64, device=device),
             "i32": torch.zeros(3, P, dtype=torch.int32, device=device),
             "f32": torch.zeros(2, P, dtype=torch.float32, device=device),
             "blocks": torch.zeros(P, max_blocks_per_seq, dtype=torch.int32, device=device),
@@ -73,7 +78,7 @@ class DecodeGraphRunner:
         self._host = {name: torch.zeros_like(t, device="cpu").pin_memory() if pin else torch.zeros_like(t)
                       for name, t in self._packs.items()}
         i64, i32, f32 = self._packs["i64"], self._packs["i32"], self._packs["f32"]
-        self.input_ids, self.positions, self.slot_mapping, self.seeds, self.offsets = i64
+        self.input_ids, self.positions, self.slot_mapping, self.seeds, self.offsets, self.rows = i64
         self.seq_lens, self.token_slots, self.top_k = i32
         self.temperature, self.top_p = f32
         self.block_tables = self._packs["blocks"]
@@ -107,7 +112,7 @@ class DecodeGraphRunner:
         i64, i32, f32 = (self._host[k].numpy() for k in ("i64", "i32", "f32"))
         rows = (
             (i64[0], inputs.input_ids, 0), (i64[1], inputs.positions, 0), (i64[2], inputs.slot_mapping, -1),
-            (i64[3], inputs.seeds, 0), (i64[4], inputs.offsets, 0),
+            (i64[3], inputs.seeds, 0), (i64[4], inputs.offsets, 0), (i64[5], inputs.rows, self.max_batch),
             (i32[0], inputs.seq_lens, 0), (i32[1], inputs.token_slots, 0), (i32[2], inputs.top_k, 0),
             (f32[0], inputs.temperature, 0), (f32[1], inputs.top_p, 1),
         )
@@ -125,8 +130,11 @@ class DecodeGraphRunner:
             max_query_len=1,
         )
         lora = LoraMetadata(self.token_slots[:size], self.lora) if has_lora else None
+        rows = self.rows[:size]
         with torch.inference_mode(), forward_context(ForwardContext(self.kv_cache, attention, lora)):
-            hidden = self.model(self.input_ids[:size], self.positions[:size])
+            input_ids = self.input_ids[:size]
+            input_ids = torch.where(input_ids < 0, self.row_tokens[rows], input_ids)
+            hidden = self.model(input_ids, self.positions[:size])
             logits = self.model.compute_logits(hidden)
             if greedy:
                 tokens = self.ops.argmax(logits)
@@ -136,11 +144,15 @@ class DecodeGraphRunner:
                     self.seeds[:size], self.offsets[:size])
             self.logits[:size].copy_(logits)
             self.tokens[:size].copy_(tokens)
+            self.row_tokens[rows] = tokens
 
     def _capture(self, size: int, has_lora: bool, greedy: bool) -> torch.cuda.CUDAGraph:
         # The warm-up runs on whatever the buffers hold: the current step's inputs (it stores
-        # the same K/V that the replay then stores again) or padding (stores nothing).
+        # the same K/V that the replay then stores again) or padding (stores nothing). The
+        # tokens it samples must not reach row_tokens, which the replay reads first.
+        row_tokens = self.row_tokens.clone()
         self._forward(size, has_lora, greedy)  # compile every kernel before capture
+        self.row_tokens.copy_(row_tokens)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):

@@ -1,5 +1,9 @@
 """The step-level engine that the offline API and the server drive: `add_request`, `step`,
-`abort`, and adapters by name. Single-threaded: one caller at a time."""
+`abort`, and adapters by name. Single-threaded: one caller at a time.
+
+A step is scheduled, launched on the device and collected. With async scheduling (CUDA), a
+`step()` call launches the next step before it collects the one in flight, so the host plans
+step N+1 and processes step N's tokens while the device computes step N+1."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import logging
 import random
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.adapter_format import LoraAdapter
@@ -16,7 +21,7 @@ from loraplex.engine.adapters import AdapterStore
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.detokenizer import Detokenizer
 from loraplex.engine.lora_weights import LoraSlotBuffers
-from loraplex.engine.model_runner import ModelRunner
+from loraplex.engine.model_runner import LaunchedStep, ModelRunner
 from loraplex.engine.plan import StepPlan, StepResult
 from loraplex.engine.request import Request
 from loraplex.engine.scheduler import Scheduler
@@ -30,6 +35,15 @@ from loraplex.model.tokenizer import load_tokenizer
 from loraplex.types import FinishReason, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlight:
+    """A launched step and the requests whose tokens it samples, in order."""
+
+    plan: StepPlan
+    sampling: list[Request]
+    launched: LaunchedStep
 
 
 class LLMEngine:
@@ -66,6 +80,9 @@ class LLMEngine:
             host_adapter=self.adapters.host,
             use_cuda_graphs=config.use_cuda_graphs and self.device.type == "cuda",
         )
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.device.type == "cuda")
+        self._in_flight: InFlight | None = None
         self.eos_token_ids = frozenset(self._eos_ids())
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, Detokenizer] = {}
@@ -112,6 +129,7 @@ class LLMEngine:
             request_id=request_id, prompt_token_ids=token_ids, params=params,
             seed=params.seed if params.seed is not None else self._seeds.getrandbits(62),
             arrival=self._arrivals, adapter=digest, adapter_name=adapter,
+            max_num_tokens=min(len(token_ids) + params.max_tokens, self.max_model_len),
         )
         self._arrivals += 1
         self._requests[request_id] = request
@@ -152,7 +170,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self._in_flight is not None
 
     @property
     def num_requests(self) -> int:
@@ -160,22 +178,56 @@ class LLMEngine:
 
     # The step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return the requests that advanced or finished."""
-        plan = self.scheduler.schedule()
-        if plan.is_empty and not plan.forgotten_ids:
-            return []
-        try:
-            result = self.runner.execute(plan)
-        except Exception as exc:  # the model failed: fail this step's requests, keep serving
-            logger.exception("engine step failed")
-            return self._fail(plan, exc)
-        return self.process_result(plan, result)
+        """Run one step and return the requests that advanced or finished: this step's, or
+        with async scheduling the previous step's, while this one runs on the device."""
+        outputs: list[RequestOutput] = []
+        launched = self.launch(self.scheduler.schedule(), outputs)
+        if self._in_flight is not None:
+            outputs += self.collect(self._in_flight)
+        self._in_flight = launched
+        if launched is not None and not self.async_scheduling:
+            self._in_flight = None
+            outputs += self.collect(launched)
+        return outputs
 
-    def process_result(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        """Advance the scheduler by a step's result, apply stops, and build the outputs."""
-        self.num_prompt_tokens += plan.num_tokens - len(result.sampled_ids)
+    def drain(self) -> list[RequestOutput]:
+        """Collect the step in flight, if any (afterwards nothing runs on the device)."""
+        step, self._in_flight = self._in_flight, None
+        return self.collect(step) if step is not None else []
+
+    def launch(self, plan: StepPlan, failed: list[RequestOutput]) -> InFlight | None:
+        """Queue a planned step on the device and count its work as done. If the model fails,
+        the step's requests fail (their outputs go to `failed`) and the engine serves on."""
+        if plan.is_empty and not plan.forgotten_ids and not plan.adapter_loads:
+            return None
+        try:
+            launched = self.runner.launch(plan)
+        except Exception as exc:
+            logger.exception("engine step failed")
+            failed += self._fail(plan.request_ids, exc)
+            return None
+        if plan.is_empty:  # only records to update (requests to forget, adapters to load)
+            return None
+        sampling = self.scheduler.advance(plan)
+        self.num_prompt_tokens += plan.num_tokens - len(sampling)
+        return InFlight(plan, sampling, launched)
+
+    def collect(self, step: InFlight) -> list[RequestOutput]:
+        """Wait for a launched step's tokens; apply stops and build the outputs."""
+        try:
+            result = self.runner.collect(step.launched)
+        except Exception as exc:
+            logger.exception("engine step failed")
+            return self._fail([r.request_id for r in step.sampling if not r.is_finished], exc)
+        return self.process(step, result)
+
+    def process(self, step: InFlight, result: StepResult) -> list[RequestOutput]:
+        """Record a step's tokens, apply stops and build the outputs."""
         outputs = []
-        for request in self.scheduler.update(plan, result):
+        for request, token in zip(step.sampling, result.sampled_tokens):
+            if request.is_finished:  # stopped or aborted while this step ran: the token is void
+                continue
+            self.scheduler.commit(request, token)
             self.num_generated_tokens += 1
             outputs.append(self._process(request, result.logprobs.get(request.request_id)))
         if self._orphans:
@@ -193,7 +245,7 @@ class LLMEngine:
         if stopped or token in params.stop_token_ids or (
                 token in self.eos_token_ids and not params.ignore_eos):
             reason = "stop"
-        elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        elif len(request.token_ids) >= request.max_num_tokens:
             reason = "length"
         if logprob is not None:
             request.logprobs.append(logprob)
@@ -217,9 +269,9 @@ class LLMEngine:
             adapter=request.adapter_name,
         )
 
-    def _fail(self, plan: StepPlan, exc: Exception) -> list[RequestOutput]:
+    def _fail(self, request_ids: list[str], exc: Exception) -> list[RequestOutput]:
         outputs = []
-        for request_id in plan.request_ids:
+        for request_id in request_ids:
             request = self._requests.pop(request_id, None)
             if request is None:
                 continue

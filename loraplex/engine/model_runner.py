@@ -1,10 +1,15 @@
 """Turns a step plan into tensors, runs the model and samples. Owns the KV cache, the LoRA
-slot buffers and its own per-request arrays (InputBatch); never touches scheduler state."""
+slot buffers and its own per-request arrays (InputBatch); never touches scheduler state.
+
+A step is launched (`launch`: inputs prepared, model and sampler queued on the device) and
+later collected (`collect`: waits for its tokens). Between the two the host may plan and
+launch the next step: a request whose input token is still on the device gets it there, from
+`row_tokens`, the last token sampled for each InputBatch row, so no step waits on the host."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,7 +29,8 @@ class HostInputs:
     """A step's inputs on the host (numpy), before they go to the device."""
 
     rows: np.ndarray  # [num_seqs]: InputBatch rows of the scheduled requests
-    input_ids: np.ndarray  # [num_tokens] int64
+    token_rows: np.ndarray  # [num_tokens]: the row of each token
+    input_ids: np.ndarray  # [num_tokens] int64; PENDING where the token is still on the device
     positions: np.ndarray  # [num_tokens] int64
     slot_mapping: np.ndarray  # [num_tokens] int64
     block_tables: np.ndarray  # [num_seqs, max_blocks] int32
@@ -33,6 +39,23 @@ class HostInputs:
     token_slots: np.ndarray  # [num_tokens] int32
     samples: np.ndarray  # [num_seqs] bool
     max_query_len: int
+
+
+PENDING = -1
+"""A token id the host does not know yet (sampled by a step still in flight)."""
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device, until `collect` reads its tokens."""
+
+    sampled_ids: list[str] = field(default_factory=list)
+    tokens: torch.Tensor | None = None  # [num_samples] int64 (pinned host memory on CUDA)
+    done: torch.cuda.Event | None = None
+    placeholders: list[tuple[list[int], int]] = field(default_factory=list)
+    """(the row's token list, index) where each sampled token goes in the InputBatch."""
+    logprobs: dict[str, torch.Tensor] | None = None  # host tensors, see _logprob_tensors
+    logprob_ks: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -46,20 +69,65 @@ class ModelRunner:
         self.block_size = kv_cache.shape[3]
         self.batch = InputBatch(max_num_seqs, max_blocks_per_seq)
         self._host_adapter = host_adapter
+        # [max_num_seqs + 1]: the last token sampled for each row; the extra row takes padding.
+        self.row_tokens = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=self.device)
+        self.on_logits: Callable[[list[str], torch.Tensor], None] | None = None
+        """Called at launch with the sampled request ids and their logits [num_samples, vocab]
+        (a benchmark's hook; it may synchronise)."""
         self.graphs: DecodeGraphRunner | None = None
         if use_cuda_graphs:
-            self.graphs = DecodeGraphRunner(model, kv_cache, lora, ops, max_num_seqs, max_blocks_per_seq,
-                                            capture=self.device.type == "cuda")
+            self.graphs = DecodeGraphRunner(model, kv_cache, lora, ops, self.row_tokens, max_num_seqs,
+                                            max_blocks_per_seq, capture=self.device.type == "cuda")
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """One step: apply the plan, prepare its inputs, run the model, return the tokens.
-        (The phases are public so that benchmarks can time them apart.)"""
+        """One step, start to end."""
+        return self.collect(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Apply the plan, prepare its inputs and queue the model and the sampler; returns at
+        once on CUDA. (The phases are public so that benchmarks can time them apart.)"""
         self.apply(plan)
         if plan.is_empty:
-            return StepResult()
+            return LaunchedStep()
         host = self.prepare(plan)
         logits, tokens = self.run(host)
-        return self.finish(plan, host, logits, tokens)
+        return self.dispatch(plan, host, logits, tokens)
+
+    def dispatch(self, plan: StepPlan, host: HostInputs, logits: torch.Tensor, tokens: torch.Tensor
+                 ) -> LaunchedStep:
+        """Queue the copies of a run's results to the host and advance the runner's records."""
+        sample_rows = host.rows[host.samples]
+        sampled_ids = [r for r, s in zip(plan.request_ids, plan.samples) if s]
+        if self.on_logits is not None:
+            self.on_logits(sampled_ids, logits)
+        step = LaunchedStep(sampled_ids=sampled_ids)
+        with torch.inference_mode():
+            self._queue_logprobs(step, logits, tokens, sample_rows)
+            step.tokens = _to_host(tokens)
+        if self.device.type == "cuda":
+            step.done = torch.cuda.Event()
+            step.done.record()
+        batch = self.batch
+        batch.num_computed[host.rows] += np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
+        for row in sample_rows.tolist():
+            tokens_of_row = batch.tokens[row]
+            step.placeholders.append((tokens_of_row, len(tokens_of_row)))
+            tokens_of_row.append(PENDING)
+        return step
+
+    def collect(self, step: LaunchedStep) -> StepResult:
+        """Wait for a launched step's tokens; its records in the InputBatch are filled in."""
+        if step.tokens is None:
+            return StepResult()
+        if step.done is not None:
+            step.done.synchronize()
+        tokens = step.tokens.tolist()
+        for (tokens_of_row, index), token in zip(step.placeholders, tokens):
+            tokens_of_row[index] = token  # a row dropped since holds a list no one reads
+        result = StepResult(step.sampled_ids, tokens)
+        if step.logprobs is not None:
+            self._collect_logprobs(step, result)
+        return result
 
     def run(self, host: HostInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [num_samples, vocab], tokens [num_samples]) of the rows that sample: a decode
@@ -71,15 +139,6 @@ class ModelRunner:
             keep = _to(np.flatnonzero(host.samples), self.device)
             logits, tokens = logits[keep], tokens[keep]
         return logits, tokens
-
-    def finish(self, plan: StepPlan, host: HostInputs, logits: torch.Tensor, tokens: torch.Tensor
-               ) -> StepResult:
-        """The step's result (waits for the device), and the runner's records advanced."""
-        sample_rows = host.rows[host.samples]
-        with torch.inference_mode():
-            result = self._result(plan, logits, sample_rows, tokens)
-        self._advance(plan, host.rows, sample_rows, result.sampled_tokens)
-        return result
 
     def apply(self, plan: StepPlan) -> None:
         """Bring the runner's records up to date with the plan."""
@@ -115,7 +174,8 @@ class ModelRunner:
         slot_mapping = batch.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         max_blocks = -(-int(seq_lens.max()) // bs)
         return HostInputs(
-            rows=rows, input_ids=np.asarray(input_ids, dtype=np.int64), positions=positions,
+            rows=rows, token_rows=token_rows, input_ids=np.asarray(input_ids, dtype=np.int64),
+            positions=positions,
             slot_mapping=slot_mapping, block_tables=batch.block_table[rows, :max_blocks],
             query_start=query_start, seq_lens=seq_lens, token_slots=batch.adapter_slot[token_rows],
             samples=np.asarray(plan.samples, dtype=bool), max_query_len=max_query_len,
@@ -133,15 +193,21 @@ class ModelRunner:
         lora = LoraMetadata(_to(host.token_slots, device), self.lora) if host.token_slots.any() else None
         logits_indices = _to(host.query_start[1:][host.samples] - 1, device)
         with torch.inference_mode(), forward_context(ForwardContext(self.kv_cache, attention, lora)):
-            hidden = self.model(_to(host.input_ids, device), _to(host.positions, device))
+            input_ids = _to(host.input_ids, device)
+            if (host.input_ids == PENDING).any():
+                from_device = self.row_tokens[_to(host.token_rows, device)]
+                input_ids = torch.where(input_ids == PENDING, from_device, input_ids)
+            hidden = self.model(input_ids, _to(host.positions, device))
             logits = self.model.compute_logits(hidden[logits_indices])
-            tokens = self._sample(logits, host.rows[host.samples])
+            sample_rows = host.rows[host.samples]
+            tokens = self._sample(logits, sample_rows)
+            self.row_tokens[_to(sample_rows, device)] = tokens
         return logits, tokens
 
     def _decode_inputs(self, host: HostInputs) -> DecodeInputs:
         batch, rows = self.batch, host.rows
         return DecodeInputs(
-            input_ids=host.input_ids, positions=host.positions, slot_mapping=host.slot_mapping,
+            rows=rows, input_ids=host.input_ids, positions=host.positions, slot_mapping=host.slot_mapping,
             block_tables=host.block_tables, seq_lens=host.seq_lens.astype(np.int32),
             token_slots=host.token_slots, temperature=batch.temperature[rows], top_k=batch.top_k[rows],
             top_p=batch.top_p[rows], seeds=batch.seed[rows], offsets=self._offsets(rows),
@@ -166,31 +232,42 @@ class ModelRunner:
             _to(batch.top_p[rows], device), _to(batch.seed[rows], device), _to(offsets, device),
         )
 
-    def _result(
-        self, plan: StepPlan, logits: torch.Tensor, rows: np.ndarray, tokens: torch.Tensor
-    ) -> StepResult:
-        sampled_ids = [r for r, s in zip(plan.request_ids, plan.samples) if s]
-        token_list = tokens.tolist()
-        result = StepResult(sampled_ids, token_list)
+    def _queue_logprobs(self, step: LaunchedStep, logits: torch.Tensor, tokens: torch.Tensor,
+                        rows: np.ndarray) -> None:
+        """For the sampled rows that asked for logprobs: the chosen token's logprob and the top
+        k, computed on the device and queued to the host."""
         wanted = self.batch.logprobs[rows]
-        if (wanted >= 0).any():
-            logprobs = torch.log_softmax(logits, dim=-1)
-            for i in np.flatnonzero(wanted >= 0).tolist():
-                top = logprobs[i].topk(int(wanted[i])) if wanted[i] > 0 else None
-                result.logprobs[sampled_ids[i]] = TokenLogprob(
-                    token_id=token_list[i],
-                    logprob=float(logprobs[i, token_list[i]]),
-                    top={} if top is None else dict(zip(top.indices.tolist(), top.values.tolist())),
-                )
-        return result
+        which = np.flatnonzero(wanted >= 0)
+        if not len(which):
+            return
+        index = _to(which, logits.device)
+        logprobs = torch.log_softmax(logits[index].float(), dim=-1)  # [num_wanted, vocab]
+        chosen = logprobs.gather(1, tokens[index].view(-1, 1)).view(-1)
+        top_values, top_indices = logprobs.topk(max(1, int(wanted[which].max())), dim=-1)
+        step.logprobs = {"which": torch.from_numpy(which), "chosen": _to_host(chosen),
+                         "top_values": _to_host(top_values), "top_indices": _to_host(top_indices)}
+        step.logprob_ks = wanted[which].tolist()
 
-    def _advance(self, plan: StepPlan, rows: np.ndarray, sample_rows: np.ndarray, tokens: list[int]) -> None:
-        batch = self.batch
-        batch.num_computed[rows] += np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
-        for row, token in zip(sample_rows.tolist(), tokens):
-            batch.tokens[row].append(token)
+    @staticmethod
+    def _collect_logprobs(step: LaunchedStep, result: StepResult) -> None:
+        lp = step.logprobs
+        chosen, values, indices = lp["chosen"].tolist(), lp["top_values"].tolist(), lp["top_indices"].tolist()
+        for j, i in enumerate(lp["which"].tolist()):
+            k = step.logprob_ks[j]
+            result.logprobs[step.sampled_ids[i]] = TokenLogprob(
+                token_id=result.sampled_tokens[i], logprob=chosen[j],
+                top=dict(zip(indices[j][:k], values[j][:k])),
+            )
 
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
     tensor = torch.from_numpy(array)
     return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy on the host, queued behind the step on CUDA (read it after the step's event)."""
+    if tensor.device.type == "cpu":
+        return tensor.clone()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)

@@ -30,7 +30,12 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     """Prompt followed by every generated token."""
     num_computed_tokens: int = 0
-    """Tokens whose K/V are in the cache."""
+    """Tokens whose K/V are in the cache (or being computed by a step in flight)."""
+    num_pending: int = 0
+    """Tokens sampled by steps still in flight: the device has them, token_ids not yet."""
+    max_num_tokens: int = 2**62
+    """Prompt + generated tokens at which the request ends by length (max_tokens or the
+    model's context, whichever comes first)."""
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -47,7 +52,13 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens known to the scheduler: those in token_ids and those still in flight."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def will_end_by_length(self) -> bool:
+        """Every token it may generate is sampled already (some may still be in flight)."""
+        return self.num_tokens >= self.max_num_tokens
 
     @property
     def num_output_tokens(self) -> int:

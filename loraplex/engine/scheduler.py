@@ -1,14 +1,18 @@
 """Continuous batching to a per-step token budget. Running decodes first, then the rest of
 prompts already being prefilled, then chunks of waiting prompts; requests join and leave at
 every step. When KV blocks run out, the most recently admitted request is preempted (its cache
-dropped, recomputed on resume). Pure Python."""
+dropped, recomputed on resume). Pure Python.
+
+Steps may overlap: `advance` counts a launched step's work at once (the tokens it samples are
+pending), so the next step can be planned while the device still runs this one; `commit`
+records each token when it reaches the host."""
 
 from __future__ import annotations
 
 from loraplex.config import SchedulerConfig
 from loraplex.engine.adapter_slots import AdapterSlots
 from loraplex.engine.block_manager import BlockManager
-from loraplex.engine.plan import NewSequence, StepPlan, StepResult
+from loraplex.engine.plan import NewSequence, StepPlan
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.types import FinishReason
 
@@ -34,8 +38,10 @@ class Scheduler:
         scheduled: dict[str, int] = {}
         budget = self.config.max_num_batched_tokens
         preempted: set[str] = set()
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        # A request whose last token is already in flight has nothing left to compute.
+        active = [r for r in self.running if not r.will_end_by_length]
+        decodes = [r for r in active if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in active if r.num_tokens - r.num_computed_tokens > 1]
         for request in decodes + prefills:
             if budget == 0:
                 break
@@ -71,8 +77,10 @@ class Scheduler:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 still_waiting.extend(self.waiting[index:])
                 break
-            if request.adapter is not None and not self.slots.can_acquire(request.adapter):
-                still_waiting.append(request)  # every slot is held: try the others
+            if request.num_pending or (
+                    request.adapter is not None and not self.slots.can_acquire(request.adapter)):
+                # preempted with a token still in flight, or every slot is held: try the others
+                still_waiting.append(request)
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._reserve(request, num_new, plan):
@@ -122,20 +130,24 @@ class Scheduler:
             plan.num_scheduled_tokens.append(num_new)
             plan.samples.append(request.num_computed_tokens + num_new == request.num_tokens)
 
-    def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
-        """Advance the scheduled requests by the step's work; returns those that got a token."""
+    def advance(self, plan: StepPlan) -> list[Request]:
+        """Count a launched step's work: its tokens are computed, the ones it samples pending.
+        Returns the requests that sample, in plan order."""
         by_id = {r.request_id: r for r in self.running}
-        for request_id, num_new in zip(plan.request_ids, plan.num_scheduled_tokens):
-            request = by_id.get(request_id)
-            if request is not None:
-                request.num_computed_tokens += num_new
-        sampled = []
-        for request_id, token in zip(result.sampled_ids, result.sampled_tokens):
-            request = by_id.get(request_id)
-            if request is not None:
-                request.token_ids.append(token)
-                sampled.append(request)
-        return sampled
+        sampling = []
+        for request_id, num_new, samples in zip(plan.request_ids, plan.num_scheduled_tokens, plan.samples):
+            request = by_id[request_id]
+            request.num_computed_tokens += num_new
+            if samples:
+                request.num_pending += 1
+                sampling.append(request)
+        return sampling
+
+    @staticmethod
+    def commit(request: Request, token: int) -> None:
+        """A pending token of `request` has reached the host."""
+        request.num_pending -= 1
+        request.token_ids.append(token)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """End a request (done, aborted or failed): every block and its adapter slot return."""

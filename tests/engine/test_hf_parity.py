@@ -62,16 +62,12 @@ def _run(model_dir, adapters, prompts, names, **options):
     for name, path in adapters.items():
         llm.add_adapter(name, path)
     logits: dict[str, list[torch.Tensor]] = {}
-    runner = llm.engine.runner
-    original = runner._result
 
-    def record(plan, step_logits, rows, tokens):
-        result = original(plan, step_logits, rows, tokens)
-        for request_id, row in zip(result.sampled_ids, step_logits):
+    def record(sampled_ids, step_logits):
+        for request_id, row in zip(sampled_ids, step_logits):
             logits.setdefault(request_id, []).append(row.clone())
-        return result
 
-    runner._result = record
+    llm.engine.runner.on_logits = record
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, adapters=names)
     return llm, outputs, [torch.stack(logits[o.request_id]) for o in outputs]
@@ -85,9 +81,10 @@ def _check(outputs, logits, references):
         assert error < 1e-4, f"request {i}: logits differ by {error:.2e} relative"
 
 
-def test_mixed_batch_matches_hf_peft_chunked(case):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_mixed_batch_matches_hf_peft_chunked(case, async_scheduling):
     model_dir, adapters, prompts, names, references = case
-    llm, outputs, logits = _run(model_dir, adapters, prompts, names,
+    llm, outputs, logits = _run(model_dir, adapters, prompts, names, async_scheduling=async_scheduling,
                                 max_num_batched_tokens=CHUNK, max_num_seqs=16, block_size=4)
     _check(outputs, logits, references)
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
@@ -99,10 +96,12 @@ def test_whole_prefill_matches_hf_peft(case):
     _check(outputs, logits, references)
 
 
-def test_preempted_requests_resume_with_identical_output(case):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preempted_requests_resume_with_identical_output(case, async_scheduling):
     model_dir, adapters, prompts, names, references = case
     llm, outputs, logits = _run(model_dir, adapters, prompts, names, max_num_batched_tokens=CHUNK,
-                                block_size=4, num_blocks=24, max_num_seqs=16)
+                                async_scheduling=async_scheduling, block_size=4, num_blocks=24,
+                                max_num_seqs=16)
     assert llm.engine.scheduler.num_preemptions > 0
     _check(outputs, logits, references)
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks

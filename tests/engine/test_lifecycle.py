@@ -1,5 +1,6 @@
 """The step-level engine: requests join and leave at every step, and every KV block and
-adapter slot comes back when a request finishes, fails or is aborted."""
+adapter slot comes back when a request finishes, fails or is aborted, with steps run one at a
+time or overlapped (async scheduling)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from loraplex import LLM, SamplingParams
 from loraplex.errors import InvalidRequestError, UnknownAdapterError
 
 
-@pytest.fixture()
-def llm(tiny_llama):
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def llm(tiny_llama, request):
     model, adapters = tiny_llama
-    llm = LLM(model, device="cpu", block_size=4, max_num_batched_tokens=16, max_loras=2)
+    llm = LLM(model, device="cpu", block_size=4, max_num_batched_tokens=16, max_loras=2,
+              async_scheduling=request.param)
     for name, path in adapters.items():
         llm.add_adapter(name, path)
     return llm
@@ -20,6 +22,7 @@ def llm(tiny_llama):
 
 def _assert_all_returned(engine):
     engine.step()  # the runner drops finished requests' rows at its next step
+    assert not engine.has_unfinished_requests()
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     assert engine.scheduler.num_unfinished == 0
     assert engine.num_requests == 0

@@ -9,10 +9,11 @@ from loraplex import LLM, SamplingParams
 from loraplex.kernels import reference
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_llama):
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(tiny_llama, request):
     model, adapters = tiny_llama
-    llm = LLM(model, device="cpu", block_size=4, num_blocks=40, max_num_batched_tokens=16)
+    llm = LLM(model, device="cpu", block_size=4, num_blocks=40, max_num_batched_tokens=16,
+              async_scheduling=request.param)
     llm.add_adapter("all8", adapters["all8"])
     return llm
 
@@ -46,6 +47,10 @@ def test_seeded_sampling_survives_preemption(tiny_llama):
     expected = _tokens(roomy, params, prompts)
     assert _tokens(tight, params, prompts) == expected
     assert tight.engine.scheduler.num_preemptions > 0
+    overlapped = LLM(model, device="cpu", block_size=4, num_blocks=14, max_num_batched_tokens=16,
+                     async_scheduling=True)
+    assert _tokens(overlapped, params, prompts) == expected
+    assert overlapped.engine.scheduler.num_preemptions > 0
 
 
 def test_filters_that_leave_one_token_are_greedy(llm):
@@ -103,9 +108,10 @@ def test_stop_token_ids_and_max_tokens(llm):
     assert out.finish_reason == "length" and len(out.token_ids) == 3
 
 
-def test_eos_stops_unless_ignored(tiny_llama):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_eos_stops_unless_ignored(tiny_llama, async_scheduling):
     model, _ = tiny_llama
-    llm = LLM(model, device="cpu")
+    llm = LLM(model, device="cpu", async_scheduling=async_scheduling)
     assert 2 in llm.engine.eos_token_ids  # config.json, tokenizer and generation_config agree
     free = _tokens(llm, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), [PROMPTS[0]])[0]
     llm.engine.eos_token_ids = frozenset({free[2]})  # pretend the model's 3rd token is its eos
