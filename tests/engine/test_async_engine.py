@@ -13,10 +13,11 @@ from loraplex.engine.llm_engine import LLMEngine
 from loraplex.errors import InvalidRequestError, UnknownAdapterError
 
 
-@pytest.fixture()
-def engine(tiny_llama):
+@pytest.fixture(params=[False, True], ids=["sync-steps", "async-steps"])
+def engine(tiny_llama, request):
     model, adapters = tiny_llama
-    engine = AsyncEngine(LLMEngine(EngineConfig.from_kwargs(str(model), device="cpu", block_size=4)))
+    engine = AsyncEngine(LLMEngine(EngineConfig.from_kwargs(str(model), device="cpu", block_size=4,
+                                                            async_scheduling=request.param)))
     asyncio.run(engine.add_adapter("all8", adapters["all8"]))
     yield engine
     engine.shutdown()
