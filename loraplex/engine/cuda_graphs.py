@@ -75,8 +75,14 @@ class DecodeGraphRunner:
             "blocks": torch.zeros(P, max_blocks_per_seq, dtype=torch.int32, device=device),
         }
         pin = device.type == "cuda"
-        self._host = {name: torch.zeros_like(t, device="cpu").pin_memory() if pin else torch.zeros_like(t)
-                      for name, t in self._packs.items()}
+        # Two sets of host packs, used in turn: with steps overlapped, the host fills the next
+        # step's while the device may not yet have copied this step's. `_copied[i]` marks when
+        # the device has read set i.
+        self._host_sets = [
+            {name: torch.zeros_like(t, device="cpu").pin_memory() if pin else torch.zeros_like(t)
+             for name, t in self._packs.items()} for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
         i64, i32, f32 = self._packs["i64"], self._packs["i32"], self._packs["f32"]
         self.input_ids, self.positions, self.slot_mapping, self.seeds, self.offsets, self.rows = i64
         self.seq_lens, self.token_slots, self.top_k = i32
@@ -109,7 +115,11 @@ class DecodeGraphRunner:
     def _fill(self, inputs: DecodeInputs, n: int, size: int) -> None:
         """Write the step's inputs into rows :n and padding into rows n:size of the host packs,
         then copy each pack to the device (asynchronously on CUDA)."""
-        i64, i32, f32 = (self._host[k].numpy() for k in ("i64", "i32", "f32"))
+        self._turn ^= 1
+        host = self._host_sets[self._turn]
+        if self._copied[self._turn] is not None:
+            self._copied[self._turn].synchronize()  # long done in practice: two steps ago
+        i64, i32, f32 = (host[k].numpy() for k in ("i64", "i32", "f32"))
         rows = (
             (i64[0], inputs.input_ids, 0), (i64[1], inputs.positions, 0), (i64[2], inputs.slot_mapping, -1),
             (i64[3], inputs.seeds, 0), (i64[4], inputs.offsets, 0), (i64[5], inputs.rows, self.max_batch),
@@ -119,9 +129,12 @@ class DecodeGraphRunner:
         for row, values, pad in rows:
             row[:n] = values
             row[n:size] = pad
-        self._host["blocks"].numpy()[:n, :inputs.block_tables.shape[1]] = inputs.block_tables
+        host["blocks"].numpy()[:n, :inputs.block_tables.shape[1]] = inputs.block_tables
         for name, device_pack in self._packs.items():
-            device_pack.copy_(self._host[name], non_blocking=True)
+            device_pack.copy_(host[name], non_blocking=True)
+        if self.capture:
+            self._copied[self._turn] = torch.cuda.Event()
+            self._copied[self._turn].record()
 
     def _forward(self, size: int, has_lora: bool, greedy: bool) -> None:
         attention = AttentionMetadata(
