@@ -11,7 +11,7 @@ DEFAULT_OUT = Path("bench/results")
 
 
 def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split(","))
+    return tuple(int(part) for part in text.split(",") if part.strip())
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
