@@ -52,3 +52,16 @@ def test_seeded_sampling_on_gpu_is_reproducible(tiny_llama):
     first = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params)[0].token_ids
     batch = llm.generate(prompt_token_ids=[[9] * 20, [5, 6, 7], [4]], sampling_params=params)[1].token_ids
     assert first == batch
+
+
+def test_overlapped_steps_give_the_same_tokens_on_gpu(tiny_llama):
+    """Async scheduling (the CUDA default) feeds each decode its input token on the device,
+    through the graphs' row_tokens: the same tokens and logprobs as steps run one at a time."""
+    model, adapters = tiny_llama
+    _, one_at_a_time = _generate(model, adapters, "cuda", "float32", async_scheduling=False)
+    llm, overlapped = _generate(model, adapters, "cuda", "float32")
+    assert llm.engine.async_scheduling
+    assert [o.token_ids for o in overlapped] == [o.token_ids for o in one_at_a_time]
+    for a, b in zip(overlapped, one_at_a_time):
+        assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=1e-5)
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
