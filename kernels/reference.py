@@ -164,6 +164,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [num_tokens, in_features], weight [out_features, in_features] (nn.Linear's layout),
+    bias [out_features] or None -> x @ weight.T + bias [num_tokens, out_features] in x's dtype,
+    computed in float32."""
+    out = x.float() @ weight.float().T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
 def lora_shrink(
     x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, ranks: torch.Tensor
 ) -> torch.Tensor:
