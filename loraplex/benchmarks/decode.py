@@ -66,15 +66,8 @@ def run(config: DecodeBenchConfig) -> dict[str, Any]:
         for with_adapters in (False, True):
             rows.append(_run_ours(engine, config, model_config, batch, with_adapters, list(adapters)))
             _print_row(rows[-1])
-    hf = synthetic.hf_model_sharing_weights(model)
-    for batch in config.hf_batch_sizes:
-        rows.append(_run_hf(hf, config, model_config, batch, None))
-        _print_row(rows[-1])
-    peft_adapters = dict(list(adapters.items())[:max(config.hf_batch_sizes)])
-    peft = synthetic.add_peft_adapters(hf, peft_adapters, model_config)
-    for batch in config.hf_batch_sizes:
-        rows.append(_run_hf(peft, config, model_config, batch, list(peft_adapters)[:batch]))
-        _print_row(rows[-1])
+    if config.hf_batch_sizes:
+        rows += _run_hf_baselines(config, model, model_config, adapters)
     return {
         "benchmark": "decode", "config": asdict(config), "device": _device_name(device),
         "torch": torch.__version__, "setup_s": round(setup_s, 1), "graph_capture_s": round(capture_s, 1),
@@ -166,6 +159,22 @@ def _run_ours(engine: LLMEngine, config: DecodeBenchConfig, model_config: ModelC
     steps = config.new_tokens - 1
     return _row("loraplex", batch, with_adapters, decode_s / steps, decode_start - started, config,
                 model_config, engine.model)
+
+
+def _run_hf_baselines(config: DecodeBenchConfig, model, model_config: ModelConfig, adapters: dict
+                      ) -> list[dict[str, Any]]:
+    """transformers, then transformers + PEFT with one adapter per request, on the same weights."""
+    rows = []
+    hf = synthetic.hf_model_sharing_weights(model)
+    for batch in config.hf_batch_sizes:
+        rows.append(_run_hf(hf, config, model_config, batch, None))
+        _print_row(rows[-1])
+    peft_adapters = dict(list(adapters.items())[:max(config.hf_batch_sizes)])
+    peft = synthetic.add_peft_adapters(hf, peft_adapters, model_config)
+    for batch in config.hf_batch_sizes:
+        rows.append(_run_hf(peft, config, model_config, batch, list(peft_adapters)[:batch]))
+        _print_row(rows[-1])
+    return rows
 
 
 def _run_hf(model, config: DecodeBenchConfig, model_config: ModelConfig, batch: int,
