@@ -18,6 +18,7 @@ class Ops:
     """One implementation of every op the model calls."""
 
     name: str
+    linear: Callable
     rms_norm: Callable
     fused_add_rms_norm: Callable
     rotary_store_kv: Callable
@@ -35,6 +36,7 @@ def reference_ops() -> Ops:
 
     return Ops(
         name="reference",
+        linear=r.linear,
         rms_norm=r.rms_norm,
         fused_add_rms_norm=r.fused_add_rms_norm,
         rotary_store_kv=r.rotary_store_kv,

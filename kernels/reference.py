@@ -164,14 +164,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [num_tokens, in_features], weight [out_features, in_features] (nn.Linear's layout),
-    bias [out_features] or None -> x @ weight.T + bias [num_tokens, out_features] in x's dtype,
-    computed in float32."""
-    out = x.float() @ weight.float().T
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype)
+    bias [out_features] or None -> x @ weight.T + bias [num_tokens, out_features] in out_dtype
+    (default x's dtype), computed in float32 (exactly F.linear for float32 inputs)."""
+    out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return out.to(out_dtype or x.dtype)
 
 
 def lora_shrink(

@@ -1,5 +1,7 @@
 """Skinny GEMM for decode-sized linear layers: y = x @ w.T (+ bias), x [M, K] with M up to
-MAX_M, w [N, K] row-major (nn.Linear's layout), fp32 accumulation, y in x's dtype.
+MAX_M, w [N, K] row-major (nn.Linear's layout), fp32 accumulation, y in x's dtype (or
+float32, for logits). `linear` is the op the model calls: this kernel where it measured faster
+than cuBLAS on the H100 (`decode_config`), cuBLAS elsewhere.
 
 Memory bound: the weight is read exactly once. Grid (column tiles, k_splits): a program owns
 BLOCK_N output columns for all M rows and streams w[BLOCK_N, BLOCK_K] tiles along its share of
@@ -21,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -261,12 +264,51 @@ def check_config(config: SkinnyConfig) -> None:
         raise ValueError(f"the dot path needs block_n and block_k >= {MIN_DOT}, got {config}")
 
 
+# Measured on the H100 (bench/results/skinny-gemm-h100.json, weights cycled past L2, against
+# F.linear at the Llama-3-8B shapes): on the CUDA cores with 8 x 256 tiles the kernel beat
+# cuBLAS at every shape for 1 and 2 rows (o_proj 13.2 against 16.4 us, down 40.5 against
+# 44.3, lm_head 338 against 376); from 4 rows cuBLAS matched or beat it, except on the
+# vocabulary-sized lm_head, where 64 x 256 tensor-core tiles stayed 9% ahead up to 32 rows.
+FMA_DECODE = SkinnyConfig(block_n=8, block_k=256, split_k=1, num_warps=4, num_stages=4, use_dot=False)
+DOT_DECODE = SkinnyConfig(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=3, use_dot=True)
+DOT_DECODE_64 = SkinnyConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3, use_dot=True)
+"""33 to 64 rows: DOT_DECODE's x tile would need 256 KiB of shared memory (the H100 has 227)."""
+MAX_FMA_DECODE_M = 2
+MIN_WIDE_N = 32768
+"""An output this wide (a vocabulary) takes the tensor-core tiles up to MAX_M rows."""
+
+
+def decode_config(m: int, n: int, k: int) -> SkinnyConfig | None:
+    """The skinny kernel's config where it measured faster than cuBLAS, else None."""
+    if m <= MAX_FMA_DECODE_M:
+        return FMA_DECODE
+    if n >= MIN_WIDE_N and m <= MAX_M:
+        return DOT_DECODE if m <= 32 else DOT_DECODE_64
+    return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K], weight [N, K], bias [N] or None -> x @ weight.T + bias [M, N] in out_dtype
+    (default x's dtype): the skinny kernel where decode_config picks it, cuBLAS elsewhere
+    (whose 16-bit result is then cast: only the skinny path keeps float32 logits unrounded)."""
+    m, k = x.shape
+    config = decode_config(m, weight.shape[0], k) if x.is_cuda and k == weight.shape[1] else None
+    if config is not None and weight.is_contiguous() and x.stride(-1) == 1:
+        return skinny_linear(x, weight, bias, config, out_dtype=out_dtype)
+    out = F.linear(x, weight, bias)
+    return out if out_dtype is None else out.to(out_dtype)
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: SkinnyConfig | None = None) -> torch.Tensor:
+                  config: SkinnyConfig | None = None, out_dtype: torch.dtype | None = None
+                  ) -> torch.Tensor:
     """x [M, K] (M <= MAX_M; rows may be strided, each row dense), weight [N, K] contiguous,
-    bias [N] or None, all of one dtype -> x @ weight.T + bias [M, N] in x's dtype, accumulated
-    in float32. `config` overrides default_config (for sweeps and tests)."""
+    bias [N] or None, all of one dtype -> x @ weight.T + bias [M, N] in out_dtype (default x's
+    dtype), accumulated in float32. `config` overrides default_config (for sweeps and tests)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype}")
     m, k = x.shape
     if m > MAX_M:
         raise ValueError(f"skinny_linear takes at most {MAX_M} rows, got x of shape {tuple(x.shape)}")
@@ -279,14 +321,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     device = check_launchable(_skinny_kernel, tensors)
     config = config or default_config(m, n, k, device)
     check_config(config)
-    return _launch(x, weight, bias, config)
+    return _launch(x, weight, bias, config, out_dtype or x.dtype)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            config: SkinnyConfig) -> torch.Tensor:
+            config: SkinnyConfig, out_dtype: torch.dtype) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     splits, k_per_split = num_k_splits(k, config)

@@ -12,11 +12,13 @@ from loraplex.kernels.norm import fused_add_rms_norm, rms_norm
 from loraplex.kernels.prefill_attention import paged_attention
 from loraplex.kernels.rotary import rotary_store_kv
 from loraplex.kernels.sampling import sample
+from loraplex.kernels.skinny_gemm import linear
 
 
 def triton_ops() -> Ops:
     return Ops(
         name="triton",
+        linear=linear,
         rms_norm=rms_norm,
         fused_add_rms_norm=fused_add_rms_norm,
         rotary_store_kv=rotary_store_kv,

@@ -13,7 +13,6 @@ from loraplex.model.config import ModelConfig
 from loraplex.model.context import get_forward_context
 from loraplex.model.rope import cos_sin_cache
 
-FP32_LOGITS_MAX_ROWS = 16
 # Module groups that carry LoRA slot buffers, and the adapter modules each stacks.
 LORA_GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -54,7 +53,7 @@ class Attention(nn.Module):
         context = get_forward_context()
         meta = context.attention
         num_tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [num_tokens, q + 2 kv]
+        qkv = self.ops.linear(x, self.qkv_weight, self.qkv_bias)  # [num_tokens, q + 2 kv]
         qkv = apply_lora(self.layer, "qkv", self.ops, x, qkv)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -70,7 +69,7 @@ class Attention(nn.Module):
                 max_query_len=meta.max_query_len,
             )
         out = out.reshape(num_tokens, self.q_size)
-        o = F.linear(out, self.o_weight, self.o_bias)
+        o = self.ops.linear(out, self.o_weight, self.o_bias)
         return apply_lora(self.layer, "o", self.ops, out, o)
 
 
@@ -82,10 +81,10 @@ class MLP(nn.Module):
         self.down_weight = _empty(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_weight)  # [num_tokens, 2 * intermediate]
+        gate_up = self.ops.linear(x, self.gate_up_weight)  # [num_tokens, 2 * intermediate]
         gate_up = apply_lora(self.layer, "gate_up", self.ops, x, gate_up)
         hidden = self.ops.silu_and_mul(gate_up)
-        down = F.linear(hidden, self.down_weight)
+        down = self.ops.linear(hidden, self.down_weight)
         return apply_lora(self.layer, "down", self.ops, hidden, down)
 
 
@@ -144,15 +143,9 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [num_rows, hidden_size] -> logits [num_rows, vocab_size] float32. On CUDA, for
-        up to FP32_LOGITS_MAX_ROWS rows, a 16-bit product is returned in float32 rather than
-        rounded to 16 bits first (bf16 logits near 6 are 0.03 apart, enough to tie or swap the
-        top tokens); with more rows that kernel ran at half the speed of the 16-bit one on the
-        H100 (0.73 against 0.37 ms at 64 rows), so larger batches take 16-bit logits."""
+        """hidden [num_rows, hidden_size] -> logits [num_rows, vocab_size] float32. The decode
+        kernel (skinny GEMM, up to 64 rows on CUDA) writes its float32 sums unrounded: bf16
+        logits near 6 are 0.03 apart, enough to tie or swap the top tokens. Past it, cuBLAS's
+        16-bit logits are widened."""
         head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
-        if hidden.is_cuda and hidden.dtype != torch.float32 and hidden.shape[0] <= FP32_LOGITS_MAX_ROWS:
-            try:
-                return torch.mm(hidden, head.t(), out_dtype=torch.float32)
-            except (RuntimeError, TypeError):  # a torch without mm(out_dtype=...)
-                pass
-        return F.linear(hidden, head).float()
+        return self.ops.linear(hidden, head, out_dtype=torch.float32)

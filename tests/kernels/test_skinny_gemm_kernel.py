@@ -301,3 +301,49 @@ def test_replays_in_a_cuda_graph_with_new_inputs(m, config):
         assert rel_error(captured, _expected(x_new, w_new, b_new)) < 1e-2
         torch.testing.assert_close(captured, skinny_linear(x_new, w_new, b_new, config), atol=0,
                                    rtol=0)
+
+
+@pytest.mark.parametrize("path", ["fma", "dot-split"])
+def test_float32_output_keeps_the_sums_unrounded(path):
+    """Logits: 16-bit inputs, float32 out, not rounded to 16 bits on the way."""
+    x, w, b = _inputs(3, N, 64, torch.float16, seed=5)
+    out = skinny_linear(x, w, b, PATHS[path], out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    expected = ref.linear(x, w, b, out_dtype=torch.float32)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+    rounded = expected.half().float()
+    assert (expected != rounded).any()  # so the check above could tell the two apart
+    with pytest.raises(ValueError, match="out_dtype"):
+        skinny_linear(x, w, b, PATHS[path], out_dtype=torch.int32)
+
+
+def test_decode_config_follows_the_h100_measurements():
+    fma, dot = skinny_gemm.FMA_DECODE, skinny_gemm.DOT_DECODE
+    assert skinny_gemm.decode_config(1, 4096, 4096) == fma
+    assert skinny_gemm.decode_config(2, 28672, 4096) == fma
+    assert skinny_gemm.decode_config(4, 4096, 14336) is None  # cuBLAS from 4 rows
+    assert skinny_gemm.decode_config(16, 128256, 4096) == dot  # except on a vocabulary
+    assert skinny_gemm.decode_config(64, 128256, 4096) == skinny_gemm.DOT_DECODE_64
+    assert skinny_gemm.decode_config(65, 128256, 4096) is None
+
+
+def test_linear_off_cuda_is_torch():
+    x, w, b = _inputs(2, N, 64, torch.float32, seed=6)
+    x, w, b = x.cpu(), w.cpu(), b.cpu()
+    torch.testing.assert_close(skinny_gemm.linear(x, w, b), torch.nn.functional.linear(x, w, b))
+    assert skinny_gemm.linear(x, w, b, out_dtype=torch.float64).dtype == torch.float64
+
+
+@gpu
+@skip_without_cuda
+@pytest.mark.parametrize("m", [1, 2, 3, 16, 33, 64, 65])
+def test_bf16_linear_dispatch_at_decode_sizes(m):
+    """What the model calls: every row count a decode graph may have, projections and logits."""
+    for shape in ("o", "lm_head"):
+        n, k = LLAMA_SHAPES[shape]
+        x, w, _ = _bf16_inputs(m, n, k, seed=m)
+        expected = _expected(x, w, None)
+        out = skinny_gemm.linear(x, w)
+        assert out.dtype == torch.bfloat16 and rel_error(out, expected) < 1e-2
+        logits = skinny_gemm.linear(x, w, out_dtype=torch.float32)
+        assert logits.dtype == torch.float32 and rel_error(logits, expected) < 1e-2
