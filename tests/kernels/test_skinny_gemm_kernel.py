@@ -114,7 +114,7 @@ def test_every_candidate_config_matches_reference(m):
     assert {c.use_dot for c in configs} == ({False} if m < 4 else {True} if m > 8 else {False, True})
     # float32 in the interpreter; 16-bit on a GPU, whose shared memory the tiles are sized for
     # (in float32 the largest tiles need more than an H100 has)
-    dtype = torch.float32 if DEVICE == "cpu" else torch.float16
+    dtype = torch.float32 if DEVICE.type == "cpu" else torch.float16
     x, w, b = _inputs(m, N, k, dtype, seed=m)
     expected = ref.linear(x, w, b)
     tol = dict(atol=1e-3, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-3)
