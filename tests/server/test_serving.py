@@ -171,15 +171,15 @@ def test_an_engine_failure_mid_stream_is_an_error_event(sqlite_server: Server, e
     """Fault injection at the model boundary (as a GPU error would): the stream ends with an
     error event, the client raises, and the engine keeps serving."""
     server = sqlite_server
-    real_execute = engine.runner.execute
+    real_launch = engine.runner.launch
     failing = threading.Event()
 
-    def execute(plan):
+    def launch(plan):
         if failing.is_set():
             raise RuntimeError("injected device failure")
-        return real_execute(plan)
+        return real_launch(plan)
 
-    engine.runner.execute = execute
+    engine.runner.launch = launch
     try:
         client = server.openai("acme")
         stream = client.chat.completions.create(model="style", messages=[{"role": "user", "content": "x"}],
@@ -197,7 +197,7 @@ def test_an_engine_failure_mid_stream_is_an_error_event(sqlite_server: Server, e
         assert response.status_code == 500 and response.json()["error"]["code"] == "engine_error"
         assert client.completions.create(model="style", prompt="still fine", max_tokens=3).choices
     finally:
-        engine.runner.execute = real_execute
+        engine.runner.launch = real_launch
     assert server.metric("loraplex:requests_in_flight") == 0
 
 
