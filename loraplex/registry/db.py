@@ -4,6 +4,8 @@ through psycopg 3. No module-level engines: `make_engine(url)` builds one per re
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -59,13 +61,10 @@ def _make_sqlite_engine(url: URL, busy_timeout_s: float) -> Engine:
         # Take BEGIN away from the sqlite3 module; the "begin" hook below emits it.
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
-        for pragma in (
-            f"busy_timeout={int(busy_timeout_s * 1000)}",
-            "journal_mode=WAL",
-            "synchronous=NORMAL",
-            "foreign_keys=ON",
-        ):
-            cursor.execute(f"PRAGMA {pragma}")
+        cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+        _use_wal(cursor, busy_timeout_s)
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()
 
     @event.listens_for(engine, "begin")
@@ -74,6 +73,23 @@ def _make_sqlite_engine(url: URL, busy_timeout_s: float) -> Engine:
         connection.exec_driver_sql(f"BEGIN {mode}")
 
     return engine
+
+
+def _use_wal(cursor: Any, timeout_s: float) -> None:
+    """Put the database in WAL mode (once: the mode is stored in the file). Switching needs the
+    database to itself, and SQLite answers "locked" at once, without waiting out busy_timeout,
+    when another connection is opening it at the same moment (replicas starting on a new
+    database): retry until the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if cursor.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 class Database:
