@@ -1,6 +1,6 @@
 """RMSNorm, plain and fused with the residual add: one program per row, the whole row in
-registers. Rounds as the reference does: the residual sum to x's dtype, the normalised row to
-x's dtype, then the weight multiply in the promoted dtype."""
+registers. Rounds as the reference does: the residual sum to the residual's dtype (x's, or
+float32), the normalised row to x's dtype, then the weight multiply in the promoted dtype."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK]
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
-        # x + residual in x's dtype, as torch adds two 16-bit tensors.
+        # x + residual in the residual's dtype, as torch adds two 16-bit tensors (or a 16-bit
+        # one to a float32 one).
         x = (x + r.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * stride_residual_out + cols, x, mask=mask)
         x = x.to(tl.float32)
@@ -51,7 +52,7 @@ def _launch(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     num_tokens, hidden = x.shape
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    residual_out = torch.empty_like(x) if residual is not None else None
+    residual_out = torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual is not None else None
     if num_tokens == 0:
         return out, residual_out
     block = next_pow2(hidden)
@@ -77,9 +78,11 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [num_tokens, hidden], weight [hidden] -> (rms_norm(x + residual), x + residual).
-    The inputs are not modified; both outputs are new tensors."""
+    The residual has x's dtype, or float32 (kept unrounded); the sum comes back in its dtype,
+    the normalised rows in x's (promoted with the weight's). The inputs are not modified; both
+    outputs are new tensors."""
     _check(x, weight)
-    check_tensor("residual", residual, ndim=2, dtypes=(x.dtype,), shape=tuple(x.shape))
+    check_tensor("residual", residual, ndim=2, dtypes=(x.dtype, torch.float32), shape=tuple(x.shape))
     check_launchable(_rms_norm_kernel, (x, residual, weight))
     out, residual_out = _launch(x, residual, weight, eps)
     return out, residual_out

@@ -23,18 +23,24 @@ import torch.nn.functional as F
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [num_tokens, hidden], weight [hidden] -> [num_tokens, hidden]. Normalises in float32
     and rounds to x's dtype before the weight multiply, as Hugging Face Llama does."""
+    return _rms_norm(x, weight, eps, x.dtype)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+    return weight * normed.to(dtype)
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual <- x + residual; returns (rms_norm(residual), residual). Shapes
-    [num_tokens, hidden]."""
+    [num_tokens, hidden]. The residual has x's dtype, or float32 (a 16-bit model's residual
+    stream kept unrounded): the sum is taken in the residual's dtype and the normalised rows
+    are rounded to x's."""
     residual = x + residual
-    return rms_norm(residual, weight, eps), residual
+    return _rms_norm(residual, weight, eps, x.dtype), residual
 
 
 def rotary_embedding(

@@ -50,6 +50,20 @@ def test_fused_add_rms_norm_matches_reference_and_leaves_inputs(dtype):
     assert torch.equal(xg, x_before) and torch.equal(rg, r_before)
 
 
+def test_float32_residual_stream_on_fp16_rows():
+    """A 16-bit model's residual kept in float32: the sum stays float32, the normalised rows
+    come back in fp16 for the next GEMM."""
+    x, residual, weight = _inputs(4, 80, torch.float16, DEVICE, seed=3)
+    residual = residual.float() / 3 + 1e-3  # values fp16 cannot hold
+    with poisoned_allocations(norm):
+        out, new_residual = norm.fused_add_rms_norm(guarded_rows(x), guarded_rows(residual), weight, EPS)
+    expected_out, expected_residual = ref.fused_add_rms_norm(x, residual, weight, EPS)
+    assert new_residual.dtype == torch.float32 and out.dtype == torch.float16
+    assert not torch.equal(expected_residual, expected_residual.half().float())
+    torch.testing.assert_close(new_residual, expected_residual, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out, expected_out, atol=2e-3, rtol=2e-3)
+
+
 def test_fp32_weight_on_fp16_rows_promotes_like_the_reference():
     x, _, weight = _inputs(3, 64, torch.float16, DEVICE, seed=2)
     out = norm.rms_norm(x, weight.float(), EPS)
@@ -89,3 +103,16 @@ def test_norms_bf16_llama_shapes(num_tokens):
     assert_close_bf16(out, expected, atol=2e-2, rtol=1e-2)
     plain = norm.rms_norm(x, weight, EPS)
     assert_close_bf16(plain, ref.rms_norm(x.float(), weight.float(), EPS), atol=2e-2, rtol=1e-2)
+
+
+@gpu
+@skip_without_cuda
+@pytest.mark.parametrize("num_tokens", [1, 64, 3000])
+def test_fused_norm_bf16_rows_float32_residual(num_tokens):
+    x, residual, weight = _inputs(num_tokens, 4096, torch.bfloat16, "cuda", seed=4)
+    residual = residual.float() * 7
+    out, new_residual = norm.fused_add_rms_norm(x, residual, weight, EPS)
+    expected_out, expected_residual = ref.fused_add_rms_norm(x, residual, weight, EPS)
+    assert new_residual.dtype == torch.float32 and out.dtype == torch.bfloat16
+    torch.testing.assert_close(new_residual, expected_residual, atol=1e-5, rtol=1e-6)
+    assert_close_bf16(out, expected_out, atol=2e-2, rtol=1e-2)
