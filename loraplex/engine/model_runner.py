@@ -46,6 +46,17 @@ PENDING = -1
 
 
 @dataclass
+class QueuedLogprobs:
+    """Logprobs of the sampled rows that asked for them, on their way to the host."""
+
+    which: list[int]  # indices into the step's sampled rows
+    ks: list[int]  # how many top logprobs each wants
+    chosen: torch.Tensor  # [num_wanted] float32: the sampled token's logprob
+    top_values: torch.Tensor  # [num_wanted, max k] float32
+    top_indices: torch.Tensor  # [num_wanted, max k] int64
+
+
+@dataclass
 class LaunchedStep:
     """A step queued on the device, until `collect` reads its tokens."""
 
@@ -54,8 +65,7 @@ class LaunchedStep:
     done: torch.cuda.Event | None = None
     placeholders: list[tuple[list[int], int]] = field(default_factory=list)
     """(the row's token list, index) where each sampled token goes in the InputBatch."""
-    logprobs: dict[str, torch.Tensor] | None = None  # host tensors, see _logprob_tensors
-    logprob_ks: list[int] = field(default_factory=list)
+    logprobs: QueuedLogprobs | None = None
 
 
 class ModelRunner:
@@ -78,10 +88,6 @@ class ModelRunner:
         if use_cuda_graphs:
             self.graphs = DecodeGraphRunner(model, kv_cache, lora, ops, self.row_tokens, max_num_seqs,
                                             max_blocks_per_seq, capture=self.device.type == "cuda")
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        """One step, start to end."""
-        return self.collect(self.launch(plan))
 
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Apply the plan, prepare its inputs and queue the model and the sampler; returns at
@@ -244,16 +250,15 @@ class ModelRunner:
         logprobs = torch.log_softmax(logits[index].float(), dim=-1)  # [num_wanted, vocab]
         chosen = logprobs.gather(1, tokens[index].view(-1, 1)).view(-1)
         top_values, top_indices = logprobs.topk(max(1, int(wanted[which].max())), dim=-1)
-        step.logprobs = {"which": torch.from_numpy(which), "chosen": _to_host(chosen),
-                         "top_values": _to_host(top_values), "top_indices": _to_host(top_indices)}
-        step.logprob_ks = wanted[which].tolist()
+        step.logprobs = QueuedLogprobs(
+            which=which.tolist(), ks=wanted[which].tolist(), chosen=_to_host(chosen),
+            top_values=_to_host(top_values), top_indices=_to_host(top_indices))
 
     @staticmethod
     def _collect_logprobs(step: LaunchedStep, result: StepResult) -> None:
         lp = step.logprobs
-        chosen, values, indices = lp["chosen"].tolist(), lp["top_values"].tolist(), lp["top_indices"].tolist()
-        for j, i in enumerate(lp["which"].tolist()):
-            k = step.logprob_ks[j]
+        chosen, values, indices = lp.chosen.tolist(), lp.top_values.tolist(), lp.top_indices.tolist()
+        for j, (i, k) in enumerate(zip(lp.which, lp.ks)):
             result.logprobs[step.sampled_ids[i]] = TokenLogprob(
                 token_id=result.sampled_tokens[i], logprob=chosen[j],
                 top=dict(zip(indices[j][:k], values[j][:k])),
