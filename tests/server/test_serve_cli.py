@@ -118,7 +118,9 @@ def test_sigkill_during_an_upload_leaves_a_consistent_registry(tmp_path: Path, w
         with socket.create_connection((host, int(port))) as sock:
             sock.sendall(request)
             sent = 0
-            while not any(p.name.endswith(".tmp") for p in temp_dir.iterdir()):  # weights arriving
+            # Wait until both the staged config and the weights have temporary files (the
+            # registry writes them one after the other, on a worker thread).
+            while sum(p.name.endswith(".tmp") for p in temp_dir.iterdir()) < 2:
                 sock.sendall(weights[sent:sent + 65536])
                 sent += 65536
                 time.sleep(0.01)
