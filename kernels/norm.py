@@ -52,7 +52,9 @@ def _launch(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     num_tokens, hidden = x.shape
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    residual_out = torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual is not None else None
+    residual_out = None
+    if residual is not None:
+        residual_out = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
     if num_tokens == 0:
         return out, residual_out
     block = next_pow2(hidden)
