@@ -104,6 +104,23 @@ def _compact(row_ptr, cand_val_ptr, cand_idx_ptr, vocab, row_max, inv_t, max_dis
 
 
 @triton.jit
+def _sort_key(v):
+    """float32 -> int32 with the same order (the comment at the top of this file)."""
+    bits = v.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _load_tile(row_ptr, cand_val_ptr, offs, mask, from_cand):
+    """float32 values at offs of the candidates (from_cand) or of the logits row; -inf past n."""
+    if from_cand:
+        v = tl.load(cand_val_ptr + offs, mask=mask, other=float("-inf"))
+    else:
+        v = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    return v
+
+
+@triton.jit
 def _topk_threshold(row_ptr, cand_val_ptr, n, from_cand, top_k, lo_key, hi_key,
                     NUM_PIVOTS_: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """The largest key t with count(key >= t) >= top_k (the k-th largest key), searched in
@@ -118,12 +135,8 @@ def _topk_threshold(row_ptr, cand_val_ptr, n, from_cand, top_k, lo_key, hi_key,
         for start in range(0, n, BLOCK_SIZE):
             offs = start + tl.arange(0, BLOCK_SIZE)
             mask = offs < n
-            if from_cand:
-                v = tl.load(cand_val_ptr + offs, mask=mask, other=float("-inf"))
-            else:
-                v = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
-            bits = v.to(tl.int32, bitcast=True)
-            key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+            v = _load_tile(row_ptr, cand_val_ptr, offs, mask, from_cand)
+            key = _sort_key(v)
             above = (key[None, :] >= piv32[:, None]) & mask[None, :]  # [P, BLOCK]
             count += tl.sum(above.to(tl.int32), axis=1)
         ok = count >= top_k  # piv <= answer
@@ -141,12 +154,8 @@ def _mass_from(row_ptr, cand_val_ptr, n, from_cand, min_key, row_max, scale,
     for start in range(0, n, BLOCK_SIZE):
         offs = start + tl.arange(0, BLOCK_SIZE)
         mask = offs < n
-        if from_cand:
-            v = tl.load(cand_val_ptr + offs, mask=mask, other=float("-inf"))
-        else:
-            v = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        bits = v.to(tl.int32, bitcast=True)
-        key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        v = _load_tile(row_ptr, cand_val_ptr, offs, mask, from_cand)
+        key = _sort_key(v)
         keep = mask & (key >= min_key)
         total += tl.sum(tl.where(keep, tl.exp2((v - row_max) * scale), 0.0), axis=0)
     return total
@@ -166,12 +175,8 @@ def _topp_threshold(row_ptr, cand_val_ptr, n, from_cand, min_key, hi_key, target
         for start in range(0, n, BLOCK_SIZE):
             offs = start + tl.arange(0, BLOCK_SIZE)
             mask = offs < n
-            if from_cand:
-                v = tl.load(cand_val_ptr + offs, mask=mask, other=float("-inf"))
-            else:
-                v = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
-            bits = v.to(tl.int32, bitcast=True)
-            key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+            v = _load_tile(row_ptr, cand_val_ptr, offs, mask, from_cand)
+            key = _sort_key(v)
             e = tl.where(mask & (key >= min_key), tl.exp2((v - row_max) * scale), 0.0)
             above = key[None, :] > piv32[:, None]  # [P, BLOCK]
             mass += tl.sum(tl.where(above, e[None, :], 0.0), axis=1)
@@ -197,8 +202,7 @@ def _gumbel_argmax(row_ptr, cand_val_ptr, cand_idx_ptr, n, from_cand, min_key, i
         else:
             v = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
             idx = offs
-        bits = v.to(tl.int32, bitcast=True)
-        key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        key = _sort_key(v)
         u = tl.rand(seed, idx)
         gumbel = -tl.log(-tl.log(u))
         g = tl.where(mask & (key >= min_key), v * inv_t + gumbel, float("-inf"))
@@ -254,10 +258,8 @@ def _sample_kernel(
             n, lowest = _compact(row_ptr, cand_val, cand_idx, vocab, row_max, inv_t, max_dist,
                                  BLOCK_SIZE)
             from_cand = n >= 0
-            low_bits = lowest.to(tl.int32, bitcast=True)
-            lo_key = tl.where(low_bits >= 0, low_bits, low_bits ^ 0x7FFFFFFF)
-        max_bits = row_max.to(tl.int32, bitcast=True)
-        hi_key = tl.where(max_bits >= 0, max_bits, max_bits ^ 0x7FFFFFFF)
+            lo_key = _sort_key(lowest)
+        hi_key = _sort_key(row_max)
         if use_k:
             min_key = _topk_threshold(row_ptr, cand_val, n, from_cand, top_k, lo_key, hi_key,
                                       NUM_PIVOTS_, BLOCK_SIZE)
