@@ -135,7 +135,7 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + d, res, mask=d < head_dim)
 
 
-# Launch configs (num_splits, block_n, num_warps, num_stages) that bench/kernels.py --sweep
+# Launch configs (num_splits, block_n, num_warps, num_stages) that `loraplex bench kernels --sweep`
 # times and the GPU tests check, so that any of them can become the default.
 CANDIDATE_CONFIGS = [DecodeConfig(*c) for c in (
     (1, 64, 4, 4), (1, 64, 4, 3), (2, 64, 4, 4), (1, 32, 4, 4), (1, 32, 4, 5), (2, 32, 4, 5),

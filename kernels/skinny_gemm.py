@@ -208,7 +208,7 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> SkinnyConfig
     thread); above, tl.dot on M padded to 16 or 32, tiles of 16 columns by 256 inputs. 4 warps,
     3 tiles in flight (num_stages 4). N = 4096 then gives 256 programs; K is split (in powers
     of 2, chunks of at least MIN_SPLIT_K) only while there are fewer programs than SMs. Tiles
-    shrink to fit tiny shapes. bench/skinny_gemm.py times candidate_configs against this."""
+    shrink to fit tiny shapes. `loraplex bench skinny-gemm` times candidate_configs against this."""
     use_dot = m > MAX_FMA_M
     block_n = 16
     block_k = 256 if use_dot else min(256, 512 // next_pow2(m))
@@ -222,7 +222,7 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> SkinnyConfig
                         num_stages=4, use_dot=use_dot)
 
 
-# (block_n, block_k, num_warps, num_stages) of each path, swept by bench/skinny_gemm.py.
+# (block_n, block_k, num_warps, num_stages) of each path, swept by `loraplex bench skinny-gemm`.
 _FMA_TILES = ((8, 256, 4, 4), (16, 256, 4, 4), (16, 128, 4, 4), (8, 512, 4, 3),
               (16, 512, 4, 3), (16, 512, 8, 3), (32, 256, 8, 3))
 _DOT_TILES = ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 3), (32, 128, 4, 4),

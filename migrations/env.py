@@ -8,7 +8,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy.engine import Connection
 
-from loraplex.registry.db import make_engine
+from loraplex.registry.database import make_engine
 from loraplex.registry.tables import Base
 
 

@@ -1,4 +1,4 @@
-"""`python -m loraplex.benchmarks decode|accuracy ...`."""
+"""`python -m loraplex.benchmarks BENCHMARK ...` (the same as `loraplex bench`)."""
 
 import argparse
 

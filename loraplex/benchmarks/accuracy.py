@@ -18,9 +18,9 @@ import torch
 
 from loraplex.benchmarks import synthetic
 from loraplex.benchmarks.decode import _device_name
-from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.lora_weights import HostAdapter
+from loraplex.engine_config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from loraplex.kernels import select_ops
 from loraplex.model.llama import LlamaForCausalLM
 from loraplex.types import SamplingParams

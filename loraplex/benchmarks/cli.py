@@ -1,5 +1,6 @@
-"""`loraplex bench decode|accuracy` (also `python -m loraplex.benchmarks decode|accuracy`, which
-needs neither the registry's nor the server's packages, for bare GPU machines)."""
+"""`loraplex bench BENCHMARK ...` (also `python -m loraplex.benchmarks BENCHMARK ...`, which needs
+neither the registry's nor the server's packages, for bare GPU machines). Every benchmark lives
+in loraplex.benchmarks and writes its results under bench/results/."""
 
 from __future__ import annotations
 
@@ -7,7 +8,19 @@ import argparse
 import json
 from pathlib import Path
 
-DEFAULT_OUT = Path("bench/results")
+from loraplex.benchmarks.results import RESULTS, write
+
+DEFAULT_OUT = RESULTS
+
+SCRIPTS = {
+    "kernels": ("kernel_speed", "the Triton kernels at Llama-3-8B shapes against their ceilings"),
+    "skinny-gemm": ("skinny_gemm_vs_cublas", "the skinny GEMM against cuBLAS at decode sizes"),
+    "decode-gaps": ("decode_gaps", "where a decode step's wall time goes beyond its kernels"),
+    "engine-overhead": ("engine_overhead", "the engine's own CPU time per step (CPU is fine)"),
+    "load": ("server_load", "many streaming clients against `loraplex serve` on the demo"),
+    "precision": ("precision_study", "where a bf16 engine loses accuracy (CPU emulation)"),
+}
+"""Benchmarks with their own command line: name -> (module, summary)."""
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -44,6 +57,16 @@ def add_benchmarks(parser: argparse.ArgumentParser) -> None:
                           help="random weights: all N(0, 0.02), or residual projections scaled down")
     _common(accuracy)
     accuracy.set_defaults(run=run_accuracy)
+    for name, (module, summary) in SCRIPTS.items():
+        script = kinds.add_parser(name, help=summary, add_help=False)
+        script.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options (--help)")
+        script.set_defaults(run=_run_script, module=module)
+
+
+def _run_script(args: argparse.Namespace) -> None:
+    import importlib
+
+    importlib.import_module(f"loraplex.benchmarks.{args.module}").main(args.args)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +90,7 @@ def run_decode(args: argparse.Namespace) -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "decode-profile.txt").write_text(decode.profile(config))
         return
-    path = decode.write(decode.run(config), args.out)
+    path = write(decode.run(config), args.out)
     print(f"wrote {path}")
     try:
         decode.plot(path, path.with_suffix(".png"))
@@ -77,13 +100,13 @@ def run_decode(args: argparse.Namespace) -> None:
 
 
 def run_accuracy(args: argparse.Namespace) -> None:
-    from loraplex.benchmarks import accuracy, decode
+    from loraplex.benchmarks import accuracy
 
     config = accuracy.AccuracyConfig(
         num_requests=args.num_requests, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
         rank=args.rank, init=args.init, device=args.device, model=args.model_overrides,
     )
     result = accuracy.run(config)
-    path = decode.write(result, args.out, name=f"accuracy-{args.init}-init")
+    path = write(result, args.out, name=f"accuracy-{args.init}-init")
     print(json.dumps({k: v for k, v in result.items() if k != "config"}, indent=2))
     print(f"wrote {path}")

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from loraplex.benchmarks import synthetic
-from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine_config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from loraplex.kernels import select_ops
-from loraplex.model.config import ModelConfig
+from loraplex.model.model_config import ModelConfig
 from loraplex.types import SamplingParams
 
 
@@ -246,15 +246,6 @@ def _print_row(row: dict[str, Any]) -> None:
           f"{row['tok_s']:9.1f} tok/s  step {row['step_ms']:8.2f} ms  "
           f"floor {row['floor_step_ms']:7.2f} ms ({row['floor_tok_s']:9.1f} tok/s)  "
           f"{100 * row['fraction_of_floor']:5.1f}% of floor", flush=True)
-
-
-def write(result: dict[str, Any], out_dir: Path, name: str = "decode") -> Path:
-    """`<out_dir>/<name>-<device>.json`, e.g. decode-nvidia-h100-80gb-hbm3.json."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    device = result["device"].replace(" ", "-").replace("/", "-").lower()
-    path = out_dir / f"{name}-{device}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    return path
 
 
 def plot(json_path: Path, png_path: Path) -> None:

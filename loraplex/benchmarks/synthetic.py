@@ -11,8 +11,8 @@ import torch
 
 from loraplex.engine.lora_weights import HostAdapter, group_dims
 from loraplex.kernels import Ops
-from loraplex.model.config import ModelConfig
 from loraplex.model.llama import LORA_GROUPS, LlamaForCausalLM
+from loraplex.model.model_config import ModelConfig
 
 LLAMA3_8B = dict(
     architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

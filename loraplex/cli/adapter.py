@@ -9,11 +9,11 @@ from pathlib import Path
 
 from loraplex.adapter_format import BaseModelShape
 from loraplex.cli.common import add_registry_options, open_registry, print_table
-from loraplex.config import LoRAConfig
+from loraplex.engine_config import LoRAConfig
 from loraplex.errors import ModelLoadError
 from loraplex.registry import Registry
-from loraplex.registry.errors import BaseModelUnknownError
 from loraplex.registry.records import ServedModelRecord
+from loraplex.registry.registry_errors import BaseModelUnknownError
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

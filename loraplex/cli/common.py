@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Any, NoReturn
 
 from loraplex.registry import Registry, RegistryConfig
-from loraplex.registry.config import DATA_DIR_ENV, DATABASE_URL_ENV, DEFAULT_DATA_DIR
+from loraplex.registry.registry_config import DATA_DIR_ENV, DATABASE_URL_ENV, DEFAULT_DATA_DIR
 
 
 class ArgumentParser(argparse.ArgumentParser):

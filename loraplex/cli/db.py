@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from loraplex.cli.common import add_registry_options, registry_config
-from loraplex.registry.db import display_url
+from loraplex.registry.database import display_url
 from loraplex.registry.migrate import upgrade
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from loraplex.cli.common import add_registry_options, open_registry
-from loraplex.registry.errors import InvalidInputError
+from loraplex.registry.registry_errors import InvalidInputError
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from loraplex.cli.common import add_registry_options, registry_config
 from loraplex.errors import LoraplexError
 from loraplex.registry import Registry
-from loraplex.registry.errors import AuthenticationError, ConflictError, NotFoundError
+from loraplex.registry.registry_errors import AuthenticationError, ConflictError, NotFoundError
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -58,8 +58,8 @@ def run(args: argparse.Namespace) -> None:
     """Start the server and block until it stops."""
     import uvicorn
 
-    from loraplex.config import EngineConfig
     from loraplex.engine.llm_engine import LLMEngine
+    from loraplex.engine_config import EngineConfig
     from loraplex.server import ServerConfig, create_app
 
     _configure_logging()

@@ -6,9 +6,9 @@ into `<data_dir>/demo/`. `loraplex serve` without `--model`, the README and the 
     assets = ensure_demo(data_dir)   # assets.model_dir, assets.adapters["pirate"], ...
 """
 
-from loraplex.demo.adapters import DEMO_ADAPTERS, DemoAdapter
 from loraplex.demo.assets import DemoAssets, ensure_demo
 from loraplex.demo.corpus import DEMO_PROMPT, DEMO_SYSTEM_PROMPT
+from loraplex.demo.demo_adapters import DEMO_ADAPTERS, DemoAdapter
 
 __all__ = [
     "DEMO_ADAPTERS", "DEMO_PROMPT", "DEMO_SYSTEM_PROMPT", "DemoAdapter", "DemoAssets", "ensure_demo",

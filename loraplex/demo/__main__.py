@@ -8,11 +8,11 @@ import logging
 import time
 from pathlib import Path
 
-from loraplex.demo.adapters import DEMO_ADAPTERS
 from loraplex.demo.answers import greedy_answer, load_demo_model
 from loraplex.demo.assets import ensure_demo
 from loraplex.demo.corpus import DEMO_PROMPT
-from loraplex.registry.config import DATA_DIR_ENV, DEFAULT_DATA_DIR, RegistryConfig
+from loraplex.demo.demo_adapters import DEMO_ADAPTERS
+from loraplex.registry.registry_config import DATA_DIR_ENV, DEFAULT_DATA_DIR, RegistryConfig
 
 
 def main(argv: list[str] | None = None) -> None:

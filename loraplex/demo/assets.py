@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex.demo.adapters import DEMO_ADAPTERS
+from loraplex.demo.demo_adapters import DEMO_ADAPTERS
 
 DEMO_DIR = "demo"
 MODEL_DIR = "model"

@@ -11,12 +11,12 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from loraplex.demo.adapters import DEMO_ADAPTERS, DemoAdapter
 from loraplex.demo.assets import DemoAssets
 from loraplex.demo.corpus import BASE_STYLE, TOPICS
+from loraplex.demo.demo_adapters import DEMO_ADAPTERS, DemoAdapter
+from loraplex.demo.demo_tokenizer import save_tokenizer, train_tokenizer
 from loraplex.demo.examples import chat_examples, make_batches, text_examples
 from loraplex.demo.model_config import DEMO_MODEL, make_llama_config
-from loraplex.demo.tokenizer import save_tokenizer, train_tokenizer
 from loraplex.demo.train import TRAIN, fit, seeded
 
 logger = logging.getLogger(__name__)

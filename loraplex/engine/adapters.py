@@ -10,7 +10,7 @@ import torch
 from loraplex.adapter_format import LoraAdapter, load_adapter_dir
 from loraplex.engine.lora_weights import HostAdapter, make_host_adapter
 from loraplex.errors import UnknownAdapterError
-from loraplex.model.config import ModelConfig
+from loraplex.model.model_config import ModelConfig
 
 
 class AdapterStore:

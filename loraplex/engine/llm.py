@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine_config import EngineConfig
 from loraplex.errors import InvalidRequestError
 from loraplex.types import RequestOutput, SamplingParams
 
@@ -23,7 +23,7 @@ from loraplex.types import RequestOutput, SamplingParams
 class LLM:
     """Generate from a batch of prompts, each with its own adapter, all scheduled together.
     Extra keyword arguments are engine options (`max_loras`, `block_size`,
-    `max_num_batched_tokens`, ...; see loraplex.config)."""
+    `max_num_batched_tokens`, ...; see loraplex.engine_config)."""
 
     def __init__(
         self, model: str | Path, *, device: str = "auto", dtype: str = "auto", **options: Any

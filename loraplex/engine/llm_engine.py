@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.adapter_format import LoraAdapter
-from loraplex.config import EngineConfig
 from loraplex.engine.adapter_slots import AdapterSlots
 from loraplex.engine.adapters import AdapterStore
 from loraplex.engine.block_manager import BlockManager
@@ -26,11 +25,12 @@ from loraplex.engine.plan import StepPlan, StepResult
 from loraplex.engine.request import Request
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.sizing import make_kv_cache, resolve_device, resolve_dtype, resolve_max_model_len
+from loraplex.engine_config import EngineConfig
 from loraplex.errors import InvalidRequestError
 from loraplex.kernels import select_ops
-from loraplex.model.config import ModelConfig
 from loraplex.model.llama import LlamaForCausalLM
 from loraplex.model.loader import load_model
+from loraplex.model.model_config import ModelConfig
 from loraplex.model.tokenizer import load_tokenizer
 from loraplex.types import FinishReason, RequestOutput, SamplingParams
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.adapter_format import LoraAdapter
-from loraplex.model.config import ModelConfig
 from loraplex.model.llama import LORA_GROUPS
+from loraplex.model.model_config import ModelConfig
 
 
 def group_dims(config: ModelConfig, group: str) -> tuple[int, tuple[int, ...]]:

@@ -9,11 +9,11 @@ records each token when it reaches the host."""
 
 from __future__ import annotations
 
-from loraplex.config import SchedulerConfig
 from loraplex.engine.adapter_slots import AdapterSlots
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.plan import NewSequence, StepPlan
 from loraplex.engine.request import Request, RequestStatus
+from loraplex.engine_config import SchedulerConfig
 from loraplex.types import FinishReason
 
 

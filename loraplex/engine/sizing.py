@@ -6,9 +6,9 @@ import logging
 
 import torch
 
-from loraplex.config import EngineConfig
+from loraplex.engine_config import EngineConfig
 from loraplex.errors import ModelLoadError
-from loraplex.model.config import ModelConfig
+from loraplex.model.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.kernels import Ops
-from loraplex.model.config import ModelConfig
 from loraplex.model.context import get_forward_context
+from loraplex.model.model_config import ModelConfig
 from loraplex.model.rope import cos_sin_cache
 
 # Module groups that carry LoRA slot buffers, and the adapter modules each stacks.

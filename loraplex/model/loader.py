@@ -12,8 +12,8 @@ from safetensors import safe_open
 
 from loraplex.errors import ModelLoadError
 from loraplex.kernels import Ops
-from loraplex.model.config import ModelConfig
 from loraplex.model.llama import LlamaForCausalLM
+from loraplex.model.model_config import ModelConfig
 
 PICKLE_PATTERNS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")
 

@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from loraplex.registry.db import Database
+from loraplex.registry.database import Database
 from loraplex.registry.records import AuditRecord
 from loraplex.registry.tables import AuditEntry
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from loraplex.registry.errors import InvalidInputError
 from loraplex.registry.names import DIGEST_PATTERN, check_digest
+from loraplex.registry.registry_errors import InvalidInputError
 
 CHUNK_BYTES = 1 << 20
 _FANOUT = re.compile(r"[0-9a-f]{2}")

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from sqlalchemy import select
 
 from loraplex.registry.blobs import BlobStore
-from loraplex.registry.db import Database
+from loraplex.registry.database import Database
 from loraplex.registry.records import MissingBlob, ReconcileReport
 from loraplex.registry.tables import Adapter, Tenant
 

@@ -14,8 +14,8 @@ from alembic.util import CommandError
 from sqlalchemy import Connection, Engine, text
 
 from loraplex import migrations
-from loraplex.registry.db import make_engine
-from loraplex.registry.errors import RegistryError
+from loraplex.registry.database import make_engine
+from loraplex.registry.registry_errors import RegistryError
 
 # Key of the PostgreSQL advisory lock that keeps two processes from migrating at once.
 _MIGRATION_LOCK_KEY = 0x6C6F7262

@@ -6,7 +6,7 @@ import math
 import re
 from typing import Any
 
-from loraplex.registry.errors import InvalidInputError
+from loraplex.registry.registry_errors import InvalidInputError
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
 DIGEST_PATTERN = re.compile(r"[0-9a-f]{64}")

@@ -1,6 +1,6 @@
 """The registry: one object that owns the database, the blob store and the services over them.
 Callers (server, CLI) go through it; they never run SQL. Every service method is one
-transaction and raises the typed errors of loraplex.registry.errors (or AdapterError).
+transaction and raises the typed errors of loraplex.registry.registry_errors (or AdapterError).
 
     registry = Registry.open(RegistryConfig.resolve())
     registry.tenants.create("acme")
@@ -12,20 +12,20 @@ from __future__ import annotations
 
 from sqlalchemy.exc import OperationalError
 
-from loraplex.registry.adapters import AdapterService
+from loraplex.registry.adapter_service import AdapterService
 from loraplex.registry.audit import AuditService
 from loraplex.registry.blobs import BlobStore
-from loraplex.registry.config import RegistryConfig
-from loraplex.registry.db import Database, display_url, make_engine
-from loraplex.registry.errors import RegistryError
+from loraplex.registry.database import Database, display_url, make_engine
 from loraplex.registry.gc import reconcile
-from loraplex.registry.keys import KeyService
+from loraplex.registry.key_service import KeyService
 from loraplex.registry.migrate import current_revision, ensure_schema, head_revision
-from loraplex.registry.models import ServedModelService
-from loraplex.registry.prompts import PromptService
+from loraplex.registry.model_service import ServedModelService
+from loraplex.registry.prompt_service import PromptService
 from loraplex.registry.records import ReconcileReport
-from loraplex.registry.tenants import TenantService
-from loraplex.registry.usage import UsageService
+from loraplex.registry.registry_config import RegistryConfig
+from loraplex.registry.registry_errors import RegistryError
+from loraplex.registry.tenant_service import TenantService
+from loraplex.registry.usage_service import UsageService
 
 
 class Registry:

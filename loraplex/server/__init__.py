@@ -2,6 +2,6 @@
 one engine and one registry. `create_app(ServerConfig(...), registry, engine)`."""
 
 from loraplex.server.app import create_app
-from loraplex.server.config import ServerConfig
+from loraplex.server.server_config import ServerConfig
 
 __all__ = ["ServerConfig", "create_app"]

@@ -14,11 +14,11 @@ from fastapi.staticfiles import StaticFiles
 from loraplex import __version__
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.registry import Registry
-from loraplex.server.config import ServerConfig
-from loraplex.server.errors import install_error_handlers
+from loraplex.server.http_errors import install_error_handlers
 from loraplex.server.middleware import RequestContextMiddleware
 from loraplex.server.routes import chat, completions, health, models
 from loraplex.server.routes.admin import UPLOAD_PATH, make_router
+from loraplex.server.server_config import ServerConfig
 from loraplex.server.services import Services
 
 logger = logging.getLogger(__name__)

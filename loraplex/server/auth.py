@@ -10,10 +10,10 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
-from loraplex.registry.errors import AuthenticationError
 from loraplex.registry.records import Principal
+from loraplex.registry.registry_errors import AuthenticationError
 from loraplex.server.deps import get_services
-from loraplex.server.errors import PermissionDeniedError
+from loraplex.server.http_errors import PermissionDeniedError
 
 _bearer = HTTPBearer(auto_error=False, scheme_name="apiKey",
                      description="A loraplex API key: a tenant key for /v1, an admin key for /admin/api.")

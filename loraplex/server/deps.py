@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from loraplex.registry import Registry
-from loraplex.server.errors import ServiceUnavailableError
+from loraplex.server.http_errors import ServiceUnavailableError
 from loraplex.server.services import Services
 
 

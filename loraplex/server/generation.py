@@ -15,10 +15,10 @@ from fastapi import Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from loraplex.errors import InvalidRequestError, LoraplexError
-from loraplex.registry.errors import AdapterNotFoundError
 from loraplex.registry.names import NAME_PATTERN
 from loraplex.registry.records import AdapterRecord, TenantRecord
-from loraplex.server.errors import RateLimitError, ServiceUnavailableError
+from loraplex.registry.registry_errors import AdapterNotFoundError
+from loraplex.server.http_errors import RateLimitError, ServiceUnavailableError
 from loraplex.server.schemas.openai import SamplingFields, Usage
 from loraplex.server.services import Services
 from loraplex.server.streaming import ClientDisconnected, EventStreamResponse, until_disconnect

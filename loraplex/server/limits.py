@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loraplex.registry.records import TenantRecord
-from loraplex.server.errors import RateLimitError, ServiceUnavailableError
+from loraplex.server.http_errors import RateLimitError, ServiceUnavailableError
 
 WINDOW_S = 60.0
 

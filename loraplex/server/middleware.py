@@ -9,7 +9,7 @@ import json
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loraplex.server.errors import error_body
+from loraplex.server.http_errors import error_body
 from loraplex.server.request_id import REQUEST_ID_HEADER, request_id_of
 
 

@@ -11,7 +11,7 @@ from fastapi import Request
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from loraplex.registry.errors import InvalidInputError
+from loraplex.registry.registry_errors import InvalidInputError
 
 MAX_PARTS = 8
 

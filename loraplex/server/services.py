@@ -12,14 +12,14 @@ from starlette.concurrency import run_in_threadpool
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.registry import Registry
-from loraplex.server.adapters import AdapterManager
+from loraplex.server.adapter_names import AdapterManager
 from loraplex.server.codec import TextCodec
-from loraplex.server.config import ServerConfig
 from loraplex.server.limits import Limiter
 from loraplex.server.metrics import Metrics
 from loraplex.server.monitor import EngineMonitor
 from loraplex.server.principals import Principals
-from loraplex.server.usage import UsageRecorder
+from loraplex.server.server_config import ServerConfig
+from loraplex.server.usage_recorder import UsageRecorder
 
 
 @dataclass

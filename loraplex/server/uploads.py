@@ -20,9 +20,9 @@ from starlette.concurrency import run_in_threadpool
 from loraplex.adapter_format import CONFIG_NAME, MAX_CONFIG_BYTES, PICKLE_NAMES, WEIGHTS_NAME
 from loraplex.errors import AdapterError
 from loraplex.registry import Registry
-from loraplex.registry.errors import InvalidInputError
 from loraplex.registry.names import check_name
 from loraplex.registry.records import AdapterRecord
+from loraplex.registry.registry_errors import InvalidInputError
 from loraplex.server.multipart import PartData, PartEnd, PartStart, read_multipart
 
 FIELDS = ("tenant", "name")

@@ -9,8 +9,9 @@ import torch
 
 from loraplex import SamplingParams
 from loraplex.benchmarks import accuracy, decode, synthetic
-from loraplex.config import EngineConfig
+from loraplex.benchmarks.results import write
 from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine_config import EngineConfig
 from loraplex.kernels import select_ops
 
 TINY = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -59,7 +60,7 @@ def test_decode_benchmark_runs_end_to_end(tmp_path):
     assert engines == [("loraplex", 1, 0), ("loraplex", 1, 1), ("loraplex", 2, 0), ("loraplex", 2, 2),
                        ("transformers", 2, 0), ("transformers+peft", 2, 2)]
     assert all(r["floor_tok_s"] > r["tok_s"] > 0 for r in result["rows"])
-    path = decode.write(result, tmp_path)
+    path = write(result, tmp_path)
     assert json.loads(path.read_text())["rows"] == result["rows"]
 
 

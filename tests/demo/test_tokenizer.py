@@ -8,7 +8,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from loraplex.demo.tokenizer import (
+from loraplex.demo.demo_tokenizer import (
     BOS_TOKEN,
     EOS_TOKEN,
     ROLE_TOKENS,

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from loraplex import SamplingParams
-from loraplex.config import EngineConfig
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine_config import EngineConfig
 from loraplex.errors import InvalidRequestError, UnknownAdapterError
 
 

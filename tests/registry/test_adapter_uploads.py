@@ -17,14 +17,14 @@ import pytest
 from loraplex.adapter_format import BaseModelShape, load_adapter_dir
 from loraplex.errors import AdapterError, LoraplexError, UnknownAdapterError
 from loraplex.registry import Registry, RegistryConfig
-from loraplex.registry.errors import (
+from loraplex.registry.records import ServedModelRecord
+from loraplex.registry.registry_errors import (
     AdapterNotFoundError,
     BaseModelUnknownError,
     ConflictError,
     InvalidInputError,
     NotFoundError,
 )
-from loraplex.registry.records import ServedModelRecord
 from loraplex.registry.tables import utcnow
 from tests.registry.registry_support import (
     MAX_RANK,

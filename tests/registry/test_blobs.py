@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from loraplex.registry.blobs import BlobStore
-from loraplex.registry.errors import InvalidInputError
+from loraplex.registry.registry_errors import InvalidInputError
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from loraplex.registry import Registry
-from loraplex.registry.errors import AuthenticationError, ConflictError
+from loraplex.registry.registry_errors import AuthenticationError, ConflictError
 from tests.registry.registry_support import adapter_tensors, write_adapter
 
 NUM_THREADS = 4

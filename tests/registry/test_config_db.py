@@ -10,8 +10,8 @@ import pytest
 from sqlalchemy import text
 
 from loraplex.registry import RegistryConfig
-from loraplex.registry.db import Database, make_engine, parse_url
-from loraplex.registry.errors import RegistryError
+from loraplex.registry.database import Database, make_engine, parse_url
+from loraplex.registry.registry_errors import RegistryError
 
 
 def test_flags_win_over_environment_over_defaults(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import select
 
 from loraplex.registry import Registry
-from loraplex.registry.errors import AuthenticationError, InvalidInputError, NotFoundError
+from loraplex.registry.registry_errors import AuthenticationError, InvalidInputError, NotFoundError
 from loraplex.registry.tables import ApiKey
 
 

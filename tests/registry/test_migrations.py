@@ -12,9 +12,9 @@ from sqlalchemy import inspect, text
 from sqlalchemy.exc import DBAPIError
 
 from loraplex.registry import Registry, RegistryConfig
-from loraplex.registry.db import make_engine
-from loraplex.registry.errors import RegistryError
+from loraplex.registry.database import make_engine
 from loraplex.registry.migrate import current_revision, downgrade, head_revision, upgrade
+from loraplex.registry.registry_errors import RegistryError
 from loraplex.registry.tables import Base
 
 TABLES = {"tenants", "api_keys", "adapters", "system_prompts", "usage", "audit_log",

@@ -10,7 +10,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
 from loraplex.registry import Registry
-from loraplex.registry.errors import (
+from loraplex.registry.registry_errors import (
     AdapterNotFoundError,
     ConflictError,
     InvalidInputError,

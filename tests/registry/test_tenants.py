@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loraplex.registry import Registry
-from loraplex.registry.errors import ConflictError, InvalidInputError, NotFoundError
+from loraplex.registry.registry_errors import ConflictError, InvalidInputError, NotFoundError
 from tests.registry.registry_support import write_adapter
 
 

@@ -19,8 +19,8 @@ import openai
 import uvicorn
 
 from loraplex.adapter_format import BaseModelShape
-from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine_config import EngineConfig
 from loraplex.registry import Registry, RegistryConfig
 from loraplex.server import ServerConfig, create_app
 from tests.registry.registry_support import MAX_RANK, TINY

@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from loraplex.registry.config import DATABASE_URL_ENV
+from loraplex.registry.registry_config import DATABASE_URL_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 SCREENSHOT_DIR = REPO / "docs" / "screenshots"

@@ -9,7 +9,6 @@ from fastapi import APIRouter, Request, Response
 
 from loraplex.server.auth import TenantDep
 from loraplex.server.deps import ServicesDep
-from loraplex.server.errors import stream_error
 from loraplex.server.generation import (
     Job,
     resolve_model,
@@ -18,6 +17,7 @@ from loraplex.server.generation import (
     token_logprobs,
     usage_of,
 )
+from loraplex.server.http_errors import stream_error
 from loraplex.server.request_id import request_id_of
 from loraplex.server.routes.completions import FINGERPRINT, STREAM_RESPONSE
 from loraplex.server.routes.docs import INFERENCE_ERRORS

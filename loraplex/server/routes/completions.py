@@ -11,7 +11,6 @@ from loraplex import __version__
 from loraplex.errors import InvalidRequestError
 from loraplex.server.auth import TenantDep
 from loraplex.server.deps import ServicesDep
-from loraplex.server.errors import stream_error
 from loraplex.server.generation import (
     Job,
     resolve_model,
@@ -20,6 +19,7 @@ from loraplex.server.generation import (
     token_logprobs,
     usage_of,
 )
+from loraplex.server.http_errors import stream_error
 from loraplex.server.request_id import request_id_of
 from loraplex.server.routes.docs import INFERENCE_ERRORS
 from loraplex.server.schemas.openai import (

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from loraplex.server.deps import ServicesDep
-from loraplex.server.errors import error_body
+from loraplex.server.http_errors import error_body
 from loraplex.server.routes.docs import error_responses
 
 router = APIRouter(tags=["Operations"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Response, status
 from starlette.concurrency import run_in_threadpool
 
-from loraplex.registry.tenants import UNCHANGED
+from loraplex.registry.tenant_service import UNCHANGED
 from loraplex.server.auth import AdminDep
 from loraplex.server.deps import ServicesDep
 from loraplex.server.routes.admin.params import NameParam

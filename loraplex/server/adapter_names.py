@@ -21,8 +21,8 @@ from starlette.concurrency import run_in_threadpool
 from loraplex.adapter_format import BaseModelShape, LoraAdapter, load_adapter
 from loraplex.engine.async_engine import AsyncEngine, EngineDeadError
 from loraplex.registry import Registry
-from loraplex.registry.errors import RegistryError
 from loraplex.registry.records import AdapterRecord
+from loraplex.registry.registry_errors import RegistryError
 from loraplex.server.cache import TTLCache
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from loraplex.errors import (
     ModelLoadError,
     UnknownAdapterError,
 )
-from loraplex.registry.errors import (
+from loraplex.registry.registry_errors import (
     AuthenticationError,
     BaseModelUnknownError,
     ConflictError,

@@ -1,6 +1,6 @@
 """Skinny GEMM (kernels/skinny_gemm.py) against cuBLAS at decode batch sizes (GPU only).
 
-    python bench/skinny_gemm.py [--out bench/results] [--shapes qkv,o] [--m 1,8] [--no-sweep]
+    loraplex bench skinny-gemm [--out bench/results] [--shapes qkv,o] [--m 1,8] [--no-sweep]
 
 For each Llama-3-8B projection (qkv, o, gate_up, down, lm_head; bf16 weight [N, K]) and each
 M in 1, 2, 4, 8, 16, 32, times y = x @ w.T by
@@ -8,7 +8,7 @@ M in 1, 2, 4, 8, 16, 32, times y = x @ w.T by
   (b) x @ w_t with a pre-transposed contiguous weight [K, N]: cuBLAS's other layout,
   (c) skinny_linear with default_config,
   (d) skinny_linear with every config of candidate_configs (unless --no-sweep).
-Timing, bandwidth and ceiling come from bench/kernels.py (time_per_call: CUDA-graph replays of
+Timing, bandwidth and ceiling come from loraplex.benchmarks.kernel_speed (time_per_call: CUDA-graph replays of
 many calls cycling over enough weight copies that the weights miss the 50 MB L2). Bytes that
 must move = weight + x + y. Each timed output is checked against an fp32 reference (relative
 error under 1e-2, else the figure is marked wrong and never wins). Prints a line per timing
@@ -19,31 +19,19 @@ and the best config per (shape, M), rewritten after each (shape, M).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import platform
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 import triton
 
-
-def load_bench_kernels() -> ModuleType:
-    """bench/kernels.py as a module (bench/ is no package; its name would clash with kernels/)."""
-    path = Path(__file__).with_name("kernels.py")
-    spec = importlib.util.spec_from_file_location("bench_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-bk = load_bench_kernels()
-from loraplex.kernels import skinny_gemm  # noqa: E402  (after bench/kernels.py, as it does)
+from loraplex.benchmarks import kernel_speed as bk
+from loraplex.benchmarks.results import RESULTS
+from loraplex.kernels import skinny_gemm
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}
@@ -146,18 +134,18 @@ def parse_list(text: str, allowed) -> list:
     return items
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--shapes", type=lambda t: parse_list(t, SHAPES), default=list(SHAPES),
                         help=f"comma-separated, of {','.join(SHAPES)}")
     parser.add_argument("--m", type=lambda t: parse_list(t, M_VALUES), default=list(M_VALUES),
                         help=f"comma-separated rows (tokens), of {','.join(map(str, M_VALUES))}")
     parser.add_argument("--no-sweep", dest="sweep", action="store_false",
                         help="time only the default config, not every candidate")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("bench/skinny_gemm.py needs a CUDA GPU")
+        sys.exit("loraplex bench skinny-gemm needs a CUDA GPU")
     torch.manual_seed(0)
     name = torch.cuda.get_device_name()
     meta = {"device": name, "torch": torch.__version__, "triton": triton.__version__,

@@ -1,6 +1,6 @@
 """Benchmarks of the Triton kernels at Llama-3-8B shapes (GPU only).
 
-    python bench/kernels.py [--sweep] [--only REGEX] [--lora-baseline FILE] [--tag TAG]
+    loraplex bench kernels [--sweep] [--only REGEX] [--lora-baseline FILE] [--tag TAG]
                             [--out bench/results]
 
 Each case is timed by replaying a CUDA graph of many calls (as the engine runs them), cycling
@@ -34,6 +34,7 @@ from types import ModuleType
 import torch
 import triton
 
+from loraplex.benchmarks.results import RESULTS
 from loraplex.kernels import activation, decode_attention, lora, norm, prefill_attention, rotary
 from loraplex.kernels import sampling as sampling_mod
 
@@ -466,7 +467,7 @@ def run_and_record(cases: list[Case], path: Path, meta: dict) -> list[Result]:
     return results
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true",
                         help="time alternative launch configs instead of the main cases")
@@ -475,10 +476,10 @@ def main() -> None:
     parser.add_argument("--lora-baseline", type=Path, metavar="FILE",
                         help="another version of kernels/lora.py, timed beside it")
     parser.add_argument("--tag", help="suffix of the JSON file's name")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("bench/kernels.py needs a CUDA GPU")
+        sys.exit("loraplex bench kernels needs a CUDA GPU")
     torch.manual_seed(0)
     name = torch.cuda.get_device_name()
     meta = {"device": name, "torch": torch.__version__, "triton": triton.__version__,

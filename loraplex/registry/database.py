@@ -15,7 +15,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import Session, sessionmaker
 
-from loraplex.registry.errors import RegistryError
+from loraplex.registry.registry_errors import RegistryError
 
 _BEGIN_OPTION = "loraplex_sqlite_begin"
 # Key of the PostgreSQL advisory lock that serialises blob publication and garbage collection.

@@ -1,6 +1,6 @@
 """Load test: many concurrent streaming clients against `loraplex serve` on the built-in demo.
 
-    python bench/load.py [--clients 200] [--limited-clients 40] [--requests 3] [--max-tokens 32]
+    loraplex bench load [--clients 200] [--limited-clients 40] [--requests 3] [--max-tokens 32]
 
 Starts `loraplex serve` (CPU, the demo; built once into --data-dir) unless --url is given, then
 runs, all at once: `--clients` streaming chat clients of tenant `demo` (no limits) spread over
@@ -33,8 +33,9 @@ from pathlib import Path
 import httpx
 import openai
 
-ROOT = Path(__file__).resolve().parent
-RESULTS = ROOT / "results" / "load.json"
+from loraplex.benchmarks.results import RESULTS
+
+RESULTS_FILE = RESULTS / "load.json"
 DEMO_TENANT = "demo"
 LIMITED_TENANT = "bench-limited"
 CONTENT = re.compile(rb'"delta":\{"content":"[^"]')
@@ -219,7 +220,7 @@ def limited_tenant_key(url: str, admin_key: str, limit: int) -> str:
         return key.json()["secret"]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=200)
     parser.add_argument("--limited-clients", type=int, default=40)
@@ -231,8 +232,8 @@ def main() -> int:
                         "--admin-key, or the data dir holding their files)")
     parser.add_argument("--api-key")
     parser.add_argument("--admin-key")
-    parser.add_argument("--output", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    parser.add_argument("--output", type=Path, default=RESULTS_FILE)
+    args = parser.parse_args(argv)
     args.load_before = round(os.getloadavg()[0], 2)  # other work on the machine skews the figures
 
     with contextlib.ExitStack() as stack:

@@ -9,7 +9,7 @@ bf16, float32 product (exact for bf16 x bf16), output rounded or not. "split" ro
 to hi + lo, hi = bf16(x), lo = bf16(x - hi) (16 significant bits): the two-pass bf16 GEMM
 W hi + W lo, emulated as one float32 GEMM of the exact sum hi + lo.
 
-    python bench/precision_study.py [--quick] [--skip-width] [--render]
+    loraplex bench precision [--quick] [--skip-width] [--render]
 
 Writes bench/results/precision-study-cpu.json and precision-study-cpu.md."""
 
@@ -22,14 +22,14 @@ import math
 import platform
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from loraplex.benchmarks.results import RESULTS
+
 LLAMA3_ROPE = dict(theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max=8192)
 MAX_AGREEMENT_GAP = 0.01
 """Required: at least 99 % identical greedy tokens."""
@@ -434,12 +434,12 @@ def passes(r: dict[str, Any]) -> bool:
     return r["identical_greedy_fraction"] >= 1 - MAX_AGREEMENT_GAP and r["rel_error_p99"] < MAX_REL_ERROR
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="a smoke test: 4 layers, 2 sequences")
     parser.add_argument("--skip-width", action="store_true")
     parser.add_argument("--render", action="store_true", help="only rewrite the markdown from the JSON")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.render:
         result = json.loads((RESULTS / "precision-study-cpu.json").read_text())
         (RESULTS / "precision-study-cpu.md").write_text(markdown(result))
@@ -494,7 +494,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         "# bf16 against float32 on a random Llama: where the error comes from (CPU emulation)",
         "",
-        f"`python bench/precision_study.py`, {result['seconds']:.0f} s on {result['device']}, torch "
+        f"`loraplex bench precision`, {result['seconds']:.0f} s on {result['device']}, torch "
         f"{result['torch']}. A plain-torch Llama ({shape['num_layers']} layers, hidden {shape['hidden']}, "
         f"intermediate {shape['intermediate']}, {shape['num_heads']}/{shape['num_kv_heads']} heads, vocab "
         f"{shape['vocab']}), {shape['num_seqs']} x {shape['seq_len']} random tokens, teacher-forced, "

@@ -9,9 +9,9 @@ from sqlalchemy import select
 
 from loraplex.adapter_format import BaseModelShape
 from loraplex.registry.audit import record_audit
-from loraplex.registry.db import Database
-from loraplex.registry.errors import BaseModelUnknownError, InvalidInputError
+from loraplex.registry.database import Database
 from loraplex.registry.records import ServedModelRecord
+from loraplex.registry.registry_errors import BaseModelUnknownError, InvalidInputError
 from loraplex.registry.tables import ServedModel
 
 _ROW_ID = 1

@@ -10,12 +10,12 @@ from sqlalchemy import select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from loraplex.registry.db import Database
-from loraplex.registry.errors import InvalidInputError
+from loraplex.registry.database import Database
 from loraplex.registry.names import check_name
 from loraplex.registry.records import UsageRecord
+from loraplex.registry.registry_errors import InvalidInputError
 from loraplex.registry.tables import Adapter, Tenant, Usage, utcnow
-from loraplex.registry.tenants import find_tenant
+from loraplex.registry.tenant_service import find_tenant
 
 BASE_MODEL = ""
 """The `adapter` column's value for requests to the base model."""

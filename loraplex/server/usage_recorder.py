@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from loraplex.registry import Registry
-from loraplex.registry.errors import NotFoundError
+from loraplex.registry.registry_errors import NotFoundError
 
 logger = logging.getLogger(__name__)
 

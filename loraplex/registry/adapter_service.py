@@ -21,14 +21,14 @@ from loraplex.adapter_format import (
 from loraplex.errors import AdapterError
 from loraplex.registry.audit import record_audit
 from loraplex.registry.blobs import BlobStore, StagedBlob
-from loraplex.registry.db import Database
-from loraplex.registry.errors import AdapterNotFoundError, ConflictError
+from loraplex.registry.database import Database
 from loraplex.registry.gc import collect_blobs, collect_blobs_quietly
-from loraplex.registry.models import ServedModelService
+from loraplex.registry.model_service import ServedModelService
 from loraplex.registry.names import check_name
 from loraplex.registry.records import AdapterRecord, ServedModelRecord
+from loraplex.registry.registry_errors import AdapterNotFoundError, ConflictError
 from loraplex.registry.tables import Adapter, Tenant
-from loraplex.registry.tenants import find_tenant
+from loraplex.registry.tenant_service import find_tenant
 
 
 def find_adapter(session: Session, tenant_id: int, tenant: str, name: str) -> Adapter:

@@ -1,7 +1,7 @@
 """The engine's own CPU time per step with many running requests: scheduling, step metadata
 (the runner's input preparation) and output processing, timed apart from the model.
 
-    python bench/engine_overhead.py [--requests 256] [--prompt 512] [--steps 200]
+    loraplex bench engine-overhead [--requests 256] [--prompt 512] [--steps 200]
 
 A tiny random Llama keeps the model's own time small; the phases timed do not depend on the
 model's size. Half the requests carry one of four adapters. Writes
@@ -13,19 +13,16 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from loraplex import LLM, SamplingParams  # noqa: E402
-from loraplex.engine.llm_engine import InFlight  # noqa: E402
-from tests.factories import ADAPTERS, make_adapter  # noqa: E402
+from loraplex import LLM, SamplingParams
+from loraplex.benchmarks.results import RESULTS
+from loraplex.engine.llm_engine import InFlight
+from tests.factories import ADAPTERS, make_adapter
 
 
 def build(folder: Path, max_len: int) -> tuple[Path, dict[str, Path]]:
@@ -92,16 +89,16 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=100)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     figures = measure(args)
     for key, value in figures.items():
         print(f"{key:45s} {value}")
-    out = ROOT / "bench" / "results" / "engine_overhead.json"
+    out = RESULTS / "engine_overhead.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(figures, indent=2) + "\n")
 

@@ -13,11 +13,11 @@ from typing import cast
 from sqlalchemy import or_, select, update
 
 from loraplex.registry.audit import record_audit
-from loraplex.registry.db import Database
-from loraplex.registry.errors import AuthenticationError, InvalidInputError, NotFoundError
+from loraplex.registry.database import Database
 from loraplex.registry.records import CreatedKey, KeyRecord, Principal, Role
+from loraplex.registry.registry_errors import AuthenticationError, InvalidInputError, NotFoundError
 from loraplex.registry.tables import ApiKey, Tenant, utcnow
-from loraplex.registry.tenants import find_tenant
+from loraplex.registry.tenant_service import find_tenant
 
 KEY_PREFIX = "lpx-"
 PREFIX_LENGTH = 12

@@ -10,11 +10,11 @@ from sqlalchemy.orm import Session
 
 from loraplex.registry.audit import record_audit
 from loraplex.registry.blobs import BlobStore
-from loraplex.registry.db import Database
-from loraplex.registry.errors import ConflictError, NotFoundError
+from loraplex.registry.database import Database
 from loraplex.registry.gc import collect_blobs
 from loraplex.registry.names import check_limit, check_name, check_weight
 from loraplex.registry.records import TenantRecord
+from loraplex.registry.registry_errors import ConflictError, NotFoundError
 from loraplex.registry.tables import Adapter, Tenant
 
 LIMIT_FIELDS = ("max_concurrent_requests", "max_requests_per_minute", "max_tokens_per_minute")

@@ -2,7 +2,7 @@
 the captured graph replayed and synchronised each time, and replays queued back to back (pure
 GPU time). Llama-3-8B shape, random bf16 weights, batch sizes from the command line.
 
-    python bench/decode_gaps.py [--batch-sizes 1,64] [--steps 50]"""
+    loraplex bench decode-gaps [--batch-sizes 1,64] [--steps 50]"""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from loraplex.kernels import select_ops
 from loraplex.types import SamplingParams
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch-sizes", default="1,64")
     parser.add_argument("--steps", type=int, default=50)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     config = decode.DecodeBenchConfig(batch_sizes=tuple(sizes))
     device = torch.device("cuda")

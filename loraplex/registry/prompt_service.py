@@ -7,14 +7,14 @@ from sqlalchemy import Select, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from loraplex.registry.adapters import find_adapter
+from loraplex.registry.adapter_service import find_adapter
 from loraplex.registry.audit import record_audit
-from loraplex.registry.db import Database
-from loraplex.registry.errors import ConflictError, InvalidInputError, NotFoundError
+from loraplex.registry.database import Database
 from loraplex.registry.names import check_name
 from loraplex.registry.records import SystemPromptRecord
+from loraplex.registry.registry_errors import ConflictError, InvalidInputError, NotFoundError
 from loraplex.registry.tables import Adapter, SystemPrompt, Tenant
-from loraplex.registry.tenants import find_tenant
+from loraplex.registry.tenant_service import find_tenant
 
 MAX_PROMPT_CHARS = 200_000
 
