@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from loraplex.adapter_format import BaseModelShape
 from loraplex.cli.common import add_registry_options, open_registry, print_table
 from loraplex.engine_config import LoRAConfig
 from loraplex.errors import ModelLoadError
@@ -84,13 +82,11 @@ def served_model(registry: Registry, model_dir: str | None) -> ServedModelRecord
 
 def model_from_folder(folder: Path) -> ServedModelRecord:
     """A served-model record from a Hugging Face model folder's config.json."""
-    config_path = folder / "config.json"
+    from loraplex.model.model_config import ModelConfig
+
     try:
-        config = json.loads(config_path.read_text())
-        shape = BaseModelShape.from_hf_config(config)
-    except FileNotFoundError:
-        raise ModelLoadError(f"{config_path} does not exist") from None
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ModelLoadError(f"{config_path} is not a usable model config ({exc!r})") from None
+        shape = ModelConfig.load(folder).shape
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ModelLoadError(f"{folder / 'config.json'} is not a usable model config ({exc!r})") from None
     return ServedModelRecord(model_id=folder.resolve().name, shape=shape,
                              max_lora_rank=LoRAConfig().max_lora_rank)

@@ -27,8 +27,6 @@ class ServerConfig:
     """How long API keys, tenant limits and adapter records read from the registry are reused.
     Changes made through this server's admin API apply at once; those made by other processes
     (the CLI, other replicas) within this time."""
-    max_host_adapters: int = 32
-    """Adapters kept in host memory (least recently used ones are dropped past it)."""
     max_concurrent_uploads: int = 4
     """Adapter uploads validated at once; more wait for a turn."""
     retry_after_s: int = 1
@@ -41,7 +39,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_upload_bytes", "max_tokens_limit", "max_requests_in_flight",
-                     "max_host_adapters", "max_concurrent_uploads", "retry_after_s"):
+                     "max_concurrent_uploads", "retry_after_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
