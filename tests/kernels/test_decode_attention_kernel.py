@@ -40,6 +40,21 @@ def test_decode_matches_reference_with_gqa_and_padding(dtype, num_splits):
     assert rel_error(out, expected) < (1e-5 if dtype == torch.float32 else 2e-3)
 
 
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_n,num_splits", [(64, 1), (16, 1), (16, 3)])
+def test_decode_at_tile_and_block_boundaries(group, block_n, num_splits):
+    # Lengths around the 16-token blocks, the 16- and 64-token tiles and the splits' chunks.
+    seq_lens = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128]
+    kv_layer, block_tables = make_paged_kv(seq_lens, 2, 16, 16, torch.float32, DEVICE, seed=group)
+    q = _query(len(seq_lens), 2 * group, 16, torch.float32, DEVICE, seed=group)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    config = decode_attention.DecodeConfig(num_splits, block_n, num_warps=4, num_stages=2)
+    with poisoned_allocations(decode_attention):
+        out = decode_attention._launch(q, kv_layer, block_tables, lens, 0.25, config)
+    expected = ref.paged_decode_attention(q, kv_layer, block_tables, lens, 0.25)
+    assert rel_error(out, expected) < 1e-5
+
+
 def test_decode_head_dim_not_a_power_of_two_and_wide_group():
     seq_lens = [5, 33]
     kv_layer, block_tables = make_paged_kv(seq_lens, 1, 24, 4, torch.float32, DEVICE, seed=1)

@@ -49,6 +49,23 @@ def test_prefill_matches_reference_chunked_gqa(dtype):
     torch.testing.assert_close(lse[:rows], expected_lse[:rows], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (64, 64)])
+def test_prefill_at_tile_and_block_boundaries(group, block_m, block_n):
+    # Cached context around the 16-token blocks and the key tiles; new tokens that cross them.
+    context_lens, query_lens = [0, 1, 15, 16, 17, 63, 64, 65], [17, 15, 2, 1, 16, 1, 3, 20]
+    q, kv_layer, block_tables, qsl, lens = _batch(query_lens, context_lens, 2 * group, 2, 16, 16,
+                                                  torch.float32, DEVICE, seed=group)
+    config = prefill_attention.PrefillConfig(block_m, block_n, num_warps=4, num_stages=2)
+    with poisoned_allocations(prefill_attention):
+        out, lse = prefill_attention._launch(q, kv_layer, block_tables, qsl, lens, 0.25, True,
+                                             config)
+    expected, expected_lse = ref.paged_attention(q, kv_layer, block_tables, qsl, lens, 0.25,
+                                                 return_lse=True)
+    assert rel_error(out, expected) < 1e-5
+    torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=1e-5)
+
+
 def test_prefill_without_lse_and_wide_group():
     q, kv_layer, block_tables, qsl, lens = _batch([5, 3], [2, 40], 32, 1, 16, 16, torch.float32,
                                                   DEVICE, seed=1)
