@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from loraplex.engine import prompt_logprobs
 from loraplex.engine.cuda_graphs import DecodeGraphRunner, DecodeInputs
 from loraplex.engine.input_batch import InputBatch
 from loraplex.engine.lora_weights import HostAdapter, LoraSlotBuffers
@@ -39,6 +40,8 @@ class HostInputs:
     token_slots: np.ndarray  # [num_tokens] int32
     samples: np.ndarray  # [num_seqs] bool
     max_query_len: int
+    prompt: prompt_logprobs.PromptSelection | None = None
+    """Positions whose prompt logprobs the step computes (such a step runs eagerly)."""
 
 
 PENDING = -1
@@ -66,6 +69,9 @@ class LaunchedStep:
     placeholders: list[tuple[list[int], int]] = field(default_factory=list)
     """(the row's token list, index) where each sampled token goes in the InputBatch."""
     logprobs: QueuedLogprobs | None = None
+    prompt_logprobs: prompt_logprobs.QueuedPromptLogprobs | None = None
+    request_ids: list[str] = field(default_factory=list)
+    """The step's scheduled requests, in plan order (kept when it scores prompt tokens)."""
 
 
 class ModelRunner:
@@ -96,17 +102,18 @@ class ModelRunner:
         if plan.is_empty:
             return LaunchedStep()
         host = self.prepare(plan)
-        logits, tokens = self.run(host)
-        return self.dispatch(plan, host, logits, tokens)
+        return self.dispatch(plan, host, *self.run(host))
 
-    def dispatch(self, plan: StepPlan, host: HostInputs, logits: torch.Tensor, tokens: torch.Tensor
-                 ) -> LaunchedStep:
+    def dispatch(self, plan: StepPlan, host: HostInputs, logits: torch.Tensor, tokens: torch.Tensor,
+                 prompt: prompt_logprobs.QueuedPromptLogprobs | None = None) -> LaunchedStep:
         """Queue the copies of a run's results to the host and advance the runner's records."""
         sample_rows = host.rows[host.samples]
         sampled_ids = [r for r, s in zip(plan.request_ids, plan.samples) if s]
         if self.on_logits is not None:
             self.on_logits(sampled_ids, logits)
-        step = LaunchedStep(sampled_ids=sampled_ids)
+        step = LaunchedStep(sampled_ids=sampled_ids, prompt_logprobs=prompt)
+        if prompt is not None:
+            step.request_ids = list(plan.request_ids)
         with torch.inference_mode():
             self._queue_logprobs(step, logits, tokens, sample_rows)
             step.tokens = _to_host(tokens)
@@ -133,18 +140,23 @@ class ModelRunner:
         result = StepResult(step.sampled_ids, tokens)
         if step.logprobs is not None:
             self._collect_logprobs(step, result)
+        if step.prompt_logprobs is not None:
+            result.prompt_logprobs = prompt_logprobs.collect(step.prompt_logprobs, step.request_ids)
         return result
 
-    def run(self, host: HostInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [num_samples, vocab], tokens [num_samples]) of the rows that sample: a decode
-        step replays a CUDA graph, anything else runs eagerly."""
-        if self.graphs is None or host.max_query_len != 1 or not self.graphs.can_run(len(host.rows)):
+    def run(self, host: HostInputs
+            ) -> tuple[torch.Tensor, torch.Tensor, prompt_logprobs.QueuedPromptLogprobs | None]:
+        """(logits [num_samples, vocab], tokens [num_samples]) of the rows that sample, and the
+        prompt logprobs queued to the host if the step scores any: a decode step replays a CUDA
+        graph, anything else runs eagerly."""
+        if (self.graphs is None or host.max_query_len != 1 or host.prompt is not None
+                or not self.graphs.can_run(len(host.rows))):
             return self._run_eager(host)
         logits, tokens = self.graphs.run(self._decode_inputs(host))
         if not host.samples.all():  # a prompt chunk of one token that does not sample yet
             keep = _to(np.flatnonzero(host.samples), self.device)
             logits, tokens = logits[keep], tokens[keep]
-        return logits, tokens
+        return logits, tokens, None
 
     def apply(self, plan: StepPlan) -> None:
         """Bring the runner's records up to date with the plan."""
@@ -179,15 +191,19 @@ class ModelRunner:
                          for t in batch.tokens[r][s:s + n]]
         slot_mapping = batch.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         max_blocks = -(-int(seq_lens.max()) // bs)
+        prompt = None if not batch.num_scoring_rows else prompt_logprobs.select(
+            rows, start, num_new, query_start, batch.num_prompt_tokens[rows], batch.prompt_logprobs[rows],
+            batch.tokens)
         return HostInputs(
             rows=rows, token_rows=token_rows, input_ids=np.asarray(input_ids, dtype=np.int64),
             positions=positions,
             slot_mapping=slot_mapping, block_tables=batch.block_table[rows, :max_blocks],
             query_start=query_start, seq_lens=seq_lens, token_slots=batch.adapter_slot[token_rows],
-            samples=np.asarray(plan.samples, dtype=bool), max_query_len=max_query_len,
+            samples=np.asarray(plan.samples, dtype=bool), max_query_len=max_query_len, prompt=prompt,
         )
 
-    def _run_eager(self, host: HostInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_eager(self, host: HostInputs
+                   ) -> tuple[torch.Tensor, torch.Tensor, prompt_logprobs.QueuedPromptLogprobs | None]:
         device = self.device
         attention = AttentionMetadata(
             slot_mapping=_to(host.slot_mapping, device),
@@ -204,11 +220,13 @@ class ModelRunner:
                 from_device = self.row_tokens[_to(host.token_rows, device)]
                 input_ids = torch.where(input_ids == PENDING, from_device, input_ids)
             hidden = self.model(input_ids, _to(host.positions, device))
+            prompt = None if host.prompt is None else prompt_logprobs.compute(
+                self.model, hidden, host.prompt, lambda array: _to(array, device), _to_host)
             logits = self.model.compute_logits(hidden[logits_indices])
             sample_rows = host.rows[host.samples]
             tokens = self._sample(logits, sample_rows)
             self.row_tokens[_to(sample_rows, device)] = tokens
-        return logits, tokens
+        return logits, tokens, prompt
 
     def _decode_inputs(self, host: HostInputs) -> DecodeInputs:
         batch, rows = self.batch, host.rows
