@@ -31,6 +31,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     """Return the log-probability of each sampled token and of this many top alternatives."""
+    prompt_logprobs: int | None = None
+    """Return the log-probability of each prompt token after the first (under the request's
+    adapter), with its rank and this many top alternatives. With `max_tokens=0` the request
+    only scores its prompt: it ends with nothing generated."""
 
     def __post_init__(self) -> None:
         # Accept lists and a single stop string, as the OpenAI API does; store tuples.
@@ -38,8 +42,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-                 "max_tokens must be an integer >= 1", "max_tokens")
+        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 0,
+                 "max_tokens must be an integer >= 0", "max_tokens")
         _require(math.isfinite(self.temperature) and self.temperature >= 0,
                  "temperature must be a finite number >= 0", "temperature")
         _require(isinstance(self.top_k, int), "top_k must be an integer", "top_k")
@@ -51,10 +55,17 @@ class SamplingParams:
                  "stop_token_ids must be non-negative integers", "stop_token_ids")
         _require(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                  f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
+        _require(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                 f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}", "prompt_logprobs")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def is_scoring_only(self) -> bool:
+        """The request computes its prompt and generates nothing (`max_tokens == 0`)."""
+        return self.max_tokens == 0
 
 
 def _require(condition: bool, message: str, param: str) -> None:
@@ -64,12 +75,14 @@ def _require(condition: bool, message: str, param: str) -> None:
 
 @dataclass
 class TokenLogprob:
-    """Log-probability of one sampled token and its top alternatives, under the model's
-    distribution before temperature and filters."""
+    """Log-probability of one sampled (or prompt) token and its top alternatives, under the
+    model's distribution before temperature and filters. `top` is ordered, most likely first."""
 
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)
+    rank: int | None = None
+    """For prompt tokens: 1 + the number of tokens the model found more likely."""
 
 
 @dataclass
@@ -86,5 +99,8 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """With `prompt_logprobs` asked: one entry per prompt token, None for the first (nothing
+    precedes it). Complete from the request's first output on, and never changed after."""
     adapter: str | None = None
     error: str | None = None

@@ -159,15 +159,15 @@ def _force_tokens(engine: LLMEngine, forced: dict[str, list[int]]) -> None:
     runner = engine.runner
     original = runner.forward
 
-    def forward(shape):
-        logits, sampled = original(shape)
+    def forward(shape, prompt=None):
+        logits, sampled, scored = original(shape, prompt)
         n, inputs = shape.num_samples, runner.inputs
         request_of = {row: request_id for request_id, row in runner.batch.row_of.items()}
         rows, offsets = inputs.sample_rows[:n].tolist(), inputs.offsets[:n].tolist()
         values = [forced[request_of[row]][offset] for row, offset in zip(rows, offsets)]
         tokens = torch.tensor(values, dtype=sampled.dtype, device=sampled.device)
         runner.row_tokens[inputs.sample_rows[:n]] = tokens
-        return logits, tokens
+        return logits, tokens, scored
 
     runner.forward = forward
 

@@ -48,6 +48,15 @@ def add_benchmarks(parser: argparse.ArgumentParser) -> None:
                         help="memory bandwidth for the floor, bytes/s (default: 3.0e12, the H100's)")
     _common(decode)
     decode.set_defaults(run=run_decode)
+    scoring = kinds.add_parser("prompt-logprobs", help="scoring prompts (echo + logprobs, max_tokens 0) "
+                               "against plain prefill on a Llama-3-8B-shaped model")
+    scoring.add_argument("--num-prompts", type=int, default=1000)
+    scoring.add_argument("--prompt-len", type=int, default=512)
+    scoring.add_argument("--top", type=int, default=1, help="top alternatives per prompt token")
+    scoring.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    scoring.add_argument("--max-num-seqs", type=int, default=64)
+    _common(scoring)
+    scoring.set_defaults(run=run_prompt_logprobs)
     accuracy = kinds.add_parser("accuracy", help="the bf16 engine against its float32 reference path")
     accuracy.add_argument("--num-requests", type=int, default=64)
     accuracy.add_argument("--prompt-len", type=int, default=256)
@@ -107,6 +116,19 @@ def run_decode(args: argparse.Namespace) -> None:
         print(f"wrote {path.with_suffix('.png')}")
     except ImportError:
         print("matplotlib is not installed: no plot (run `python -m loraplex.benchmarks.plot` later)")
+
+
+def run_prompt_logprobs(args: argparse.Namespace) -> None:
+    from loraplex.benchmarks import prompt_logprobs
+
+    config = prompt_logprobs.PromptLogprobsBenchConfig(
+        num_prompts=args.num_prompts, prompt_len=args.prompt_len, top=args.top,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
+        model=args.model_overrides,
+    )
+    path = write(prompt_logprobs.run(config), args.out, name="prompt-logprobs")
+    print(f"wrote {path}")
 
 
 def run_accuracy(args: argparse.Namespace) -> None:

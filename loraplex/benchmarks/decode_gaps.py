@@ -79,7 +79,7 @@ def _time_phases(engine, steps: int) -> list[dict[str, float]]:
         runner.apply(plan)
         filled = runner.prepare(plan)
         t2 = time.perf_counter()
-        logits, tokens = runner.run(filled.shape)
+        logits, tokens, _ = runner.run(filled.shape)
         t3 = time.perf_counter()
         torch.cuda.synchronize()
         t4 = time.perf_counter()

@@ -97,7 +97,7 @@ class DecodeGraphs:
         return self.report
 
     def _run(self, shape: StepShape) -> None:
-        logits, tokens = self.runner.forward(shape)
+        logits, tokens, _ = self.runner.forward(shape)
         self.logits[:shape.num_seqs].copy_(logits)
         self.tokens[:shape.num_seqs].copy_(tokens)
 

@@ -24,6 +24,9 @@ class InputBatch:
         self.top_p = np.ones(max_num_seqs, dtype=np.float32)
         self.seed = np.zeros(max_num_seqs, dtype=np.int64)
         self.logprobs = np.full(max_num_seqs, -1, dtype=np.int32)
+        self.prompt_logprobs = np.full(max_num_seqs, -1, dtype=np.int32)
+        self.num_scoring_rows = 0
+        """Rows that asked for prompt logprobs (0: a step need not look for positions to score)."""
 
     def add(self, seq: NewSequence) -> int:
         if seq.request_id in self.row_of:
@@ -42,6 +45,8 @@ class InputBatch:
         self.top_p[row] = p.top_p
         self.seed[row] = seq.seed
         self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        self.num_scoring_rows += p.prompt_logprobs is not None
         return row
 
     def remove(self, request_id: str) -> None:
@@ -49,6 +54,8 @@ class InputBatch:
         if row is not None:
             self.tokens[row] = []
             self._free_rows.append(row)
+            self.num_scoring_rows -= bool(self.prompt_logprobs[row] >= 0)
+            self.prompt_logprobs[row] = -1
 
     def num_tokens_of(self, rows: np.ndarray) -> np.ndarray:
         """[len(rows)] int64: tokens each row holds (prompt, generated, pending)."""

@@ -18,7 +18,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -71,6 +71,8 @@ class InFlight:
     plan: StepPlan
     sampling: list[Request]
     launched: LaunchedStep
+    scored: list[Request] = field(default_factory=list)
+    """Requests that generate nothing and whose prompt this step completes."""
 
 
 class LLMEngine:
@@ -302,7 +304,9 @@ class LLMEngine:
             return None
         sampling = self.scheduler.advance(plan)
         self.num_prompt_tokens += plan.num_tokens - len(sampling)
-        return InFlight(plan, sampling, launched)
+        scored = [r for r in map(self._requests.get, plan.request_ids)
+                  if r is not None and r.params.is_scoring_only and r.num_computed_tokens == r.num_tokens]
+        return InFlight(plan, sampling, launched, scored)
 
     def collect(self, step: InFlight) -> list[RequestOutput]:
         """Wait for a launched step's tokens; apply stops and build the outputs."""
@@ -315,6 +319,7 @@ class LLMEngine:
 
     def process(self, step: InFlight, result: StepResult) -> list[RequestOutput]:
         """Record a step's tokens, apply stops and build the outputs."""
+        self._record_prompt_logprobs(result)
         outputs = []
         for request, token in zip(step.sampling, result.sampled_tokens):
             if request.is_finished:  # stopped or aborted while this step ran: the token is void
@@ -322,9 +327,30 @@ class LLMEngine:
             self.scheduler.commit(request, token)
             self.num_generated_tokens += 1
             outputs.append(self._process(request, result.logprobs.get(request.request_id)))
+        for request in step.scored:
+            if not request.is_finished:
+                outputs.append(self._finish_scoring(request))
         if self._orphans:
             self._drop_orphans()
         return outputs
+
+    def _record_prompt_logprobs(self, result: StepResult) -> None:
+        """Append a step's prompt logprobs; entries a request already has (scored again after
+        preemption) are dropped."""
+        for request_id, (first, entries) in result.prompt_logprobs.items():
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            have = len(request.prompt_logprobs)
+            assert first <= have, "steps score each request's prompt in order"
+            request.prompt_logprobs.extend(entries[have - first:])
+
+    def _finish_scoring(self, request: Request) -> RequestOutput:
+        """A request that generates nothing ends once its whole prompt is computed."""
+        self.scheduler.finish(request, "length")
+        self._requests.pop(request.request_id, None)
+        detokenizer = self._detokenizers.pop(request.request_id, None)
+        return self._output(request, [], "", detokenizer)
 
     def _process(self, request: Request, logprob) -> RequestOutput:
         token = request.token_ids[-1]
@@ -358,6 +384,7 @@ class LLMEngine:
             finished=request.is_finished, finish_reason=request.finish_reason,
             new_token_ids=new_ids, new_text=new_text,
             logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
+            prompt_logprobs=request.prompt_logprobs if request.params.prompt_logprobs is not None else None,
             adapter=request.adapter_name,
         )
 

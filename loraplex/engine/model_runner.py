@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from loraplex.engine import prompt_logprobs
 from loraplex.engine.cuda_graphs import DecodeGraphs
 from loraplex.engine.input_batch import InputBatch
 from loraplex.engine.lora_weights import LoraSlotBuffers
@@ -49,6 +50,9 @@ class LaunchedStep:
     placeholders: list[tuple[list[int], int]] = field(default_factory=list)
     """(the row's token list, index) where each sampled token goes in the InputBatch."""
     logprobs: QueuedLogprobs | None = None
+    prompt_logprobs: prompt_logprobs.QueuedPromptLogprobs | None = None
+    request_ids: list[str] = field(default_factory=list)
+    """The step's scheduled requests, in plan order (kept when it scores prompt tokens)."""
 
 
 class ModelRunner:
@@ -80,8 +84,7 @@ class ModelRunner:
         if plan.is_empty:
             return LaunchedStep()
         filled = self.prepare(plan)
-        logits, tokens = self.run(filled.shape)
-        return self.dispatch(plan, filled, logits, tokens)
+        return self.dispatch(plan, filled, *self.run(filled.shape, filled.prompt))
 
     def apply(self, plan: StepPlan) -> None:
         """Bring the runner's records up to date with the plan."""
@@ -100,19 +103,31 @@ class ModelRunner:
         if self.graphs is not None and max(plan.num_scheduled_tokens) == 1:
             pad_to = self.graphs.padded_size(len(plan.request_ids))
         filled = self.inputs.fill(plan, self.batch, pad_to)
+        if self.batch.num_scoring_rows:
+            batch, rows = self.batch, filled.rows
+            prompt = prompt_logprobs.select(rows, filled.start, filled.num_new, filled.query_start,
+                                            batch.num_prompt_tokens[rows], batch.prompt_logprobs[rows],
+                                            batch.tokens)
+            if prompt is not None and filled.shape.is_padded_decode:  # scoring steps run eagerly
+                filled = self.inputs.fill(plan, self.batch, None)
+            filled.prompt = prompt
         self.inputs.upload()
         return filled
 
-    def run(self, shape: StepShape) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [num_samples, vocab] float32, tokens [num_samples]) of a filled step: a
-        graph replay for a padded decode step, else the forward pass run eagerly."""
+    def run(self, shape: StepShape, prompt: prompt_logprobs.PromptSelection | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, prompt_logprobs.QueuedPromptLogprobs | None]:
+        """(logits [num_samples, vocab] float32, tokens [num_samples], the prompt logprobs
+        queued to the host if the step scores any) of a filled step: a graph replay for a padded
+        decode step, else the forward pass run eagerly."""
         if shape.is_padded_decode and self.graphs is not None and self.graphs.has(shape):
-            return self.graphs.replay(shape)
+            return *self.graphs.replay(shape), None
         with torch.inference_mode():
-            return self.forward(shape)
+            return self.forward(shape, prompt)
 
-    def forward(self, shape: StepShape) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward pass and the sampler over the device step inputs, sliced to `shape`."""
+    def forward(self, shape: StepShape, prompt: prompt_logprobs.PromptSelection | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, prompt_logprobs.QueuedPromptLogprobs | None]:
+        """The forward pass and the sampler over the device step inputs, sliced to `shape`, and
+        the log-probabilities of the prompt positions in `prompt` from the same pass."""
         s, t, n = self.inputs, shape.num_tokens, shape.num_samples
         attention = AttentionMetadata(
             slot_mapping=s.slot_mapping[:t], block_tables=s.block_tables[:shape.num_seqs],
@@ -123,6 +138,8 @@ class ModelRunner:
             input_ids = s.input_ids[:t]
             input_ids = torch.where(input_ids == PENDING, self.row_tokens[s.token_rows[:t]], input_ids)
             hidden = self.model(input_ids, s.positions[:t])
+            scored = None if prompt is None else prompt_logprobs.compute(
+                self.model, hidden, prompt, lambda array: _to_device(array, self.device), _to_host)
             if not shape.is_padded_decode:  # every row samples in a padded decode step
                 hidden = hidden[s.logits_indices[:n]]
             logits = self.model.compute_logits(hidden)
@@ -132,10 +149,10 @@ class ModelRunner:
                 tokens = self.ops.sample(logits, s.temperature[:n], s.top_k[:n], s.top_p[:n],
                                          s.seeds[:n], s.offsets[:n])
             self.row_tokens[s.sample_rows[:n]] = tokens
-        return logits, tokens
+        return logits, tokens, scored
 
-    def dispatch(self, plan: StepPlan, filled: FilledStep, logits: torch.Tensor, tokens: torch.Tensor
-                 ) -> LaunchedStep:
+    def dispatch(self, plan: StepPlan, filled: FilledStep, logits: torch.Tensor, tokens: torch.Tensor,
+                 prompt: prompt_logprobs.QueuedPromptLogprobs | None = None) -> LaunchedStep:
         """Queue the copies of a run's results to the host and advance the runner's records."""
         if filled.shape.is_padded_decode:  # every row sampled, padding and all: keep the real ones
             if filled.samples.all():
@@ -147,7 +164,9 @@ class ModelRunner:
         sampled_ids = [r for r, s in zip(plan.request_ids, plan.samples) if s]
         if self.on_logits is not None:
             self.on_logits(sampled_ids, logits)
-        step = LaunchedStep(sampled_ids=sampled_ids)
+        step = LaunchedStep(sampled_ids=sampled_ids, prompt_logprobs=prompt)
+        if prompt is not None:
+            step.request_ids = list(plan.request_ids)
         with torch.inference_mode():
             self._queue_logprobs(step, logits, tokens, sample_rows)
             step.tokens = _to_host(tokens)
@@ -174,6 +193,8 @@ class ModelRunner:
         result = StepResult(step.sampled_ids, tokens)
         if step.logprobs is not None:
             self._collect_logprobs(step, result)
+        if step.prompt_logprobs is not None:
+            result.prompt_logprobs = prompt_logprobs.collect(step.prompt_logprobs, step.request_ids)
         return result
 
     # Memory --------------------------------------------------------------------------------
@@ -217,6 +238,11 @@ class ModelRunner:
                 token_id=result.sampled_tokens[i], logprob=chosen[j],
                 top=dict(zip(indices[j][:k], values[j][:k])),
             )
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

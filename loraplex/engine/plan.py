@@ -58,3 +58,6 @@ class StepResult:
     sampled_ids: list[str] = field(default_factory=list)
     sampled_tokens: list[int] = field(default_factory=list)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    """Request id -> (prompt index of the first entry, entries): the prompt tokens the step
+    scored, for requests that asked (a request recomputed after preemption scores again)."""

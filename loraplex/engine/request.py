@@ -43,10 +43,14 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    """One entry per prompt token scored so far (None for the first), when asked."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -61,6 +65,14 @@ class Request:
     def will_end_by_length(self) -> bool:
         """Every token it may generate is sampled already (some may still be in flight)."""
         return self.num_tokens >= self.max_num_tokens
+
+    @property
+    def has_tokens_to_compute(self) -> bool:
+        """A generating request computes until it has sampled its last token (which nothing
+        reads); one that only scores its prompt, until its whole prompt is in."""
+        if self.params.is_scoring_only:
+            return self.num_computed_tokens < self.num_tokens
+        return not self.will_end_by_length
 
     @property
     def num_output_tokens(self) -> int:

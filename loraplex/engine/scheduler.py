@@ -60,8 +60,7 @@ class Scheduler:
         scheduled: dict[str, int] = {}
         budget = self.config.max_num_batched_tokens
         preempted: set[str] = set()
-        # A request whose last token is already in flight has nothing left to compute.
-        active = [r for r in self.running if not r.will_end_by_length]
+        active = [r for r in self.running if r.has_tokens_to_compute]
         decodes = [r for r in active if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in active if r.num_tokens - r.num_computed_tokens > 1]
         for request in decodes + prefills:
@@ -164,7 +163,8 @@ class Scheduler:
             request = by_id[request_id]
             plan.request_ids.append(request_id)
             plan.num_scheduled_tokens.append(num_new)
-            plan.samples.append(request.num_computed_tokens + num_new == request.num_tokens)
+            plan.samples.append(request.num_computed_tokens + num_new == request.num_tokens
+                                and not request.params.is_scoring_only)
 
     def advance(self, plan: StepPlan) -> list[Request]:
         """Count a launched step's work: its tokens are computed, the ones it samples pending.

@@ -20,6 +20,7 @@ import torch
 
 from loraplex.engine.input_batch import InputBatch
 from loraplex.engine.plan import StepPlan
+from loraplex.engine.prompt_logprobs import PromptSelection
 
 PENDING = -1
 """A token id the host does not know yet (sampled by a step still in flight): the device reads
@@ -83,6 +84,11 @@ class FilledStep:
     rows: np.ndarray  # [num_seqs] InputBatch rows of the scheduled requests, in plan order
     samples: np.ndarray  # [num_seqs] bool: which of them sample
     num_real_seqs: int
+    start: np.ndarray  # [num_seqs] int64: each one's first position computed
+    num_new: np.ndarray  # [num_seqs] int64: positions computed
+    query_start: np.ndarray  # [num_seqs + 1] int64: offsets of each one's tokens in the step
+    prompt: PromptSelection | None = None
+    """Prompt positions whose log-probabilities the step computes (such a step runs eagerly)."""
 
 
 class StepInputs:
@@ -177,7 +183,7 @@ class StepInputs:
             num_samples=size if decode else len(sample_rows), max_query_len=max_query_len,
             has_lora=bool(token_slots.any()), is_greedy=not batch.temperature[sample_rows].any(),
             is_padded_decode=decode)
-        return FilledStep(shape, rows, samples, n)
+        return FilledStep(shape, rows, samples, n, start, num_new, query_start)
 
     def upload(self) -> None:
         """Copy the filled host buffers to the device (queued on CUDA)."""

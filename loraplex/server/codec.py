@@ -23,10 +23,17 @@ class TextCodec:
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    async def encode(self, text: str, param: str = "prompt") -> list[int]:
-        """A prompt's token ids, with the tokenizer's special tokens (BOS)."""
+    async def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids, by default with the tokenizer's special tokens (BOS)."""
         tokenizer = self._require(param)
-        return await self._run(lambda: list(tokenizer.encode(text, add_special_tokens=True)))
+        return await self._run(lambda: list(tokenizer.encode(text, add_special_tokens=add_special_tokens)))
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """Token ids as text, special tokens included ("" when the model has no tokenizer)."""
+        if self._tokenizer is None:
+            return ""
+        tokenizer = self._tokenizer
+        return await self._run(lambda: tokenizer.decode(token_ids))
 
     async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """The chat template applied to `messages`, with the assistant's turn opened."""

@@ -19,7 +19,7 @@ from loraplex.registry.names import NAME_PATTERN
 from loraplex.registry.records import AdapterRecord, TenantRecord
 from loraplex.registry.registry_errors import AdapterNotFoundError
 from loraplex.server.http_errors import RateLimitError, ServiceUnavailableError
-from loraplex.server.schemas.openai import SamplingFields, Usage
+from loraplex.server.schemas.openai import PromptLogprob, PromptLogprobs, SamplingFields, Usage
 from loraplex.server.services import Services
 from loraplex.server.streaming import ClientDisconnected, EventStreamResponse, until_disconnect
 from loraplex.types import RequestOutput, SamplingParams, TokenLogprob
@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 
 class ContextLengthError(InvalidRequestError):
     code = "context_length_exceeded"
+
+
+class InvalidValueError(InvalidRequestError):
+    code = "invalid_value"
 
 
 class EngineRequestError(LoraplexError):
@@ -63,11 +67,25 @@ async def resolve_model(services: Services, tenant: str, model: str) -> AdapterR
                                    f"to it.", param="model") from None
 
 
+def truncated(body: SamplingFields, prompt_token_ids: list[int]) -> list[int]:
+    """The prompt after `truncate_prompt_tokens` (its last tokens)."""
+    keep = body.truncate_prompt_tokens
+    return prompt_token_ids[-keep:] if keep is not None else prompt_token_ids
+
+
 def sampling_params(
     services: Services, body: SamplingFields, num_prompt_tokens: int, *, max_tokens: int | None,
     default_max_tokens: int | None, logprobs: int | None, prompt_param: str,
+    prompt_logprobs: int | None = None, scores_prompt: bool = False,
 ) -> SamplingParams:
-    """SamplingParams for a request, after the checks that need the prompt's length."""
+    """SamplingParams for a request, after the checks that need the prompt's length.
+    `scores_prompt`: the answer is about the prompt itself (echo, prompt logprobs), so
+    `max_tokens: 0` makes sense."""
+    if max_tokens == 0 and not (scores_prompt or prompt_logprobs is not None):
+        raise InvalidValueError("max_tokens: 0 generates nothing; it needs echo or prompt_logprobs",
+                                param="max_tokens")
+    if body.prompt_logprobs is not None and body.stream:
+        raise InvalidValueError("prompt_logprobs cannot be streamed", param="prompt_logprobs")
     context, cap = services.llm.max_model_len, services.config.max_tokens_limit
     if num_prompt_tokens > services.max_prompt_tokens:
         raise ContextLengthError(
@@ -86,12 +104,15 @@ def sampling_params(
     else:
         max_tokens = min(default_max_tokens or room, room, cap)
     vocab = services.llm.model_config.vocab_size
+    if not all(token < vocab for token in body.stop_token_ids or ()):
+        raise InvalidValueError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
     top_k = body.top_k if body.top_k is not None and 0 < body.top_k < vocab else -1  # else: all
     return SamplingParams(
         max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k,
         seed=None if body.seed is None else body.seed % 2**63, stop=body.stop or (),
-        logprobs=logprobs, ignore_eos=bool(body.ignore_eos),
+        stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs, ignore_eos=bool(body.ignore_eos),
     )
 
 
@@ -189,6 +210,26 @@ def token_logprobs(output: RequestOutput, newest_only: bool) -> list[TokenLogpro
     end = len(output.token_ids)
     start = end - len(output.new_token_ids) if newest_only else 0
     return list((output.logprobs or [])[start:end])
+
+
+async def prompt_logprobs_of(services: Services, output: RequestOutput, num_top: int) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: for each prompt token after the first, its own entry and its
+    `num_top` best alternatives, by token id."""
+    entries = output.prompt_logprobs or []
+    ids = [t for e in entries if e is not None for t in (e.token_id, *list(e.top)[:num_top])]
+    texts = dict(zip(ids, await services.codec.token_texts(ids)))
+    result: PromptLogprobs = []
+    for entry in entries:
+        if entry is None:
+            result.append(None)
+            continue
+        tops = list(entry.top.items())[:num_top]
+        by_id = {str(t): PromptLogprob(logprob=lp, rank=rank, decoded_token=texts[t])
+                 for rank, (t, lp) in enumerate(tops, start=1)}
+        by_id[str(entry.token_id)] = PromptLogprob(logprob=entry.logprob, rank=entry.rank or 1,
+                                                   decoded_token=texts[entry.token_id])
+        result.append(by_id)
+    return result
 
 
 def usage_of(output: RequestOutput) -> Usage:

@@ -8,7 +8,7 @@ import json
 import torch
 
 from loraplex import SamplingParams
-from loraplex.benchmarks import accuracy, decode, synthetic
+from loraplex.benchmarks import accuracy, decode, prompt_logprobs, synthetic
 from loraplex.benchmarks.results import write
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine_config import EngineConfig
@@ -59,7 +59,8 @@ def test_decode_benchmark_runs_end_to_end(tmp_path):
     engines = [(r["engine"], r["batch"], r["adapters"]) for r in result["rows"]]
     assert engines == [("loraplex", 1, 0), ("loraplex", 1, 1), ("loraplex", 2, 0), ("loraplex", 2, 2),
                        ("transformers", 2, 0), ("transformers+peft", 2, 2)]
-    assert all(r["floor_tok_s"] > r["tok_s"] > 0 for r in result["rows"])
+    assert all(r["floor_tok_s"] > r["tok_s"] > 0 for r in result["rows"]), [
+        (r["engine"], r["batch"], r["tok_s"], r["floor_tok_s"]) for r in result["rows"]]
     path = write(result, tmp_path)
     assert json.loads(path.read_text())["rows"] == result["rows"]
 
@@ -71,3 +72,26 @@ def test_accuracy_check_runs_end_to_end():
     assert result["positions"] == 12 and result["transformers_peft_bf16"]["positions"] == 12
     assert result["identical_greedy_fraction"] >= 0.5
     assert 0 < result["logits_rel_error_max"] < 0.05
+
+
+def test_prompt_logprobs_benchmark_runs_end_to_end(tmp_path):
+    import argparse
+
+    from loraplex.benchmarks.cli import add_benchmarks
+
+    parser = argparse.ArgumentParser()
+    add_benchmarks(parser)
+    args = parser.parse_args([
+        "prompt-logprobs", "--num-prompts", "12", "--prompt-len", "48", "--device", "cpu",
+        "--max-num-batched-tokens", "128", "--model-overrides", json.dumps(TINY), "--out", str(tmp_path)])
+    args.run(args)
+    result = json.loads((tmp_path / f"prompt-logprobs-{_device_file_name()}.json").read_text())
+    rows = result["rows"]
+    assert set(rows) == set(prompt_logprobs.modes(1)) and rows["score"]["scored_tokens"] == 12 * 47
+    assert all(row["prompt_tok_s"] > 0 for row in rows.values())
+    ratio = rows["score"]["prompt_tok_s"] / rows["prefill"]["prompt_tok_s"]
+    assert result["ratio_to_prefill"] == round(ratio, 3)
+
+
+def _device_file_name() -> str:
+    return decode._device_name(torch.device("cpu")).replace(" ", "-").replace("/", "-").lower()

@@ -27,16 +27,19 @@ def test_static_decode_path_matches_plain_path(tiny_llama, num_requests, async_s
         llm = LLM(model, device="cpu", block_size=4, max_num_seqs=20, async_scheduling=async_scheduling)
         for name, path in adapters.items():
             llm.add_adapter(name, path)
+        # Adapters into their slots first, so that every request starts decoding together.
+        llm.generate(prompt_token_ids=[[5]] * len(adapters), adapters=list(adapters),
+                     sampling_params=SamplingParams(max_tokens=1))
         runner = llm.engine.runner
         if static:
             runner.graphs = DecodeGraphs(runner, max_batch=20, vocab_size=runner.model.config.vocab_size,
                                          capture=False)
             original, sizes = runner.forward, []
 
-            def forward(shape):
+            def forward(shape, prompt=None):
                 if shape.is_padded_decode:
                     sizes.append((shape.num_seqs, runner.inputs.seq_lens[:shape.num_seqs].count_nonzero()))
-                return original(shape)
+                return original(shape, prompt)
 
             runner.forward = forward
             llm.decode_sizes = sizes

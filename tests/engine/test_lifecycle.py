@@ -108,8 +108,8 @@ def test_bad_requests_are_refused_without_leaking(llm):
         llm.generate(prompt_token_ids=[[5, 100000]])
     with pytest.raises(InvalidRequestError, match="the prompt is empty"):
         llm.generate(prompt_token_ids=[[]])
-    with pytest.raises(InvalidRequestError, match="max_tokens must be an integer >= 1"):
-        SamplingParams(max_tokens=0)
+    with pytest.raises(InvalidRequestError, match="max_tokens must be an integer >= 0"):
+        SamplingParams(max_tokens=-1)
     with pytest.raises(InvalidRequestError, match="top_p must be in"):
         SamplingParams(top_p=0.0)
     with pytest.raises(InvalidRequestError, match="temperature"):

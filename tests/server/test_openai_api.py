@@ -111,6 +111,113 @@ def test_logprobs(server: Server) -> None:
     assert all(t.logprob <= 0 for t in content)
 
 
+def test_echo_scores_the_prompt_as_generation_scored_it(server: Server) -> None:
+    """What lm-eval's likelihood tasks send: `echo` + `logprobs`, `max_tokens` 0 or 1. A token
+    scored as part of the prompt (prefill) gets the log-probability that generation (decode)
+    gave it as an alternative, under the same adapter."""
+    client = server.openai("acme")
+    generated = client.completions.create(model="style", prompt="abc", logprobs=20, temperature=0,
+                                          max_tokens=1)
+    alternatives = generated.choices[0].logprobs.top_logprobs[0]
+    candidates = [t for t in alternatives if len(t) == 1 and t.isascii() and t.isalnum()]
+    assert candidates, alternatives
+    for candidate in candidates[:3]:
+        scored = client.completions.create(model="style", prompt="abc" + candidate, echo=True, logprobs=2,
+                                           max_tokens=0)
+        (choice,) = scored.choices
+        logprobs = choice.logprobs
+        assert choice.text == "abc" + candidate and scored.usage.completion_tokens == 0
+        assert logprobs.tokens == ["a", "b", "c", candidate] and choice.finish_reason == "length"
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        assert abs(logprobs.token_logprobs[3] - alternatives[candidate]) < 1e-4
+        assert all(len(top) <= 2 for top in logprobs.top_logprobs[1:])
+        assert logprobs.text_offset == [0, 1, 2, 3]  # the byte tokenizer adds no BOS
+    top_token = max(alternatives, key=alternatives.get)
+    with_next = client.completions.create(model="style", prompt="abc", echo=True, logprobs=1, max_tokens=1,
+                                          temperature=0)
+    (choice,) = with_next.choices
+    assert choice.text == "abc" + generated.choices[0].text and len(choice.logprobs.tokens) == 4
+    assert choice.logprobs.top_logprobs[-1] == {top_token: alternatives[top_token]}
+    # lm-eval's greedy check compares a token's logprob with the best alternative's, exactly
+    assert choice.logprobs.token_logprobs[-1] == max(choice.logprobs.top_logprobs[-1].values())
+    base = client.completions.create(model=MODEL_ID, prompt="abc", echo=True, logprobs=0, max_tokens=0)
+    assert base.choices[0].logprobs.token_logprobs[1:] != choice.logprobs.token_logprobs[1:3]  # the adapter
+    echoed = list(client.completions.create(model="style", prompt="abc", echo=True, stream=True, logprobs=0,
+                                            **GREEDY))
+    assert echoed[0].choices[0].text.startswith("abc")
+    assert echoed[0].choices[0].logprobs.token_logprobs[0] is None
+    assert "".join(c.choices[0].text for c in echoed) == client.completions.create(
+        model="style", prompt="abc", echo=True, **GREEDY).choices[0].text
+
+
+def test_vllm_prompt_logprobs(server: Server) -> None:
+    client = server.openai("acme")
+    completion = client.completions.create(model="shared", prompt="hello", max_tokens=0,
+                                           extra_body={"prompt_logprobs": 2})
+    entries = completion.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len("hello")
+    for entry, ch in zip(entries[1:], "ello"):
+        own = [e for e in entry.values() if e["decoded_token"] == ch]
+        assert len(own) == 1 and own[0]["logprob"] <= 0 and own[0]["rank"] >= 1
+        ranks = sorted(e["rank"] for e in entry.values())
+        assert ranks[:2] == [1, 2] and len(entry) in (2, 3)  # the top 2, and the token if not among them
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model="shared", messages=messages, max_tokens=0,
+                                          extra_body={"prompt_logprobs": 0})
+    assert chat.model_extra["prompt_logprobs"][0] is None and chat.choices[0].message.content == ""
+    assert all(len(e) == 1 for e in chat.model_extra["prompt_logprobs"][1:])
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="shared", messages=messages, stream=True,
+                                       extra_body={"prompt_logprobs": 1})
+    assert caught.value.param == "prompt_logprobs"
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server: Server) -> None:
+    """As vLLM does, and as guidellm asks."""
+    client = server.openai("acme")
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(model="style", prompt="count", stream=True,
+                                            stream_options=options, **GREEDY))
+    *text_chunks, last = chunks
+    counts = [c.usage.completion_tokens for c in text_chunks]  # a chunk may carry several tokens' text
+    assert counts == sorted(set(counts)) and counts[0] >= 1 and counts[-1] == 8
+    assert all(c.usage.prompt_tokens == len(b"count") for c in chunks) and last.choices == []
+    assert last.usage.completion_tokens == 8
+    messages = [{"role": "user", "content": "count"}]
+    chat = list(client.chat.completions.create(model="style", messages=messages, stream=True,
+                                               stream_options={"continuous_usage_stats": True}, **GREEDY))
+    completion_tokens = [c.usage.completion_tokens for c in chat]
+    assert completion_tokens[0] == 0 and completion_tokens[-1] == 8 and completion_tokens == sorted(
+        completion_tokens)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="style", messages=messages, stream=True, stream_options={
+            "include_usage": False, "continuous_usage_stats": True}, **GREEDY)
+    assert caught.value.param == "stream_options"
+
+
+def test_vllm_extensions_with_their_meaning(server: Server) -> None:
+    client = server.openai("acme")
+    whole = client.completions.create(model="style", prompt="abcdef", temperature=0, max_tokens=30,
+                                      logprobs=0)
+    tokens = whole.choices[0].logprobs.tokens
+    index = next(i for i, t in enumerate(tokens) if len(t) == 1 and t.isascii() and t.isalnum())
+    from tokenizers import pre_tokenizers
+
+    stop_id = 3 + sorted(pre_tokenizers.ByteLevel.alphabet()).index(tokens[index])  # the byte tokenizer's id
+    stopped = client.completions.create(model="style", prompt="abcdef", temperature=0, max_tokens=30,
+                                        extra_body={"stop_token_ids": [stop_id]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == index + 1
+    cut = client.completions.create(model="style", prompt="zzzzabcdef", extra_body={
+        "truncate_prompt_tokens": 6}, **GREEDY)
+    assert cut.usage.prompt_tokens == 6
+    neutral = {"min_tokens": 0, "repetition_penalty": 1.0, "min_p": 0.0, "use_beam_search": False,
+               "length_penalty": 1.0, "include_stop_str_in_output": False, "skip_special_tokens": True,
+               "spaces_between_special_tokens": True, "priority": 0, "top_k": -1, "ignore_eos": False,
+               "add_special_tokens": True}
+    assert client.completions.create(model="style", prompt="abcdef", extra_body=neutral, temperature=0,
+                                     max_tokens=30).choices[0].text == whole.choices[0].text
+
+
 def test_tenants_cannot_see_or_use_each_others_adapters(server: Server) -> None:
     globex = server.openai("globex")
     for call in (lambda: globex.models.retrieve("style"),
@@ -155,7 +262,17 @@ BAD_PARAMETERS = [
     ({"n": 2}, "n", "invalid_value"),
     ({"stop": ["a"] * 17}, "stop", "invalid_value"),
     ({"logprobs": 21}, "logprobs", "invalid_value"),
-    ({"echo": True}, "echo", "invalid_value"),
+    ({"echo": 3}, "echo", "invalid_value"),
+    ({"max_tokens": 0, "logprobs": 1}, "max_tokens", "invalid_value"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs", "invalid_value"),
+    ({"stop_token_ids": [300]}, "stop_token_ids", "invalid_value"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "invalid_value"),
+    ({"repetition_penalty": 1.2}, "repetition_penalty", "invalid_value"),
+    ({"min_tokens": 3}, "min_tokens", "invalid_value"),
+    ({"min_p": 0.1}, "min_p", "invalid_value"),
+    ({"use_beam_search": True}, "use_beam_search", "invalid_value"),
+    ({"guided_json": {"type": "object"}}, "guided_json", "unknown_parameter"),
+    ({"logits_processors": ["x"]}, "logits_processors", "unknown_parameter"),
     ({"presence_penalty": 0.5}, "presence_penalty", "invalid_value"),
     ({"best_of": 3}, "best_of", "invalid_value"),
     ({"prompt": "x" * 600}, "prompt", "context_length_exceeded"),

@@ -11,10 +11,12 @@ from loraplex.server.auth import TenantDep
 from loraplex.server.deps import ServicesDep
 from loraplex.server.generation import (
     Job,
+    prompt_logprobs_of,
     resolve_model,
     run_job,
     sampling_params,
     token_logprobs,
+    truncated,
     usage_of,
 )
 from loraplex.server.http_errors import stream_error
@@ -29,6 +31,7 @@ from loraplex.server.schemas.openai import (
     ChatLogprobs,
     TokenLogprob,
     TopLogprob,
+    Usage,
 )
 from loraplex.server.services import Services
 from loraplex.server.streaming import DONE, sse
@@ -48,11 +51,12 @@ async def create_chat_completion(body: ChatCompletionRequest, principal: TenantD
     adapter = await resolve_model(services, principal.tenant, body.model)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
                 for m in body.messages]
-    prompt_ids = await services.codec.encode_chat(messages)
+    prompt_ids = truncated(body, await services.codec.encode_chat(messages))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(services, body, len(prompt_ids),
-                             max_tokens=body.max_completion_tokens or body.max_tokens,
-                             default_max_tokens=None, logprobs=logprobs, prompt_param="messages")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = sampling_params(services, body, len(prompt_ids), max_tokens=max_tokens,
+                             default_max_tokens=None, logprobs=logprobs, prompt_param="messages",
+                             prompt_logprobs=body.prompt_logprobs)
     job = Job(request_id_of(request.scope), principal.tenant, body.model, adapter, prompt_ids, params,
               arrival)
     last = await run_job(request, services, job, stream=bool(body.stream),
@@ -65,6 +69,8 @@ async def create_chat_completion(body: ChatCompletionRequest, principal: TenantD
         choices=[ChatChoice(message=AssistantMessage(content=last.text), finish_reason=last.finish_reason,
                             logprobs=await _logprobs(services, last, body, newest_only=False))],
         usage=usage_of(last),
+        prompt_logprobs=None if body.prompt_logprobs is None else await prompt_logprobs_of(
+            services, last, body.prompt_logprobs),
     )
 
 
@@ -72,22 +78,25 @@ async def _events(services: Services, job: Job, body: ChatCompletionRequest, fir
                   outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
     base = {"id": f"chatcmpl-{job.request_id}", "object": "chat.completion.chunk",
             "created": int(time.time()), "model": job.model, "system_fingerprint": FINGERPRINT}
-    usage = {"usage": None} if body.include_usage else {}
+    num_prompt = len(first.prompt_token_ids)
 
-    def chunk(delta: dict, finish_reason: str | None = None, logprobs: ChatLogprobs | None = None) -> str:
+    def chunk(delta: dict, usage: Usage, finish_reason: str | None = None,
+              logprobs: ChatLogprobs | None = None) -> str:
         choice = {"index": 0, "delta": delta, "logprobs": logprobs.model_dump() if logprobs else None,
                   "finish_reason": finish_reason}
-        return sse(base | {"choices": [choice]} | usage)
+        usage_field = {"usage": usage.model_dump() if body.continuous_usage else None}
+        return sse(base | {"choices": [choice]} | (usage_field if body.include_usage else {}))
 
-    yield chunk({"role": "assistant", "content": ""})
+    yield chunk({"role": "assistant", "content": ""}, Usage(prompt_tokens=num_prompt, completion_tokens=0,
+                                                            total_tokens=num_prompt))
     output: RequestOutput | None = first
     try:
         while output is not None:
             if output.new_text or body.logprobs:
                 logprobs = await _logprobs(services, output, body, newest_only=True)
-                yield chunk({"content": output.new_text}, logprobs=logprobs)
+                yield chunk({"content": output.new_text}, usage_of(output), logprobs=logprobs)
             if output.finished:
-                yield chunk({}, output.finish_reason)
+                yield chunk({}, usage_of(output), output.finish_reason)
             last, output = output, (None if output.finished else await anext(outputs, None))
         if body.include_usage:
             yield sse(base | {"choices": [], "usage": usage_of(last).model_dump()})

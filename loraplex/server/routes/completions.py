@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Request, Response
 
@@ -13,10 +14,12 @@ from loraplex.server.auth import TenantDep
 from loraplex.server.deps import ServicesDep
 from loraplex.server.generation import (
     Job,
+    prompt_logprobs_of,
     resolve_model,
     run_job,
     sampling_params,
     token_logprobs,
+    truncated,
     usage_of,
 )
 from loraplex.server.http_errors import stream_error
@@ -30,7 +33,7 @@ from loraplex.server.schemas.openai import (
 )
 from loraplex.server.services import Services
 from loraplex.server.streaming import DONE, sse
-from loraplex.types import RequestOutput
+from loraplex.types import RequestOutput, TokenLogprob
 
 router = APIRouter(prefix="/v1", tags=["OpenAI API"])
 FINGERPRINT = f"loraplex-{__version__}"
@@ -38,7 +41,8 @@ DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for completions."""
 STREAM_RESPONSE = {
     "description": "With `stream: true`: events whose `data` is a JSON chunk (the usage chunk last, "
-                   "with `choices: []`, if `stream_options.include_usage`), or an `error` object "
+                   "with `choices: []`, if `stream_options.include_usage`; the usage so far in "
+                   "every chunk if `stream_options.continuous_usage_stats`), or an `error` object "
                    "if generation fails after the stream began; then `data: [DONE]`.",
     "content": {"text/event-stream": {"schema": {
         "type": "object", "required": ["data"],
@@ -52,31 +56,67 @@ async def create_completion(body: CompletionRequest, principal: TenantDep, servi
                             request: Request) -> Completion | Response:
     """Generate text after `prompt` with the base model or one of your adapters (`model`).
     With `stream: true` the answer comes as server-sent events; leaving the stream stops the
-    generation."""
+    generation. `echo` with `logprobs` scores the prompt's own tokens (with `max_tokens: 0`,
+    nothing else), as likelihood evaluations do."""
     arrival = time.monotonic()
     adapter = await resolve_model(services, principal.tenant, body.model)
-    prompt_ids = await _prompt_token_ids(services, body.prompt)
+    prompt_ids = truncated(body, await _prompt_token_ids(services, body.prompt, body.add_special_tokens))
+    echo_logprobs = body.logprobs if body.echo else None
+    asked = [n for n in (echo_logprobs, body.prompt_logprobs) if n is not None]
     params = sampling_params(services, body, len(prompt_ids), max_tokens=body.max_tokens,
                              default_max_tokens=DEFAULT_MAX_TOKENS, logprobs=body.logprobs,
-                             prompt_param="prompt")
+                             prompt_param="prompt", prompt_logprobs=max(asked, default=None),
+                             scores_prompt=bool(body.echo))
     job = Job(request_id_of(request.scope), principal.tenant, body.model, adapter, prompt_ids, params,
               arrival)
     last = await run_job(request, services, job, stream=bool(body.stream),
                          events=lambda first, outputs: _events(services, job, body, first, outputs))
     if isinstance(last, Response):
         return last
+    echo = await _echo(services, body, last)
+    logprobs = None
+    if body.logprobs is not None:
+        logprobs = await _logprobs(services, echo.token_ids + last.token_ids, echo.entries + token_logprobs(
+            last, newest_only=False), body.logprobs, offset=0)
+    prompt_logprobs = None
+    if body.prompt_logprobs is not None:
+        prompt_logprobs = await prompt_logprobs_of(services, last, body.prompt_logprobs)
     return Completion(
         id=f"cmpl-{job.request_id}", created=int(time.time()), model=job.model,
         system_fingerprint=FINGERPRINT,
-        choices=[CompletionChoice(text=last.text, finish_reason=last.finish_reason,
-                                  logprobs=await _logprobs(services, last, body.logprobs))],
+        choices=[CompletionChoice(text=echo.text + last.text, finish_reason=last.finish_reason,
+                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)],
         usage=usage_of(last),
     )
 
 
-async def _prompt_token_ids(services: Services, prompt: str | list[int]) -> list[int]:
+@dataclass(frozen=True)
+class Echo:
+    """What `echo` puts before the completion: the prompt's text, and its tokens with their
+    log-probabilities when `logprobs` is asked (none of the first token)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    entries: list[TokenLogprob | None] = field(default_factory=list)
+
+
+async def _echo(services: Services, body: CompletionRequest, output: RequestOutput) -> Echo:
+    if not body.echo:
+        return Echo()
+    prompt_ids = output.prompt_token_ids
+    if isinstance(body.prompt, str) and body.truncate_prompt_tokens is None:
+        text = body.prompt
+    else:
+        text = await services.codec.decode(prompt_ids)
+    if body.logprobs is None:
+        return Echo(text)
+    return Echo(text, list(prompt_ids), list(output.prompt_logprobs or [None] * len(prompt_ids)))
+
+
+async def _prompt_token_ids(services: Services, prompt: str | list[int], add_special_tokens: bool | None
+                            ) -> list[int]:
     if isinstance(prompt, str):
-        return await services.codec.encode(prompt)
+        return await services.codec.encode(prompt, add_special_tokens=add_special_tokens is not False)
     vocab = services.llm.model_config.vocab_size
     if not all(0 <= token < vocab for token in prompt):
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
@@ -87,16 +127,24 @@ async def _events(services: Services, job: Job, body: CompletionRequest, first: 
                   outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
     base = {"id": f"cmpl-{job.request_id}", "object": "text_completion", "created": int(time.time()),
             "model": job.model, "system_fingerprint": FINGERPRINT}
-    usage = {"usage": None} if body.include_usage else {}
     output: RequestOutput | None = first
+    echo = await _echo(services, body, first)  # goes before the first chunk's text
+    echo_length = len(echo.text)
     try:
         while output is not None:
-            if output.new_text or output.finished or body.logprobs is not None:
-                logprobs = await _logprobs(services, output, body.logprobs, newest_only=True)
-                choice = {"index": 0, "text": output.new_text, "finish_reason": output.finish_reason
-                          if output.finished else None,
+            if output.new_text or output.finished or body.logprobs is not None or echo.text:
+                logprobs = None
+                if body.logprobs is not None:
+                    offset = (0 if echo.text else echo_length) + len(output.text) - len(output.new_text)
+                    logprobs = await _logprobs(services, echo.token_ids + output.new_token_ids,
+                                               echo.entries + token_logprobs(output, newest_only=True),
+                                               body.logprobs, offset=offset)
+                choice = {"index": 0, "text": echo.text + output.new_text, "finish_reason":
+                          output.finish_reason if output.finished else None,
                           "logprobs": logprobs.model_dump() if logprobs else None}
-                yield sse(base | {"choices": [choice]} | usage)
+                usage = {"usage": usage_of(output).model_dump() if body.continuous_usage else None}
+                yield sse(base | {"choices": [choice]} | (usage if body.include_usage else {}))
+                echo = Echo()
             last, output = output, (None if output.finished else await anext(outputs, None))
         if body.include_usage:
             yield sse(base | {"choices": [], "usage": usage_of(last).model_dump()})
@@ -105,25 +153,26 @@ async def _events(services: Services, job: Job, body: CompletionRequest, first: 
     yield DONE
 
 
-async def _logprobs(services: Services, output: RequestOutput, requested: int | None, *,
-                    newest_only: bool = False) -> CompletionLogprobs | None:
-    """The log-probabilities of all output tokens, or of this step's (when streaming)."""
-    if requested is None or output.logprobs is None:
-        return None
-    entries = token_logprobs(output, newest_only)
-    texts = await services.codec.token_texts(
-        [e.token_id for e in entries] + [t for e in entries for t in e.top])
-    tokens, alternatives = texts[:len(entries)], iter(texts[len(entries):])
-    offsets, offset = [], len(output.text) - len(output.new_text) if newest_only else 0
+async def _logprobs(services: Services, token_ids: list[int], entries: list[TokenLogprob | None],
+                    num_top: int, *, offset: int) -> CompletionLogprobs:
+    """OpenAI's completions logprobs of `token_ids` (an entry each; None: no logprob, as an
+    echoed prompt's first token), their text starting at `offset` of the choice's text."""
+    alternatives = [t for e in entries if e is not None for t in list(e.top)[:num_top]]
+    texts = await services.codec.token_texts(list(token_ids) + alternatives)
+    tokens, rest = texts[:len(token_ids)], iter(texts[len(token_ids):])
+    offsets = []
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
-    top_logprobs = []
+    top_logprobs: list[dict[str, float] | None] = []
     for entry in entries:
+        if entry is None:
+            top_logprobs.append(None)
+            continue
         top: dict[str, float] = {}
-        for logprob in entry.top.values():  # tokens that decode alike keep the best
-            text = next(alternatives)
+        for logprob in list(entry.top.values())[:num_top]:  # tokens that decode alike keep the best
+            text = next(rest)
             top[text] = max(logprob, top.get(text, logprob))
         top_logprobs.append(top)
-    return CompletionLogprobs(tokens=tokens, token_logprobs=[e.logprob for e in entries],
-                              top_logprobs=top_logprobs, text_offset=offsets)
+    return CompletionLogprobs(tokens=tokens, top_logprobs=top_logprobs, text_offset=offsets,
+                              token_logprobs=[None if e is None else e.logprob for e in entries])

@@ -1,17 +1,22 @@
 """OpenAI API request and response bodies (the subset loraplex serves). Requests are strict:
 an unknown field is a 400 naming it (as OpenAI answers), known fields that do not change the
 output (user, metadata, store, ...) are accepted and ignored, and known features loraplex does
-not implement (tools, n > 1, penalties, echo, ...) are refused by name rather than ignored."""
+not implement (tools, n > 1, penalties, ...) are refused by name rather than ignored. vLLM's
+request extensions that the field's clients send are taken with vLLM's meaning where loraplex
+implements them, accepted at their neutral value only where it does not (docs/api.md lists
+them)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from loraplex.types import MAX_LOGPROBS, MAX_STOP_SEQUENCES
 
 MAX_STOP_LENGTH = 256
+MAX_STOP_TOKEN_IDS = 64
 
 Ignored = Annotated[Any, Field(default=None, description="Accepted and ignored.")]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
@@ -23,6 +28,10 @@ def unsupported() -> Any:
     return Field(None, description="Not supported: only the value shown is accepted.")
 
 
+def vllm_neutral() -> Any:
+    return Field(None, description="vLLM extension, not implemented: only its neutral value (shown) "
+                 "is accepted.")
+
 
 class Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -31,7 +40,16 @@ class Request(BaseModel):
 class StreamOptions(Request):
     include_usage: bool | None = Field(None, description="Send a last chunk with the usage of "
                                        "the whole request and `choices: []`.")
+    continuous_usage_stats: bool | None = Field(
+        None, description="vLLM extension: every chunk also carries the usage so far (prompt "
+        "tokens, tokens generated up to it). Implies `include_usage` unless that is false.")
     include_obfuscation: Ignored
+
+    @model_validator(mode="after")
+    def _usage_for_continuous_stats(self) -> StreamOptions:
+        if self.continuous_usage_stats and self.include_usage is False:
+            raise PydanticCustomError("invalid_value", "continuous_usage_stats needs include_usage")
+        return self
 
 
 class SamplingFields(Request):
@@ -40,14 +58,33 @@ class SamplingFields(Request):
 
     model: str = Field(description="The base model's id, or the name of one of your adapters.",
                        min_length=1, max_length=256)
-    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (the server's cap "
-                                   "and the context length bound it too).")
+    max_tokens: int | None = Field(None, ge=0, description="Most tokens to generate (the server's cap "
+                                   "and the context length bound it too). 0 only scores the prompt "
+                                   "(with `echo` or `prompt_logprobs`).")
     temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy. Default 1.")
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling. Default 1.")
     top_k: int | None = Field(None, ge=-1, description="loraplex extension: keep the k most "
                               "likely tokens (-1 or 0: all).")
     ignore_eos: bool | None = Field(None, description="loraplex extension (as vLLM's): keep "
                                     "generating past the end-of-sequence token.")
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)
+                              ] | None = Field(None, description="vLLM extension: token ids that end "
+                                               "the output (included in it, as vLLM does).")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="vLLM extension: return each prompt token's "
+        "log-probability, rank and this many alternatives (`prompt_logprobs` in the answer; "
+        "not with `stream`).")
+    truncate_prompt_tokens: int | None = Field(None, ge=1, description="vLLM extension: keep only "
+                                               "the prompt's last this many tokens.")
+    min_tokens: Literal[0] | None = vllm_neutral()
+    repetition_penalty: Literal[1] | None = vllm_neutral()
+    min_p: Literal[0] | None = vllm_neutral()
+    use_beam_search: Literal[False] | None = vllm_neutral()
+    length_penalty: Literal[1] | None = vllm_neutral()
+    include_stop_str_in_output: Literal[False] | None = vllm_neutral()
+    skip_special_tokens: Literal[True] | None = vllm_neutral()
+    spaces_between_special_tokens: Literal[True] | None = vllm_neutral()
+    priority: Literal[0] | None = vllm_neutral()
     n: Literal[1] | None = Field(None, description="Only 1 is supported.")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -61,7 +98,12 @@ class SamplingFields(Request):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        options = self.stream_options
+        return bool(options and (options.include_usage or options.continuous_usage_stats))
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingFields):
@@ -70,7 +112,11 @@ class CompletionRequest(SamplingFields):
         description="One prompt: text or token ids (a list holding one of them is accepted).")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Return the log-probability "
                                  "of each token and of this many alternatives.")
-    echo: Literal[False] | None = unsupported()
+    echo: bool | None = Field(None, description="Return the prompt before the completion; with "
+                              "`logprobs`, the prompt tokens' log-probabilities too (the first "
+                              "token's is null). With `max_tokens: 0`: the prompt only, scored.")
+    add_special_tokens: bool | None = Field(None, description="vLLM extension: add the tokenizer's "
+                                            "special tokens (BOS) to a text prompt. Default true.")
     suffix: Annotated[str, Field(max_length=0)] | None = unsupported()
     best_of: Literal[1] | None = unsupported()
 
@@ -105,10 +151,14 @@ class ResponseFormat(Request):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="Same as max_tokens.")
+    max_completion_tokens: int | None = Field(None, ge=0, description="Same as max_tokens.")
     logprobs: bool | None = Field(None, description="Return the log-probability of each token.")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = Field(None, description="Only text.")
+    best_of: Literal[1] | None = vllm_neutral()
+    echo: Literal[False] | None = vllm_neutral()
+    add_generation_prompt: Literal[True] | None = vllm_neutral()
+    continue_final_message: Literal[False] | None = vllm_neutral()
     tools: Annotated[list[Any], Field(max_length=0)] | None = unsupported()
     tool_choice: Literal["none", "auto"] | None = None
     functions: Annotated[list[Any], Field(max_length=0)] | None = unsupported()
@@ -142,9 +192,22 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None] = Field(description="null for an echoed prompt's first token.")
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's form of one token's entry in `prompt_logprobs`."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+"""One entry per prompt token (null for the first): token id -> its entry, for the prompt's
+own token and the top alternatives."""
 
 
 class CompletionChoice(BaseModel):
@@ -152,6 +215,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Completion(BaseModel):
@@ -198,6 +262,7 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Delta(BaseModel):
