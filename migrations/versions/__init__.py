@@ -1,1 +1,1 @@
-"""Placeholder package: filled by the work on its issue."""
+"""Alembic revision scripts of the registry, oldest first (0001_initial, ...)."""
