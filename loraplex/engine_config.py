@@ -64,7 +64,8 @@ class LoRAConfig:
     max_loras: int | None = None
     """Adapters in device slots at once, which is also the most distinct adapters in one step.
     Default: as many slots of max_lora_rank as lora_memory_fraction of the memory left for the
-    KV cache and the slots buys, at most max_num_seqs."""
+    KV cache and the slots buys (more if the KV cache cannot use the rest), at most
+    max_num_seqs."""
     max_cpu_loras: int | None = None
     """Size of the host tier that device slots are filled from (pinned memory on CUDA), as
     this many adapters of max_lora_rank (in bytes: smaller adapters take less). Default: twice

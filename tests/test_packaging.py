@@ -1,12 +1,15 @@
 """The install command for machines where nothing can be downloaded (the lent GPU machines):
-`pip install --no-deps --no-build-isolation --no-index .` builds with the environment's own
-setuptools and installs a package in which kernels/, migrations/ and admin_ui/ are importable
-as loraplex.kernels, loraplex.migrations and loraplex.admin_ui, wherever Python runs from."""
+`pip install --no-deps --no-build-isolation --no-index -e .` builds with the environment's own
+setuptools. kernels/, migrations/ and admin_ui/ sit at the top of the repository and are the
+packages loraplex.kernels, loraplex.migrations and loraplex.admin_ui: in a built wheel, and in
+the source tree itself (links in loraplex/), so that they import wherever Python finds
+loraplex, installed or run from a checkout."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -25,9 +28,24 @@ def test_the_offline_install_builds_a_complete_package(tmp_path: Path) -> None:
     for module in ("kernels/reference.py", "kernels/decode_attention.py", "migrations/env.py",
                    "migrations/script.py.mako", "admin_ui/index.html", "engine/llm_engine.py"):
         assert f"loraplex/{module}" in names, module
-    probe = ("import loraplex.kernels, loraplex.kernels.reference, loraplex.migrations; "
-             "from loraplex.engine.llm_engine import LLMEngine; print(loraplex.kernels.__file__)")
-    imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                              cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"})
+    assert len(names) == len(archive.namelist())  # each file once
+    assert _import_from(tmp_path / "site", tmp_path) == tmp_path / "site" / "loraplex" / "kernels"
+
+
+def test_a_checkout_imports_as_it_is(tmp_path: Path) -> None:
+    """With the repository on the path and nothing installed (PYTHONPATH=. on a bare machine,
+    or pytest from the repository root), loraplex.kernels is the top-level kernels/."""
+    assert _import_from(REPO, tmp_path).resolve() == REPO / "kernels"
+
+
+def _import_from(path: Path, cwd: Path) -> Path:
+    """The folder loraplex.kernels is imported from, with `path` first on the path and this
+    environment's packages after it, but none of its .pth hooks (no editable install)."""
+    paths = [str(path), sysconfig.get_paths()["purelib"]]
+    probe = (f"import sys; sys.path[:0] = {paths!r}; "
+             "import loraplex.kernels, loraplex.kernels.reference, loraplex.migrations, loraplex.admin_ui; "
+             "from loraplex.engine.llm_engine import LLMEngine; print(loraplex.kernels.__path__[0])")
+    imported = subprocess.run([sys.executable, "-S", "-c", probe], capture_output=True, text=True,
+                              timeout=120, cwd=cwd)
     assert imported.returncode == 0, imported.stderr
-    assert imported.stdout.strip() == str(tmp_path / "site" / "loraplex" / "kernels" / "__init__.py")
+    return Path(imported.stdout.strip())

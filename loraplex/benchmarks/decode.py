@@ -31,6 +31,9 @@ class DecodeBenchConfig:
     hf_batch_sizes: tuple[int, ...] = (1, 8, 32)
     """Batches run through transformers (+ PEFT); larger ones take minutes."""
     hf_new_tokens: int = 16
+    startup_batch: int = 64
+    """Requests of the first batches after start-up (first against again, cold adapters
+    against resident ones)."""
     bandwidth: float = 3.0e12
     """Memory bandwidth the floor is computed with (bytes/s; 3.0 TB/s = measured H100 copy)."""
     device: str = "cuda"
@@ -92,7 +95,7 @@ def _warm_up_rows(engine: LLMEngine, config: DecodeBenchConfig, model_config: Mo
     """The first batches after start-up against the same batches run again: without adapters
     (does the first pay for anything, such as a graph capture?), then with one adapter per
     request, cold (read into their slots during the run) and then resident."""
-    batch = max(config.batch_sizes)
+    batch = min(config.startup_batch, max(config.batch_sizes))
     runs = {}
     for label, with_adapters in (("first", False), ("again", False), ("cold_adapters", True),
                                  ("resident_adapters", True)):

@@ -81,18 +81,19 @@ def plan_memory(
     config: EngineConfig, model: ModelConfig, dtype: torch.dtype, max_model_len: int,
     lora_slot_bytes: int, budget_bytes: int, activation_bytes: int = 0, graph_bytes: int = 0,
 ) -> MemoryPlan:
-    """Split `budget_bytes` between adapter slots and KV blocks. Slots: `max_loras`, or what
-    `lora_memory_fraction` of the budget buys (at most max_num_seqs, at least one); KV blocks:
-    `num_kv_blocks`, or the rest, never more than every running request at full length can use."""
+    """Split `budget_bytes` between adapter slots and KV blocks. KV blocks: `num_kv_blocks`, or
+    what is left after the slots, never more than every running request at full length can use
+    (`enough`). Slots: `max_loras`, or what `lora_memory_fraction` of the budget buys, or more
+    where the KV cache would leave memory unused (at most max_num_seqs, at least one)."""
     block_bytes = kv_block_bytes(model, config.cache.block_size, dtype)
     max_num_seqs = config.scheduler.max_num_seqs
+    enough = max_num_seqs * -(-max_model_len // config.cache.block_size)
     slots = config.lora.max_loras
     if slots is None:
-        affordable = int(budget_bytes * config.lora.lora_memory_fraction) // lora_slot_bytes
-        slots = max(1, min(max_num_seqs, affordable))
+        share = max(budget_bytes * config.lora.lora_memory_fraction, budget_bytes - enough * block_bytes)
+        slots = max(1, min(max_num_seqs, int(share) // lora_slot_bytes))
     num_blocks = config.cache.num_kv_blocks
     if num_blocks is None:
-        enough = max_num_seqs * -(-max_model_len // config.cache.block_size)
         num_blocks = min(enough, (budget_bytes - slots * lora_slot_bytes) // block_bytes)
     if num_blocks < 1:
         raise ModelLoadError(

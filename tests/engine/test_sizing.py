@@ -1,0 +1,53 @@
+"""How memory is shared between adapter slots and KV blocks (plan_memory), with Llama-3-8B's
+shape and round budgets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.benchmarks import synthetic
+from loraplex.engine.lora_weights import adapter_bytes
+from loraplex.engine.sizing import kv_block_bytes, plan_memory
+from loraplex.engine_config import EngineConfig
+from loraplex.errors import ModelLoadError
+
+GIB = 1 << 30
+LLAMA = synthetic.model_config()
+
+
+def _plan(budget: int, max_model_len: int = 8192, **options):
+    config = EngineConfig.from_kwargs("m", **options)
+    slot = adapter_bytes(LLAMA, config.lora.max_lora_rank, torch.bfloat16)
+    return plan_memory(config, LLAMA, torch.bfloat16, max_model_len, slot, budget), slot
+
+
+def test_slot_and_block_sizes_are_the_real_ones():
+    rank16 = adapter_bytes(LLAMA, 16, torch.bfloat16)
+    # per layer and rank: A of q, k, v, o, gate, up (4096 wide) and down (14336); B of the outputs
+    assert rank16 == 16 * 32 * (6 * 4096 + 14336 + (4096 + 2 * 1024) + 4096 + 2 * 14336 + 4096) * 2
+    assert abs(rank16 / 16 - 5.24e6) < 0.01e6  # DESIGN.md: r x 5.24 MB on all seven modules
+    assert kv_block_bytes(LLAMA, 16, torch.bfloat16) == 16 * 128 * 1024  # 128 KiB a token
+
+
+def test_slots_take_their_share_of_a_budget_the_kv_cache_can_fill():
+    plan, slot = _plan(50 * GIB, max_lora_rank=64)
+    assert plan.num_lora_slots == int(50 * GIB * 0.15) // slot
+    assert plan.num_kv_blocks == (50 * GIB - plan.num_lora_slots * slot) // plan.kv_block_bytes
+
+
+def test_slots_take_what_the_kv_cache_cannot_use():
+    """128 requests of 656 tokens need 11 GB of KV: slots get the rest, up to one a request."""
+    plan, slot = _plan(50 * GIB, max_model_len=656, max_num_seqs=128, max_lora_rank=16)
+    assert plan.num_lora_slots == 128
+    assert plan.num_kv_blocks == 128 * 41
+
+
+def test_options_override_the_sizing():
+    plan, _ = _plan(50 * GIB, max_loras=7, num_kv_blocks=100)
+    assert (plan.num_lora_slots, plan.num_kv_blocks) == (7, 100)
+
+
+def test_too_little_memory_is_refused_with_the_options_to_change():
+    with pytest.raises(ModelLoadError, match="raise gpu_memory_utilization"):
+        _plan(GIB, max_loras=8, max_lora_rank=64)
