@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from loraplex.registry.records import (
     AdapterRecord,
@@ -16,6 +16,7 @@ from loraplex.registry.records import (
     TenantRecord,
     UsageRecord,
 )
+from loraplex.server.schemas.client_body import ClientBody
 
 NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 Name = Annotated[str, Field(pattern=NAME_PATTERN, description="1 to 64 of A-Z a-z 0-9 . _ -")]
@@ -23,8 +24,8 @@ Limit = Annotated[int | None, Field(ge=1, lt=2**31, description="A positive inte
                                     "unlimited.")]
 
 
-class Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Body(ClientBody):
+    """A request body: unknown fields and text that is not valid Unicode are refused."""
 
 
 # Tenants ---------------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 
+from loraplex.server.schemas.client_body import ClientBody
 from loraplex.types import MAX_LOGPROBS, MAX_STOP_SEQUENCES
 
 MAX_STOP_LENGTH = 256
@@ -24,8 +25,8 @@ def unsupported() -> Any:
 
 
 
-class Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Request(ClientBody):
+    """A request body: unknown fields and text that is not valid Unicode are refused."""
 
 
 class StreamOptions(Request):

@@ -1,0 +1,61 @@
+"""What a hostile client sends, through a real server: text that is not valid Unicode in every
+field a client can send, and errors that must neither leak server paths nor fail with a 5xx."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.server.server_support import MODEL_ID, Server
+
+JSON = {"content-type": "application/json"}
+LONE = "\\ud800"
+"""A lone UTF-16 surrogate as JSON writes it: valid JSON, not valid Unicode."""
+
+COMPLETION = {"model": MODEL_ID, "prompt": "hi", "max_tokens": 2}
+CHAT = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+# (path, body, the field the error must name): `@` marks where the lone surrogate goes.
+SURROGATE_CASES = [
+    ("/v1/completions", COMPLETION | {"prompt": "a@b"}, "prompt"),
+    ("/v1/completions", COMPLETION | {"prompt": ["@"]}, "prompt.0"),
+    ("/v1/completions", COMPLETION | {"stop": "@"}, "stop"),
+    ("/v1/completions", COMPLETION | {"stop": ["ok", "@"]}, "stop.1"),
+    ("/v1/completions", COMPLETION | {"model": "@"}, "model"),
+    ("/v1/completions", COMPLETION | {"user": "@"}, "user"),
+    ("/v1/completions", COMPLETION | {"suffix": "@"}, "suffix"),
+    ("/v1/completions", COMPLETION | {"logit_bias": {"@": 1}}, "logit_bias"),
+    ("/v1/completions", COMPLETION | {"@": 1}, None),
+    ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": "@"}]}, "messages.0.content"),
+    ("/v1/chat/completions", CHAT | {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "@"}]}]},
+     "messages.0.content.1.text"),
+    ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": "x", "name": "@"}]},
+     "messages.0.name"),
+    ("/v1/chat/completions", CHAT | {"messages": [{"role": "@", "content": "x"}]}, "messages.0.role"),
+    ("/v1/chat/completions", CHAT | {"stop": "@"}, "stop"),
+    ("/v1/chat/completions", CHAT | {"user": "@"}, "user"),
+    ("/v1/chat/completions", CHAT | {"metadata": {"a": [{"b": "@"}]}}, "metadata.a.0.b"),
+    ("/admin/api/tenants", {"name": "@"}, "name"),
+    ("/admin/api/keys", {"tenant": "@"}, "tenant"),
+    ("/admin/api/prompts", {"tenant": "acme", "name": "p", "text": "be @ brief"}, "text"),
+    ("/admin/api/prompts", {"tenant": "acme", "name": "p", "text": "x", "adapter": "@"}, "adapter"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), SURROGATE_CASES,
+                         ids=[f"{path.removeprefix('/v1/').removeprefix('/admin/api/')}:{param}"
+                              for path, _, param in SURROGATE_CASES])
+def test_text_that_is_not_unicode_is_a_400_naming_the_field(sqlite_server: Server, path: str, body: dict,
+                                                             param: str | None) -> None:
+    key = sqlite_server.admin_key if path.startswith("/admin") else sqlite_server.keys["acme"]
+    raw = json.dumps(body).replace("@", LONE).encode()
+    with sqlite_server.http(key) as http:
+        response = http.post(path, content=raw, headers=JSON)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]  # and the body is valid JSON in valid UTF-8
+    assert error["param"] == param and error["code"] == "invalid_unicode", error
+    assert "surrogate" in error["message"], error
+    with sqlite_server.http() as http:  # nothing was stored
+        assert [t["name"] for t in http.get("/admin/api/tenants").json()] == ["acme", "globex"]
+        assert http.get("/admin/api/prompts").json() == []
