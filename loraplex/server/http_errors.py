@@ -33,7 +33,7 @@ from loraplex.registry.registry_errors import (
     RegistryError,
 )
 from loraplex.server.request_id import REQUEST_ID_HEADER, request_id_of
-from loraplex.server.schemas.client_body import INVALID_UNICODE
+from loraplex.server.schemas.client_body import INVALID_UNICODE, NESTED_TOO_DEEP
 
 logger = logging.getLogger(__name__)
 
@@ -175,9 +175,9 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         message, code = f"Missing required parameter: {param}", "missing_required_parameter"
     elif kind == "json_invalid":
         message, code, param = "The request body is not valid JSON", "invalid_json", None
-    elif kind == INVALID_UNICODE:
+    elif kind in (INVALID_UNICODE, NESTED_TOO_DEEP):  # the whole body was checked: ctx has the path
         param = _param((*first.get("loc", ()), *first["ctx"]["path"]))
-        message, code = first.get("msg", "invalid text"), INVALID_UNICODE
+        message, code = first.get("msg", "invalid value"), kind
     else:
         message = first.get("msg", "invalid value")
         message, code = (f"{param}: {message}" if param else message), "invalid_value"

@@ -112,6 +112,10 @@ def test_adapters(cli, registry_config: RegistryConfig, tmp_path: Path) -> None:
                                 "target_modules": ["q_proj", "v_proj"]})
     _fails_with(cli("adapter", "upload", "--tenant", "acme", "--name", "big", str(bad)),
                 "exceeds the limit of 8")
+    deep = write_adapter(tmp_path / "deep")
+    (deep / "adapter_config.json").write_bytes(b"[" * 30000 + b"]" * 30000)
+    _fails_with(cli("adapter", "upload", "--tenant", "acme", "--name", "deep", str(deep)),
+                "adapter_config.json is not valid JSON: it is nested deeper than 16 levels")
     code, out, _ = cli("adapter", "list")
     assert [line.split()[:3] for line in out.splitlines()[1:]] == [["acme", "sql", "4"]]
     assert cli("adapter", "list", "--tenant", "acme")[1] == out
@@ -134,6 +138,11 @@ def test_adapter_upload_against_a_model_folder(cli, registry_config: RegistryCon
     assert cli(*upload, "--model", str(model))[0] == 0
     _fails_with(cli(*upload[:-2], "other", str(folder), "--model", str(tmp_path)),
                 "config.json does not exist")
+    deep = tmp_path / "deep-model"
+    deep.mkdir()
+    (deep / "config.json").write_text('{"rope_scaling": ' + "[" * 50000 + "]" * 50000 + "}")
+    _fails_with(cli(*upload[:-2], "other", str(folder), "--model", str(deep)),
+                "is not a usable model config (it is nested deeper than 32 levels)")
     (model / "config.json").write_text(json.dumps(hf_config | {"hidden_size": 128}))
     _record_served_model(registry_config)
     _fails_with(cli(*upload[:-2], "other", str(folder), "--model", str(model)),

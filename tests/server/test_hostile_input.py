@@ -59,3 +59,19 @@ def test_text_that_is_not_unicode_is_a_400_naming_the_field(sqlite_server: Serve
     with sqlite_server.http() as http:  # nothing was stored
         assert [t["name"] for t in http.get("/admin/api/tenants").json()] == ["acme", "globex"]
         assert http.get("/admin/api/prompts").json() == []
+
+
+@pytest.mark.parametrize("depth", [33, 900, 100_000])
+def test_bodies_nested_too_deep_are_a_400(sqlite_server: Server, depth: int) -> None:
+    """Within the JSON parser's own limit the body's check names the field; past it the
+    parser's refusal is a 400 as well."""
+    raw = json.dumps(CHAT | {"metadata": {"m": "@"}}).replace('"@"', "[" * depth + "]" * depth).encode()
+    for path, key in (("/v1/chat/completions", sqlite_server.keys["acme"]),
+                      ("/admin/api/prompts", sqlite_server.admin_key)):
+        with sqlite_server.http(key) as http:
+            response = http.post(path, content=raw, headers=JSON)
+        assert response.status_code == 400, response.text
+        if depth < 1000 and path.startswith("/v1"):
+            error = response.json()["error"]
+            assert error["code"] == "nested_too_deep" and error["param"] == "metadata.m" + ".0" * 30, error
+            assert "deeper than 32 levels" in error["message"]

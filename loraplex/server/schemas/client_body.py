@@ -1,8 +1,9 @@
 """The base of every JSON body a client sends: unknown fields are refused, and so is text that
-is not valid Unicode. JSON can carry a lone UTF-16 surrogate (`"\\ud800"`); Python decodes it
-into a `str` that no tokenizer, database driver or JSON encoder accepts. The whole body is
-checked before its fields are (keys, nested values and fields typed `Any` included), and
-refused with a 400 naming the field: `messages.0.content.1.text`."""
+is not valid Unicode, and nesting deeper than any body needs. JSON can carry a lone UTF-16
+surrogate (`"\\ud800"`); Python decodes it into a `str` that no tokenizer, database driver or
+JSON encoder accepts. The whole body is checked before its fields are (keys, nested values and
+fields typed `Any` included), and refused with a 400 naming the field:
+`messages.0.content.1.text`."""
 
 from __future__ import annotations
 
@@ -11,8 +12,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
 
+from loraplex.json_limits import path_deeper_than
+
 INVALID_UNICODE = "invalid_unicode"
 """The pydantic error type (and the API's error code) of such text."""
+NESTED_TOO_DEEP = "nested_too_deep"
+MAX_DEPTH = 32
+"""Arrays and objects in a body nest at most this deep (OpenAI's bodies need 4)."""
 
 
 class ClientBody(BaseModel):
@@ -20,7 +26,12 @@ class ClientBody(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_invalid_unicode(cls, data: Any) -> Any:
+    def _refuse_bad_text_and_nesting(cls, data: Any) -> Any:
+        deep = path_deeper_than(data, MAX_DEPTH)
+        if deep is not None:
+            raise PydanticCustomError(NESTED_TOO_DEEP, "{where} nests arrays and objects deeper than "
+                                      "{limit} levels", {"path": deep, "where": ".".join(deep),
+                                                         "limit": MAX_DEPTH})
         found = find_lone_surrogate(data)
         if found is not None:
             path, position, is_key = found
