@@ -49,8 +49,9 @@ class AdapterManager:
         key = (tenant, name)
         record = self._records.get(key)
         if record is None:
+            read_at = self._records.generation
             record = self._records.put(key, await run_in_threadpool(
-                self._registry.adapters.get, tenant, name))
+                self._registry.adapters.get, tenant, name), read_at)
             self._names.setdefault(record.digest, set()).add(key)
         return record
 

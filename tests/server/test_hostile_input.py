@@ -4,6 +4,8 @@ field a client can send, and errors that must neither leak server paths nor fail
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 
@@ -75,3 +77,43 @@ def test_bodies_nested_too_deep_are_a_400(sqlite_server: Server, depth: int) -> 
             error = response.json()["error"]
             assert error["code"] == "nested_too_deep" and error["param"] == "metadata.m" + ".0" * 30, error
             assert "deeper than 32 levels" in error["message"]
+
+
+def test_a_revoked_key_is_refused_at_once_under_load(sqlite_server: Server) -> None:
+    """Clients keep calling with a key while it is revoked; no call that starts after the revoke
+    returned may succeed. (A key read from the registry just before the revoke must not be
+    cached after it: tests/server/test_principals.py makes that race happen; here it may.)"""
+    for _ in range(3):
+        late = _calls_that_outlive_a_revocation(sqlite_server)
+        assert not late, f"calls after the revocation that were not refused (s after, status): {late}"
+
+
+def _calls_that_outlive_a_revocation(server: Server, num_clients: int = 4) -> list[tuple[float, int]]:
+    with server.http() as admin:
+        created = admin.post("/admin/api/keys", json={"tenant": "acme"}).json()
+    stop = threading.Event()
+    calls: list[tuple[float, int]] = []
+
+    def call_until_stopped() -> None:
+        with server.http(created["secret"]) as http:
+            while not stop.is_set():
+                started = time.monotonic()
+                calls.append((started, http.get("/v1/models").status_code))
+
+    threads = [threading.Thread(target=call_until_stopped) for _ in range(num_clients)]
+    for thread in threads:
+        thread.start()
+    try:
+        while sum(status == 200 for _, status in calls) < 20:
+            time.sleep(0.01)
+        with server.http() as admin:
+            assert admin.post(f"/admin/api/keys/{created['key']['id']}/revoke").status_code == 200
+        revoked_at = time.monotonic()
+        while sum(started > revoked_at for started, _ in calls) < 40:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    return [(round(started - revoked_at, 3), status) for started, status in calls
+            if started > revoked_at and status != 401]
