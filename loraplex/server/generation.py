@@ -74,17 +74,16 @@ def sampling_params(
             f"This model's maximum context length is {context} tokens; the prompt has "
             f"{num_prompt_tokens} tokens (at most {services.max_prompt_tokens} are accepted).",
             param=prompt_param)
-    room = context - num_prompt_tokens
-    if max_tokens is not None:
-        if max_tokens > cap:
-            raise InvalidRequestError(f"max_tokens is at most {cap} on this server", param="max_tokens")
-        if max_tokens > room:
-            raise ContextLengthError(
-                f"This model's maximum context length is {context} tokens. However, you requested "
-                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
-                f"{max_tokens} in the completion).", param="max_tokens")
-    else:
-        max_tokens = min(default_max_tokens or room, room, cap)
+    room = context - num_prompt_tokens  # the context left after the prompt
+    if max_tokens is not None and max_tokens > room:
+        raise ContextLengthError(
+            f"max_tokens is {max_tokens}, but only {room} tokens are left in this model's context "
+            f"of {context} tokens after the prompt's {num_prompt_tokens}.", param="max_tokens")
+    if max_tokens is not None and cap is not None and max_tokens > cap:
+        raise InvalidRequestError(f"max_tokens is {max_tokens}, but this server generates at most {cap} "
+                                  f"tokens per request.", param="max_tokens")
+    if max_tokens is None:
+        max_tokens = min(default_max_tokens or room, room, cap or room)
     vocab = services.llm.model_config.vocab_size
     top_k = body.top_k if body.top_k is not None and 0 < body.top_k < vocab else -1  # else: all
     return SamplingParams(

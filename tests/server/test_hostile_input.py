@@ -117,3 +117,25 @@ def _calls_that_outlive_a_revocation(server: Server, num_clients: int = 4) -> li
             thread.join()
     return [(round(started - revoked_at, 3), status) for started, status in calls
             if started > revoked_at and status != 401]
+
+
+def test_max_tokens_is_bound_by_the_context_left_after_the_prompt(sqlite_server: Server) -> None:
+    """The test model's context is 512 tokens; a prompt of 2 leaves 510 (no server cap by
+    default: what the context allows is what a request may ask for)."""
+    with sqlite_server.http(sqlite_server.keys["acme"]) as http:
+        for body in (COMPLETION | {"max_tokens": 5000}, COMPLETION | {"max_tokens": 511},
+                     CHAT | {"max_completion_tokens": 10**30, "max_tokens": None}):
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            response = http.post(path, json={k: v for k, v in body.items() if v is not None})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            asked = body.get("max_tokens") or body["max_completion_tokens"]
+            room = 510 if path == "/v1/completions" else 512 - 25  # the chat template's 25 tokens
+            assert error["param"] == "max_tokens" and error["code"] == "context_length_exceeded", error
+            assert f"max_tokens is {asked}, but only {room} tokens are left in this model's context of " \
+                   f"512 tokens" in error["message"], error
+        long_prompt = COMPLETION | {"prompt": "x" * 500, "ignore_eos": True}
+        fits = http.post("/v1/completions", json=long_prompt | {"max_tokens": 12})
+        assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 12, fits.text
+        assert "only 12 tokens are left" in http.post("/v1/completions", json=long_prompt | {
+            "max_tokens": 13}).json()["error"]["message"]
