@@ -12,23 +12,19 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import Request, Response
-from starlette.concurrency import run_in_threadpool
 
-from loraplex.errors import InvalidRequestError, LoraplexError
+from loraplex.errors import ContextLengthError, InvalidRequestError, LoraplexError
 from loraplex.registry.names import NAME_PATTERN
-from loraplex.registry.records import AdapterRecord, TenantRecord
+from loraplex.registry.records import AdapterRecord
 from loraplex.registry.registry_errors import AdapterNotFoundError
-from loraplex.server.http_errors import RateLimitError, ServiceUnavailableError
+from loraplex.server.http_errors import RateLimitError
+from loraplex.server.limits import Admission
 from loraplex.server.schemas.openai import SamplingFields, Usage
 from loraplex.server.services import Services
 from loraplex.server.streaming import ClientDisconnected, EventStreamResponse, until_disconnect
 from loraplex.types import RequestOutput, SamplingParams, TokenLogprob
 
 logger = logging.getLogger(__name__)
-
-
-class ContextLengthError(InvalidRequestError):
-    code = "context_length_exceeded"
 
 
 class EngineRequestError(LoraplexError):
@@ -48,6 +44,8 @@ class Job:
     params: SamplingParams
     arrival: float
     """time.monotonic() when the request arrived."""
+    admission: Admission
+    """Its place under the server's and the tenant's limits: released when the job ends."""
 
 
 async def resolve_model(services: Services, tenant: str, model: str) -> AdapterRecord | None:
@@ -94,24 +92,16 @@ def sampling_params(
     )
 
 
-async def tenant_record(services: Services, name: str) -> TenantRecord:
-    principals = services.principals
-    return principals.cached_tenant(name) or await run_in_threadpool(principals.tenant, name)
-
-
 async def generate(services: Services, job: Job) -> AsyncIterator[RequestOutput]:
     """The request's outputs (cumulative, as the engine gives them). Raises before the first
-    output if it is refused (429/503, unknown adapter, invalid for the engine). Closing the
-    iterator early aborts the engine request."""
-    tenant = await tenant_record(services, job.tenant)
+    output if it is refused (429 past the tenant's tokens per minute, unknown adapter, invalid
+    for the engine). Closing the iterator early aborts the engine request."""
     num_prompt = len(job.prompt_token_ids)
+    admission = job.admission
     try:
-        admission = services.limiter.admit(tenant, num_prompt + job.params.max_tokens)
+        admission.reserve(num_prompt + job.params.max_tokens)
     except RateLimitError:
         services.metrics.reject("rate_limit")
-        raise
-    except ServiceUnavailableError:
-        services.metrics.reject("overloaded")
         raise
     metrics = services.metrics
     metrics.request_max_tokens.observe(job.params.max_tokens)

@@ -50,7 +50,7 @@ class Services:
         services = cls(
             config=config, registry=registry, llm=llm, engine=engine,
             principals=Principals(registry, config.registry_cache_ttl_s),
-            codec=TextCodec(llm.tokenizer),
+            codec=TextCodec(llm.tokenizer, max_prompt_tokens(config, llm), config.tokenizer_threads),
             adapters=AdapterManager(registry, engine, llm.model_config.shape,
                                     llm.config.lora.max_lora_rank, config.max_host_adapters,
                                     config.registry_cache_ttl_s),
@@ -63,9 +63,7 @@ class Services:
 
     @property
     def max_prompt_tokens(self) -> int:
-        context = self.llm.max_model_len - 1
-        limit = self.config.max_prompt_tokens
-        return context if limit is None else min(limit, context)
+        return max_prompt_tokens(self.config, self.llm)
 
     async def stop(self) -> None:
         self.is_stopping = True
@@ -73,3 +71,9 @@ class Services:
         await run_in_threadpool(self.usage.close)
         await run_in_threadpool(self.engine.shutdown)
         self.codec.close()
+
+
+def max_prompt_tokens(config: ServerConfig, llm: LLMEngine) -> int:
+    """The longest prompt accepted: the context less one token, or the configured limit."""
+    context = llm.max_model_len - 1
+    return context if config.max_prompt_tokens is None else min(config.max_prompt_tokens, context)

@@ -63,7 +63,7 @@ def test_text_that_is_not_unicode_is_a_400_naming_the_field(sqlite_server: Serve
         assert http.get("/admin/api/prompts").json() == []
 
 
-@pytest.mark.parametrize("depth", [33, 900, 100_000])
+@pytest.mark.parametrize("depth", [33, 900, 20_000])
 def test_bodies_nested_too_deep_are_a_400(sqlite_server: Server, depth: int) -> None:
     """Within the JSON parser's own limit the body's check names the field; past it the
     parser's refusal is a 400 as well."""
@@ -139,3 +139,38 @@ def test_max_tokens_is_bound_by_the_context_left_after_the_prompt(sqlite_server:
         assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 12, fits.text
         assert "only 12 tokens are left" in http.post("/v1/completions", json=long_prompt | {
             "max_tokens": 13}).json()["error"]["message"]
+
+
+def test_refused_requests_count_against_the_senders_limits(sqlite_server: Server) -> None:
+    """A tenant limited to 3 requests a minute sends 3 that are refused (a bad parameter, a
+    prompt too long for the context, an unknown adapter): the 4th, a good one, is over the
+    limit. Another tenant is not affected."""
+    with sqlite_server.http() as admin:
+        assert admin.patch("/admin/api/tenants/acme", json={"max_requests_per_minute": 3}).status_code == 200
+    with sqlite_server.http(sqlite_server.keys["acme"]) as http:
+        refused = [http.post("/v1/completions", json=COMPLETION | change).status_code for change in (
+            {"temperature": -1}, {"prompt": "x" * 5000}, {"model": "nothing-of-that-name"})]
+        assert refused == [400, 400, 404]
+        over = http.post("/v1/completions", json=COMPLETION)
+        assert over.status_code == 429 and over.headers["x-ratelimit-remaining-requests"] == "0", over.text
+    with sqlite_server.http(sqlite_server.keys["globex"]) as http:
+        assert http.post("/v1/completions", json=COMPLETION).status_code == 200
+
+
+def test_text_that_cannot_fit_is_refused_before_it_is_tokenized(sqlite_server: Server) -> None:
+    """The test model's context is 512 tokens and its tokenizer's longest token 5 bytes: 3000
+    bytes are at least 600 tokens, whatever they say. A body larger than any request that fits
+    needs is refused before it is read."""
+    with sqlite_server.http(sqlite_server.keys["acme"]) as http:
+        for path, body, param in (
+                ("/v1/completions", COMPLETION | {"prompt": "é" * 1500}, "prompt"),
+                ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": "a" * 2000},
+                                                              {"role": "user", "content": "b" * 1000}]},
+                 "messages")):
+            error = http.post(path, json=body).json()["error"]
+            assert (error["code"], error["param"]) == ("context_length_exceeded", param), error
+            assert "The prompt is 3000 bytes long: at least 600 tokens" in error["message"], error
+            assert "It was not tokenized" in error["message"]
+        huge = http.post("/v1/completions", json=COMPLETION | {"prompt": "x" * 4_000_000})
+        assert huge.status_code == 413 and "no request whose prompt fits this model (511 tokens at most) " \
+                                          "needs more" in huge.json()["error"]["message"], huge.text

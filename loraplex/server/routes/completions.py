@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request, Response
 
 from loraplex import __version__
 from loraplex.errors import InvalidRequestError
+from loraplex.server.admission import AdmissionDep
 from loraplex.server.auth import TenantDep
 from loraplex.server.deps import ServicesDep
 from loraplex.server.generation import (
@@ -49,18 +50,18 @@ STREAM_RESPONSE = {
 @router.post("/completions", response_model=Completion, summary="Complete a prompt",
              responses={**INFERENCE_ERRORS, 200: STREAM_RESPONSE})
 async def create_completion(body: CompletionRequest, principal: TenantDep, services: ServicesDep,
-                            request: Request) -> Completion | Response:
+                            request: Request, admission: AdmissionDep) -> Completion | Response:
     """Generate text after `prompt` with the base model or one of your adapters (`model`).
     With `stream: true` the answer comes as server-sent events; leaving the stream stops the
     generation."""
     arrival = time.monotonic()
     adapter = await resolve_model(services, principal.tenant, body.model)
-    prompt_ids = await _prompt_token_ids(services, body.prompt)
+    prompt_ids = await _prompt_token_ids(services, body.prompt, principal.tenant)
     params = sampling_params(services, body, len(prompt_ids), max_tokens=body.max_tokens,
                              default_max_tokens=DEFAULT_MAX_TOKENS, logprobs=body.logprobs,
                              prompt_param="prompt")
     job = Job(request_id_of(request.scope), principal.tenant, body.model, adapter, prompt_ids, params,
-              arrival)
+              arrival, admission)
     last = await run_job(request, services, job, stream=bool(body.stream),
                          events=lambda first, outputs: _events(services, job, body, first, outputs))
     if isinstance(last, Response):
@@ -74,9 +75,9 @@ async def create_completion(body: CompletionRequest, principal: TenantDep, servi
     )
 
 
-async def _prompt_token_ids(services: Services, prompt: str | list[int]) -> list[int]:
+async def _prompt_token_ids(services: Services, prompt: str | list[int], tenant: str) -> list[int]:
     if isinstance(prompt, str):
-        return await services.codec.encode(prompt)
+        return await services.codec.encode(prompt, tenant)
     vocab = services.llm.model_config.vocab_size
     if not all(0 <= token < vocab for token in prompt):
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
