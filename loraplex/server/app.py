@@ -14,6 +14,7 @@ from fastapi.staticfiles import StaticFiles
 from loraplex import __version__
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.registry import Registry
+from loraplex.server.api_docs import install_api_docs
 from loraplex.server.codec import max_request_body_bytes
 from loraplex.server.http_errors import install_error_handlers
 from loraplex.server.middleware import BodyLimit, RequestContextMiddleware
@@ -54,7 +55,8 @@ def create_app(config: ServerConfig, registry: Registry, engine: LLMEngine) -> F
             await services.stop()
 
     app = FastAPI(title="loraplex", version=__version__, description=DESCRIPTION, openapi_tags=TAGS,
-                  lifespan=lifespan)
+                  lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_api_docs(app)
     app.state.services = None
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware, max_body_bytes=config.max_body_bytes,
