@@ -40,7 +40,6 @@ class AdapterManager:
         self._loaded: OrderedDict[str, None] = OrderedDict()  # digests in the engine, LRU first
         self._loading: dict[str, asyncio.Future[None]] = {}
         self._pins: dict[str, int] = {}
-        self._names: dict[str, set[tuple[str, str]]] = {}
 
     # Registry records -----------------------------------------------------------------------
     async def lookup(self, tenant: str, name: str) -> AdapterRecord:
@@ -52,18 +51,11 @@ class AdapterManager:
             read_at = self._records.generation
             record = self._records.put(key, await run_in_threadpool(
                 self._registry.adapters.get, tenant, name), read_at)
-            self._names.setdefault(record.digest, set()).add(key)
         return record
 
     def forget(self, tenant: str, name: str | None = None) -> None:
         """Drop cached records of a tenant's adapter (or of all its adapters)."""
         self._records.forget(lambda key: key[0] == tenant and name in (None, key[1]))
-        for keys in self._names.values():
-            keys.difference_update({k for k in keys if k[0] == tenant and name in (None, k[1])})
-
-    def names_of(self, digest: str) -> list[str]:
-        """`tenant/name` of the adapters last seen with this digest."""
-        return sorted(f"{tenant}/{name}" for tenant, name in self._names.get(digest, ()))
 
     # Engine copies --------------------------------------------------------------------------
     @asynccontextmanager
@@ -101,8 +93,8 @@ class AdapterManager:
         adapter = await run_in_threadpool(self._read, record)
         await self._engine.add_adapter(record.digest, adapter)
         self._loaded[record.digest] = None
-        logger.info("loaded adapter %s (%s) into the engine", record.digest[:12],
-                    ", ".join(self.names_of(record.digest)) or "unnamed")
+        logger.info("loaded adapter %s (first asked for as %s/%s) into the engine", record.digest[:16],
+                    record.tenant, record.name)
         self._evict()
 
     def _read(self, record: AdapterRecord) -> LoraAdapter:

@@ -78,7 +78,10 @@ def test_keys(cli, registry_config: RegistryConfig) -> None:
     assert code == 0 and KEY.fullmatch(admin_out.strip())
     code, listing, _ = cli("key", "list")
     assert secret not in listing and secret[:12] + "..." in listing
-    rows = [line.split() for line in listing.splitlines()[1:]]
+    *table, note = listing.splitlines()
+    assert note == ("(LAST_USED is recorded at most once every 60 s per key: it can be up to that much "
+                    "behind.)")
+    rows = [line.split() for line in table[1:]]
     assert [(r[0], r[1], r[2]) for r in rows] == [("1", "tenant", "acme"), ("2", "admin", "-")]
     assert cli("key", "revoke", "1")[:2] == (0, f"revoked key 1 ({secret[:12]}...)\n")
     with Registry.open(registry_config) as registry:
