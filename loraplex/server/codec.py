@@ -6,17 +6,26 @@ Tokenizing is the one unbounded piece of work a request causes before the engine
   (tokenizers of causal LMs cover every byte of the text: byte-level BPE or byte fallback);
 - tokenizer calls run on a FairPool: each worker thread has its own copy of the tokenizer,
   one tenant runs one call at a time, and tenants take turns, so a tenant that sends many long
-  prompts waits behind itself, not others."""
+  prompts waits behind itself, not others;
+- the workers run at a lower CPU priority than the engine and the event loop, so a flood of
+  long prompts being tokenized does not take the CPU from generation. For that the tokenizer
+  must work on the calling thread: its own thread pool is turned off in this process
+  (TOKENIZERS_PARALLELISM=false, unless set otherwise; it splits only batches, and the server
+  tokenizes one text a call)."""
 
 from __future__ import annotations
 
 import copy
 import math
+import os
 from typing import Any
 
 from loraplex.errors import ContextLengthError, InvalidRequestError
 from loraplex.server.fair_pool import FairPool
 
+TOKENIZER_NICENESS = 10
+"""How much lower the tokenizer threads' CPU priority is (their nice value)."""
+TOKENIZERS_PARALLELISM = "TOKENIZERS_PARALLELISM"
 SERVER_WORK = ""
 """The turn of calls made for the server itself (counting a system prompt's tokens, decoding
 logprobs) rather than for one tenant's prompt."""
@@ -45,8 +54,10 @@ class TextCodec:
         self._tokenizer = tokenizer
         self._max_prompt_tokens = max_prompt_tokens
         self._max_token_bytes = max_token_bytes(tokenizer) if tokenizer is not None else 0
+        os.environ.setdefault(TOKENIZERS_PARALLELISM, "false")
         copies = [tokenizer] + [copy.deepcopy(tokenizer) for _ in range(num_workers - 1)]
-        self._pool = FairPool(copies, max_per_tenant=max(1, num_workers - 1), name="loraplex-tokenizer")
+        self._pool = FairPool(copies, max_per_tenant=max(1, num_workers - 1), name="loraplex-tokenizer",
+                              niceness=TOKENIZER_NICENESS)
 
     @property
     def has_chat_template(self) -> bool:

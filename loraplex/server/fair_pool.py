@@ -9,6 +9,10 @@ the event loop only."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import sys
+import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,10 +37,12 @@ class _Worker(Generic[R]):
 
 
 class FairPool(Generic[R]):
-    def __init__(self, resources: list[R], max_per_tenant: int, name: str) -> None:
+    def __init__(self, resources: list[R], max_per_tenant: int, name: str, niceness: int = 0) -> None:
+        """`niceness`: how much lower the workers' CPU priority is than the process's (their
+        nice value, on Linux, which schedules threads on their own)."""
         if not resources or max_per_tenant < 1:
             raise ValueError("a FairPool needs at least one resource and max_per_tenant >= 1")
-        self._idle = [_Worker(ThreadPoolExecutor(1, thread_name_prefix=f"{name}-{i}"), resource)
+        self._idle = [_Worker(ThreadPoolExecutor(1, f"{name}-{i}", _lower_priority, (niceness,)), resource)
                       for i, resource in enumerate(resources)]
         self._workers = list(self._idle)
         self._max_per_tenant = max_per_tenant
@@ -113,3 +119,10 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: 
     if not loop.is_closed():  # a call still running when the server stopped has nobody to tell
         loop.call_soon_threadsafe(fn, *args)
 
+
+
+def _lower_priority(niceness: int) -> None:
+    if niceness and sys.platform == "linux":
+        thread = threading.get_native_id()
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + niceness)

@@ -18,7 +18,9 @@ def flood(url: str, key: str, body: bytes, num_clients: int, pause_s: float, flo
     each answer, while `flooding` is set, until `stop` is; `num_sent` counts the requests
     answered, `num_pending` those under way. At the end the count of each answer (a status, or
     `closed` when the server closed the connection before answering) goes on the `answers`
-    queue. The process keeps to one core: it stands for clients on other machines."""
+    queue. The process keeps to one core at the lowest CPU priority: it stands for clients on
+    other machines, whose own work the server would not feel."""
+    os.nice(19)  # its own CPU use is no part of the server's: the lowest priority
     if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > 1:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     statuses: Counter = Counter()
