@@ -28,8 +28,8 @@ from loraplex.kernels._common import (
     num_sms,
     upcast_loads,
 )
+from loraplex.kernels.attention_tiles import LOG2E, attend_paged_tiles, empty_state
 
-LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 64  # one BLOCK_N tile: short contexts at small batch get more splits
 
@@ -73,31 +73,13 @@ def _decode_split_kernel(
                 mask=row_mask, other=0.0)  # [BLOCK_H, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    m_i, l_i, acc = empty_state(BLOCK_H, BLOCK_D)
     kv_base = kv_ptr + kv_head * stride_kv_head
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < end
-        block = tl.load(block_tables_ptr + seq * stride_bt_seq + n // PAGE_SIZE, mask=n_mask,
-                        other=0).to(tl.int64)
-        tok_off = block * stride_kv_block + (n % PAGE_SIZE) * stride_kv_tok  # [BLOCK_N]
-        kv_off = tok_off[:, None] + d[None, :]
-        kv_mask = n_mask[:, None] & (d < head_dim)[None, :]
-        k = tl.load(kv_base + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(kv_base + stride_kv_kv + kv_off, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_H, BLOCK_N], log2 units
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    m_i, l_i, acc = attend_paged_tiles(
+        q, m_i, l_i, acc, kv_base, block_tables_ptr + seq * stride_bt_seq, start, end,
+        scale_log2, stride_kv_block, stride_kv_kv, stride_kv_tok, head_dim,
+        PAGE_SIZE, BLOCK_N, BLOCK_D, UPCAST,
+    )
 
     if NUM_SPLITS == 1:
         tl.store(out_ptr + out_off, acc / l_i[:, None], mask=row_mask)

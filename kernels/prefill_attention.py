@@ -26,8 +26,8 @@ from loraplex.kernels._common import (
     next_pow2,
     upcast_loads,
 )
+from loraplex.kernels.attention_tiles import LOG2E, attend_paged_tiles, empty_state
 
-LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
 
 
@@ -89,33 +89,14 @@ def _prefill_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     q_pos = context + t  # [BLOCK_M]
-
-    m_i = tl.full([BLOCK_Q * GROUP_P2], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_Q * GROUP_P2], tl.float32)
-    acc = tl.zeros([BLOCK_Q * GROUP_P2, BLOCK_D], tl.float32)
+    m_i, l_i, acc = empty_state(BLOCK_Q * GROUP_P2, BLOCK_D)
     kv_base = kv_ptr + kv_head * stride_kv_head
     kv_end = context + tl.minimum((q_block + 1) * BLOCK_Q, q_len)  # last query position + 1
-    for n0 in range(0, kv_end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < kv_end
-        block = tl.load(block_tables_ptr + seq * stride_bt_seq + n // PAGE_SIZE, mask=n_mask,
-                        other=0).to(tl.int64)
-        kv_off = (block * stride_kv_block + (n % PAGE_SIZE) * stride_kv_tok)[:, None] + d[None, :]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(kv_base + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(kv_base + stride_kv_kv + kv_off, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_M, BLOCK_N], log2 units
-        causal = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        s = tl.where(causal, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    m_i, l_i, acc = attend_paged_tiles(
+        q, m_i, l_i, acc, kv_base, block_tables_ptr + seq * stride_bt_seq, 0, kv_end,
+        scale_log2, stride_kv_block, stride_kv_kv, stride_kv_tok, head_dim,
+        PAGE_SIZE, BLOCK_N, BLOCK_D, UPCAST, q_pos=q_pos,
+    )
 
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]

@@ -68,19 +68,6 @@ class BaseModelShape:
     num_kv_heads: int
     head_dim: int
 
-    @classmethod
-    def from_hf_config(cls, config: dict[str, Any]) -> BaseModelShape:
-        """From a Hugging Face config.json dict (Llama, Mistral, Qwen2)."""
-        hidden, heads = config["hidden_size"], config["num_attention_heads"]
-        return cls(
-            num_layers=config["num_hidden_layers"],
-            hidden_size=hidden,
-            intermediate_size=config["intermediate_size"],
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or hidden // heads,
-        )
-
     def features(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of a target module."""
         h, i = self.hidden_size, self.intermediate_size

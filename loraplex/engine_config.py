@@ -1,113 +1,159 @@
-"""Engine configuration: frozen dataclasses, built once at the edge (CLI, server, `LLM`) and
-passed down. Values learned at run time (the number of KV blocks, the eos id) live in other
-objects; nothing here is ever written back."""
+"""Engine options: frozen dataclasses, built once at the edge (`loraplex serve` flags, `LLM(...)`
+keyword arguments) and passed down. Their fields are the one source of the options: the CLI's
+flags, with their help, come from the fields and their docstrings (loraplex/cli/engine_flags.py),
+`LLM(**options)` routes each keyword to the field of that name, and the admin engine API shows
+them. Names follow vLLM's where one exists (`max_num_seqs` is `--max-num-seqs`). Values learned
+at run time (the number of KV blocks, the eos id) live in other objects; nothing here is ever
+written back."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """An option has a value it cannot take; `option` names it (the field)."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(f"{option}: {message}")
+        self.option, self.message = option, message
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    """Tokens per KV block."""
-    num_blocks: int | None = None
-    """KV blocks to allocate; None sizes the cache from memory (`memory_fraction` of free GPU
-    memory on CUDA, `cpu_cache_bytes` on CPU)."""
-    memory_fraction: float = 0.85
-    """Fraction of free GPU memory (after weights and LoRA slots) given to the KV cache."""
-    cpu_cache_bytes: int = 1 << 30
-    """KV cache size on CPU when `num_blocks` is not set."""
+    """Tokens per KV block (a power of two)."""
+    num_kv_blocks: int | None = None
+    """KV blocks to allocate, overriding the size computed from memory (vLLM's
+    --num-gpu-blocks-override)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of the GPU's memory the engine may use: weights, activations, CUDA graphs,
+    adapter slots, and the KV cache in what is left."""
+    cpu_kv_cache_bytes: int = 1 << 30
+    """KV cache and adapter slots on CPU, in bytes (when num_kv_blocks is not set)."""
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
-               "block_size must be a power of two")
-        _check(self.num_blocks is None or self.num_blocks > 0, "num_blocks must be positive")
-        _check(0.0 < self.memory_fraction <= 1.0, "memory_fraction must be in (0, 1]")
+               "block_size", "must be a power of two")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks", "must be positive")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
+        _check(self.cpu_kv_cache_bytes > 0, "cpu_kv_cache_bytes", "must be positive")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
-    """Most requests running at once."""
+    """Most requests running at once (also the largest batch captured as a CUDA graph)."""
     max_num_batched_tokens: int = 2048
     """Token budget of one step: decodes first, then prompt chunks up to this many tokens."""
+    scheduling_policy: Literal["fcfs"] = "fcfs"
+    """Order of admission and choice of preemption victims: "fcfs", first come, first served."""
 
     def __post_init__(self) -> None:
-        _check(self.max_num_seqs > 0, "max_num_seqs must be positive")
-        _check(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive")
+        _check(self.max_num_seqs > 0, "max_num_seqs", "must be positive")
+        _check(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be positive")
+        _check(self.scheduling_policy == "fcfs", "scheduling_policy",
+               f"must be fcfs, not {self.scheduling_policy!r}")
 
 
 @dataclass(frozen=True)
 class LoRAConfig:
     max_lora_rank: int = 64
-    """Largest adapter rank accepted; slot buffers are this wide, kernels skip the padding."""
-    max_loras: int = 8
-    """Adapters resident on the device at once (slots, not counting slot 0 = no adapter); also
-    the most distinct adapters in one step."""
+    """Largest adapter rank accepted; device slots are this wide (kernels skip the padding)."""
+    max_loras: int | None = None
+    """Adapters in device slots at once, which is also the most distinct adapters in one step.
+    Default: as many slots of max_lora_rank as lora_memory_fraction of the memory left for the
+    KV cache and the slots buys, at most max_num_seqs."""
+    max_cpu_loras: int | None = None
+    """Size of the host tier that device slots are filled from (pinned memory on CUDA), as
+    this many adapters of max_lora_rank (in bytes: smaller adapters take less). Default: twice
+    the device slots."""
+    lora_memory_fraction: float = 0.15
+    """Share of the memory left for the KV cache and adapter slots that the slots may take,
+    when max_loras is not set."""
 
     def __post_init__(self) -> None:
-        _check(self.max_lora_rank > 0, "max_lora_rank must be positive")
-        _check(self.max_loras > 0, "max_loras must be positive")
+        _check(self.max_lora_rank > 0, "max_lora_rank", "must be positive")
+        _check(self.max_loras is None or self.max_loras > 0, "max_loras", "must be positive")
+        _check(self.max_cpu_loras is None or self.max_cpu_loras > 0, "max_cpu_loras", "must be positive")
+        _check(0.0 < self.lora_memory_fraction < 1.0, "lora_memory_fraction", "must be in (0, 1)")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
     """Path to a local Hugging Face model folder."""
-    device: str = "auto"
-    """"auto" (cuda when present), "cpu" or "cuda"."""
-    dtype: str = "auto"
-    """"auto" (bfloat16 on CUDA, float32 on CPU), "float32", "float16" or "bfloat16"."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the engine runs: "auto" takes cuda when present."""
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    """Weights and activations: "auto" is bfloat16 on CUDA, float32 on CPU."""
     max_model_len: int | None = None
-    """Longest sequence (prompt + output); None takes the model's max_position_embeddings."""
+    """Longest sequence, prompt and output (default: the model's max_position_embeddings)."""
     seed: int = 0
     """Seed for requests that set none of their own."""
-    use_cuda_graphs: bool = True
-    """Capture decode steps as CUDA graphs (CUDA only)."""
+    enforce_eager: bool = False
+    """Run every step eagerly: capture no CUDA graphs (they are captured at start-up)."""
     async_scheduling: bool | None = None
     """Plan and launch each step while the device still runs the previous one, so the host's
-    work hides behind the device's (None: on CUDA only, where it pays). Outputs then come one
-    step later, and a request that stops on a token computes one token more (discarded)."""
-    kernels: str = "auto"
-    """"auto" (Triton on CUDA, the torch reference on CPU), "triton" or "reference"."""
+    work hides behind the device's (default: on CUDA only, where it pays)."""
+    kernels: Literal["auto", "triton", "reference"] = "auto"
+    """Op set: "auto" is Triton on CUDA and the torch reference on CPU."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
-        _check(self.device in ("auto", "cpu", "cuda"),
-               f"device must be auto, cpu or cuda, not {self.device!r}")
-        _check(self.dtype in ("auto", "float32", "float16", "bfloat16"),
-               f"dtype must be auto, float32, float16 or bfloat16, not {self.dtype!r}")
-        _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive")
-        _check(self.kernels in ("auto", "triton", "reference"),
-               f"kernels must be auto, triton or reference, not {self.kernels!r}")
+        _check(self.device in ("auto", "cpu", "cuda"), "device",
+               f"must be auto, cpu or cuda, not {self.device!r}")
+        _check(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype",
+               f"must be auto, float32, float16 or bfloat16, not {self.dtype!r}")
+        _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be positive")
+        _check(self.kernels in ("auto", "triton", "reference"), "kernels",
+               f"must be auto, triton or reference, not {self.kernels!r}")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
         """Build from flat keyword arguments (`block_size=32, max_loras=4, ...`), routing each to
-        the sub-config that owns it. Unknown names raise TypeError."""
-        subs = {"cache": CacheConfig, "scheduler": SchedulerConfig, "lora": LoRAConfig}
-        top = {f.name for f in fields(cls)} - set(subs)
+        the sub-config that owns it. Unknown names raise TypeError; bad values ConfigError."""
         top_kwargs: dict[str, Any] = {}
-        sub_kwargs: dict[str, dict[str, Any]] = {name: {} for name in subs}
+        sub_kwargs: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        owners = option_owners()
         for key, value in kwargs.items():
-            if key in top or key in subs:
-                top_kwargs[key] = value
-                continue
-            owner = next((name for name, c in subs.items() if key in {f.name for f in fields(c)}), None)
-            if owner is None:
+            if key not in owners:
                 raise TypeError(f"unknown engine option {key!r}")
-            sub_kwargs[owner][key] = value
-        config = cls(model=model, **top_kwargs)
-        return replace(config, **{
-            name: replace(getattr(config, name), **values)
-            for name, values in sub_kwargs.items() if values
-        })
+            (top_kwargs if owners[key] is None else sub_kwargs[owners[key]])[key] = value
+        sections = {name: section(**sub_kwargs[name]) for name, section in SECTIONS.items()}
+        return cls(model=model, **top_kwargs, **sections)
+
+    def options(self) -> dict[str, Any]:
+        """Every option by its flat name (`max_num_seqs`, ...), the model folder left out."""
+        flat = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in SECTIONS}
+        flat.pop("model")
+        for name in SECTIONS:
+            section = getattr(self, name)
+            flat.update({f.name: getattr(section, f.name) for f in fields(section)})
+        return flat
+
+    def with_options(self, **kwargs: Any) -> EngineConfig:
+        """A copy with some options changed (flat names)."""
+        return EngineConfig.from_kwargs(self.model, **{**self.options(), **kwargs})
 
 
-def _check(condition: bool, message: str) -> None:
+SECTIONS: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig, "lora": LoRAConfig}
+"""EngineConfig's sub-configs by field name."""
+
+
+def option_owners() -> dict[str, str | None]:
+    """Each flat option name -> the EngineConfig field of the section that holds it (None: a
+    field of EngineConfig itself). The model folder is not an option."""
+    owners: dict[str, str | None] = {
+        f.name: None for f in fields(EngineConfig) if f.name not in SECTIONS and f.name != "model"}
+    for name, section in SECTIONS.items():
+        owners.update({f.name: name for f in fields(section)})
+    return owners
+
+
+def _check(condition: bool, option: str, message: str) -> None:
     if not condition:
-        raise ValueError(message)
+        raise ConfigError(option, message)

@@ -205,4 +205,4 @@ def test_refused_adapter_leaves_engine_adapters_unchanged(tmp_path):
     bad = _peft(base, tmp_path, r=4, target_modules=["q_proj"], use_dora=True)
     with pytest.raises(AdapterError, match="DoRA"):
         llm.add_adapter("bad", bad)
-    assert set(llm.engine.adapters.names) == {"good"}
+    assert set(llm.engine.local_adapters.names) == {"good"}

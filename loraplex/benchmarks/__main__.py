@@ -2,9 +2,9 @@
 
 import argparse
 
-from loraplex.benchmarks.cli import add_benchmarks
+from loraplex.benchmarks.cli import add_benchmarks, parse_args
 
 parser = argparse.ArgumentParser(prog="python -m loraplex.benchmarks")
 add_benchmarks(parser)
-args = parser.parse_args()
+args = parse_args(parser)
 args.run(args)

@@ -104,13 +104,13 @@ def _generate(config: AccuracyConfig, model: LlamaForCausalLM, adapters: list[Ho
     max_len = model.max_positions
     engine = LLMEngine(EngineConfig(
         model="synthetic-llama-3-8b", device=config.device, dtype=dtype, max_model_len=max_len,
-        kernels="auto" if dtype == "bfloat16" else "reference", use_cuda_graphs=forced is None,
-        cache=CacheConfig(num_blocks=config.num_requests * -(-max_len // 16) + 1),
+        kernels="auto" if dtype == "bfloat16" else "reference", enforce_eager=forced is not None,
+        cache=CacheConfig(num_kv_blocks=config.num_requests * -(-max_len // 16) + 1),
         scheduler=SchedulerConfig(max_num_seqs=config.num_requests, max_num_batched_tokens=4096),
         lora=LoRAConfig(max_lora_rank=config.rank, max_loras=config.num_requests),
     ), model=model)
     for i, host in enumerate(adapters):
-        engine.adapters.add_prepared(f"adapter-{i}", host)
+        engine.add_adapter(f"adapter-{i}", host)
     logits: dict[str, list[torch.Tensor]] = {}
     _record_logits(engine, logits)
     if forced is not None:
@@ -155,18 +155,21 @@ def _record_logits(engine: LLMEngine, into: dict[str, list[torch.Tensor]]) -> No
 
 
 def _force_tokens(engine: LLMEngine, forced: dict[str, list[int]]) -> None:
-    """Make the runner feed back `forced` tokens instead of the ones it samples."""
+    """Make the runner feed back `forced` tokens instead of the ones it samples (eager steps)."""
     runner = engine.runner
-    original = runner._sample
+    original = runner.forward
 
-    def sample(logits, rows):
-        sampled = original(logits, rows)
+    def forward(shape):
+        logits, sampled = original(shape)
+        n, inputs = shape.num_samples, runner.inputs
         request_of = {row: request_id for request_id, row in runner.batch.row_of.items()}
-        offsets = runner._offsets(rows)
-        values = [forced[request_of[row]][offset] for row, offset in zip(rows.tolist(), offsets.tolist())]
-        return torch.tensor(values, dtype=sampled.dtype, device=sampled.device)
+        rows, offsets = inputs.sample_rows[:n].tolist(), inputs.offsets[:n].tolist()
+        values = [forced[request_of[row]][offset] for row, offset in zip(rows, offsets)]
+        tokens = torch.tensor(values, dtype=sampled.dtype, device=sampled.device)
+        runner.row_tokens[inputs.sample_rows[:n]] = tokens
+        return logits, tokens
 
-    runner._sample = sample
+    runner.forward = forward
 
 
 @torch.no_grad()

@@ -58,9 +58,19 @@ def add_benchmarks(parser: argparse.ArgumentParser) -> None:
     _common(accuracy)
     accuracy.set_defaults(run=run_accuracy)
     for name, (module, summary) in SCRIPTS.items():
-        script = kinds.add_parser(name, help=summary, add_help=False)
-        script.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options (--help)")
-        script.set_defaults(run=_run_script, module=module)
+        script = kinds.add_parser(name, help=f"{summary} (its own options: {name} --help)", add_help=False)
+        script.set_defaults(run=_run_script, module=module, passes_args=True)
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse, handing what the parser does not know to a benchmark with its own command line
+    (as `args.args`)."""
+    args, extra = parser.parse_known_args(argv)
+    if getattr(args, "passes_args", False):
+        args.args = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def _run_script(args: argparse.Namespace) -> None:

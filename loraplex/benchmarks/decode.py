@@ -51,16 +51,16 @@ def run(config: DecodeBenchConfig) -> dict[str, Any]:
     adapters = {f"adapter-{i}": synthetic.random_adapter(
         model_config, config.rank, dtype, device, str(i), seed=1000 + i, pin=device.type == "cuda")
         for i in range(num_adapters)}
-    engine = _engine(config, model, num_adapters, max_len)
-    for name, host in adapters.items():
-        engine.adapters.add_prepared(name, host)
     setup_s = time.perf_counter() - started
-    print(f"model and {num_adapters} adapters built in {setup_s:.1f} s", flush=True)
+    print(f"model and {num_adapters} adapters (in host memory) built in {setup_s:.1f} s", flush=True)
     started = time.perf_counter()
-    if engine.runner.graphs is not None:
-        engine.runner.graphs.capture_all()
-    capture_s = time.perf_counter() - started
-    print(f"decode graphs captured in {capture_s:.1f} s", flush=True)
+    engine = _engine(config, model, max_len)
+    build_s = time.perf_counter() - started
+    for name, host in adapters.items():
+        engine.add_adapter(name, host)
+    startup = _startup_report(engine, build_s)
+    print(json.dumps(startup), flush=True)
+    warm_up = _warm_up_rows(engine, config, model_config, list(adapters))
     rows = []
     for batch in config.batch_sizes:
         for with_adapters in (False, True):
@@ -70,9 +70,39 @@ def run(config: DecodeBenchConfig) -> dict[str, Any]:
         rows += _run_hf_baselines(config, model, model_config, adapters)
     return {
         "benchmark": "decode", "config": asdict(config), "device": _device_name(device),
-        "torch": torch.__version__, "setup_s": round(setup_s, 1), "graph_capture_s": round(capture_s, 1),
-        "weight_bytes": _weight_bytes(model), "rows": rows,
+        "torch": torch.__version__, "setup_s": round(setup_s, 1), "startup": startup,
+        "first_batches": warm_up, "weight_bytes": _weight_bytes(model), "rows": rows,
     }
+
+
+def _startup_report(engine: LLMEngine, build_s: float) -> dict[str, Any]:
+    """What building the engine did: its time, the memory plan, the graphs it captured."""
+    graphs = engine.graphs
+    return {
+        "engine_build_s": round(build_s, 1), "memory": asdict(engine.memory),
+        "graphs": None if graphs is None else {
+            "num_graphs": graphs.num_graphs, "capture_s": round(graphs.seconds, 1),
+            "pool_mib": round(graphs.pool_bytes / 2**20, 1),
+            "static_outputs_mib": round(graphs.output_bytes / 2**20, 1)},
+    }
+
+
+def _warm_up_rows(engine: LLMEngine, config: DecodeBenchConfig, model_config: ModelConfig,
+                  names: list[str]) -> dict[str, Any]:
+    """The first batches after start-up against the same batches run again: without adapters
+    (does the first pay for anything, such as a graph capture?), then with one adapter per
+    request, cold (read into their slots during the run) and then resident."""
+    batch = max(config.batch_sizes)
+    runs = {}
+    for label, with_adapters in (("first", False), ("again", False), ("cold_adapters", True),
+                                 ("resident_adapters", True)):
+        runs[label] = _run_ours(engine, config, model_config, batch, with_adapters, names, tag=label)
+        print(label, json.dumps(runs[label]), flush=True)
+    runs["first_over_again_decode"] = round(runs["first"]["tok_s"] / runs["again"]["tok_s"], 3)
+    runs["cold_over_resident_end_to_end"] = round(
+        runs["cold_adapters"]["e2e_tok_s"] / runs["resident_adapters"]["e2e_tok_s"], 3)
+    runs["num_lora_slots"] = engine.memory.num_lora_slots
+    return runs
 
 
 def profile(config: DecodeBenchConfig, steps: int = 8) -> str:
@@ -87,9 +117,9 @@ def profile(config: DecodeBenchConfig, steps: int = 8) -> str:
     max_len = config.prompt_len + steps + 32
     model = synthetic.random_model(model_config, select_ops(device), dtype, device, max_len, seed=config.seed)
     num_adapters = max(config.batch_sizes)
-    engine = _engine(config, model, num_adapters, max_len)
+    engine = _engine(config, model, max_len)
     for i in range(num_adapters):
-        engine.adapters.add_prepared(f"adapter-{i}", synthetic.random_adapter(
+        engine.add_adapter(f"adapter-{i}", synthetic.random_adapter(
             model_config, config.rank, dtype, device, str(i), seed=1000 + i, pin=device.type == "cuda"))
     report = []
     for batch in config.batch_sizes:
@@ -122,14 +152,13 @@ def profile(config: DecodeBenchConfig, steps: int = 8) -> str:
     return "".join(report)
 
 
-def _engine(config: DecodeBenchConfig, model, num_adapters: int, max_len: int) -> LLMEngine:
-    blocks_per_seq = -(-max_len // 16)
+def _engine(config: DecodeBenchConfig, model, max_len: int) -> LLMEngine:
+    """Slots and KV blocks sized from memory, as `loraplex serve` sizes them."""
     return LLMEngine(EngineConfig(
         model="synthetic-llama-3-8b", device=config.device, dtype=config.dtype, max_model_len=max_len,
-        seed=config.seed,
-        cache=CacheConfig(block_size=16, num_blocks=max(config.batch_sizes) * blocks_per_seq + 1),
+        seed=config.seed, cache=CacheConfig(block_size=16),
         scheduler=SchedulerConfig(max_num_seqs=max(config.batch_sizes), max_num_batched_tokens=16384),
-        lora=LoRAConfig(max_lora_rank=config.rank, max_loras=num_adapters),
+        lora=LoRAConfig(max_lora_rank=config.rank),
     ), model=model)
 
 
@@ -140,11 +169,11 @@ def _prompts(config: DecodeBenchConfig, model_config: ModelConfig, batch: int) -
 
 
 def _run_ours(engine: LLMEngine, config: DecodeBenchConfig, model_config: ModelConfig, batch: int,
-              with_adapters: bool, names: list[str]) -> dict[str, Any]:
+              with_adapters: bool, names: list[str], tag: str = "") -> dict[str, Any]:
     prompts = _prompts(config, model_config, batch).tolist()
     params = SamplingParams(max_tokens=config.new_tokens, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"b{batch}-{with_adapters}-{i}", prompt_token_ids=prompt, params=params,
+        engine.add_request(f"b{batch}-{with_adapters}-{tag}-{i}", prompt_token_ids=prompt, params=params,
                            adapter=names[i] if with_adapters else None)
     started = time.perf_counter()
     first_token: set[str] = set()
@@ -155,10 +184,12 @@ def _run_ours(engine: LLMEngine, config: DecodeBenchConfig, model_config: ModelC
         if decode_start is None and len(first_token) == batch:
             decode_start = time.perf_counter()  # every prompt is done; the next step runs
     _sync(engine.device)
-    decode_s = time.perf_counter() - decode_start
+    ended = time.perf_counter()
     steps = config.new_tokens - 1
-    return _row("loraplex", batch, with_adapters, decode_s / steps, decode_start - started, config,
-                model_config, engine.model)
+    row = _row("loraplex", batch, with_adapters, (ended - decode_start) / steps, decode_start - started,
+               config, model_config, engine.model)
+    row["e2e_tok_s"] = round(batch * config.new_tokens / (ended - started), 1)
+    return row
 
 
 def _run_hf_baselines(config: DecodeBenchConfig, model, model_config: ModelConfig, adapters: dict

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     model_config = synthetic.model_config()
     max_len = config.prompt_len + 3 * args.steps + 64
     model = synthetic.random_model(model_config, select_ops(device), torch.bfloat16, device, max_len)
-    engine = decode._engine(config, model, 1, max_len)
+    engine = decode._engine(config, model, max_len)
     graphs = engine.runner.graphs
     results = []
     for batch in sizes:
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
             engine.step()
         torch.cuda.synchronize()
         step_ms = (time.perf_counter() - started) / args.steps * 1e3
-        graph = graphs._graphs[(graphs.sizes[[s >= batch for s in graphs.sizes].index(True)], False, True)]
+        graph = graphs._graphs[(graphs.padded_size(batch), False, True)]
         started = time.perf_counter()
         for _ in range(args.steps):
             graph.replay()
@@ -77,21 +77,18 @@ def _time_phases(engine, steps: int) -> list[dict[str, float]]:
         plan = scheduler.schedule()
         t1 = time.perf_counter()
         runner.apply(plan)
-        host = runner.prepare(plan)
+        filled = runner.prepare(plan)
         t2 = time.perf_counter()
-        inputs = runner._decode_inputs(host)
+        logits, tokens = runner.run(filled.shape)
         t3 = time.perf_counter()
-        logits, tokens = runner.graphs.run(inputs)
-        t4 = time.perf_counter()
         torch.cuda.synchronize()
-        t5 = time.perf_counter()
-        launched = runner.dispatch(plan, host, logits, tokens)
+        t4 = time.perf_counter()
+        launched = runner.dispatch(plan, filled, logits, tokens)
         engine.process(InFlight(plan, scheduler.advance(plan), launched), runner.collect(launched))
-        t6 = time.perf_counter()
+        t5 = time.perf_counter()
         rows.append({k: round(v * 1e3, 3) for k, v in (
-            ("schedule", t1 - t0), ("prepare", t2 - t1), ("decode_inputs", t3 - t2),
-            ("fill_and_replay", t4 - t3),
-            ("gpu_wait", t5 - t4), ("results", t6 - t5))})
+            ("schedule", t1 - t0), ("fill_and_upload", t2 - t1), ("replay", t3 - t2),
+            ("gpu_wait", t4 - t3), ("results", t5 - t4))})
     return rows
 
 

@@ -13,46 +13,45 @@ import argparse
 import json
 import platform
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-from loraplex import LLM, SamplingParams
+from loraplex.benchmarks import synthetic
 from loraplex.benchmarks.results import RESULTS
-from loraplex.engine.llm_engine import InFlight
-from tests.factories import ADAPTERS, make_adapter
+from loraplex.engine.llm_engine import InFlight, LLMEngine
+from loraplex.engine_config import EngineConfig
+from loraplex.kernels import select_ops
+from loraplex.types import SamplingParams
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=300)
+NUM_ADAPTERS = 4
 
 
-def build(folder: Path, max_len: int) -> tuple[Path, dict[str, Path]]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=300, max_position_embeddings=max_len)
-    model = LlamaForCausalLM(config).eval()
-    model.save_pretrained(folder / "model")
-    adapters = {spec.name: make_adapter(model, spec, folder / "adapters") for spec in ADAPTERS}
-    return folder / "model", adapters
+def build(args: argparse.Namespace) -> LLMEngine:
+    max_len = args.prompt + 2048  # room for every request to decode through the whole run
+    cpu = torch.device("cpu")
+    config = synthetic.model_config(TINY)
+    model = synthetic.random_model(config, select_ops(cpu), torch.float32, cpu, max_len, seed=0)
+    engine = LLMEngine(EngineConfig.from_kwargs(
+        "synthetic-tiny", device="cpu", max_model_len=max_len, max_num_seqs=args.requests,
+        max_num_batched_tokens=max(2048, args.requests), max_loras=NUM_ADAPTERS, max_lora_rank=8),
+        model=model)
+    for i in range(NUM_ADAPTERS):
+        engine.add_adapter(f"adapter-{i}", synthetic.random_adapter(
+            config, 8, torch.float32, cpu, str(i), seed=i, pin=False))
+    return engine
 
 
 def measure(args: argparse.Namespace) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        max_len = args.prompt + 2048  # room for every request to decode through the whole run
-        model_dir, adapters = build(Path(tmp), max_len)
-        llm = LLM(model_dir, device="cpu", max_num_seqs=args.requests,
-                  max_num_batched_tokens=max(2048, args.requests), max_loras=len(adapters))
-        for name, path in adapters.items():
-            llm.add_adapter(name, path)
-    engine = llm.engine
-    names = [None, *adapters] * args.requests
+    engine = build(args)
     params = SamplingParams(max_tokens=2047, temperature=0.8, top_p=0.95, ignore_eos=True)
     for i in range(args.requests):
         engine.add_request(f"r{i}", prompt_token_ids=[3 + i % 250] * args.prompt, params=params,
-                           adapter=names[i] if i % 2 else None)
+                           adapter=f"adapter-{i % NUM_ADAPTERS}" if i % 2 else None)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
-            or engine.scheduler.waiting:
+            or engine.scheduler.num_waiting:
         engine.step()
     schedule, prepare, postprocess, model = [], [], [], []
     runner, scheduler = engine.runner, engine.scheduler
@@ -61,9 +60,9 @@ def measure(args: argparse.Namespace) -> dict:
         plan = scheduler.schedule()
         t1 = time.perf_counter()
         runner.apply(plan)
-        host = runner.prepare(plan)
+        filled = runner.prepare(plan)
         t2 = time.perf_counter()
-        launched = runner.dispatch(plan, host, *runner.run(host))
+        launched = runner.dispatch(plan, filled, *runner.run(filled.shape))
         step = InFlight(plan, scheduler.advance(plan), launched)
         result = runner.collect(launched)
         t3 = time.perf_counter()

@@ -10,6 +10,7 @@ import traceback
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from loraplex.benchmarks.cli import parse_args
 from loraplex.cli import adapter, bench, db, key, prompt, serve, tenant
 from loraplex.cli.common import ArgumentParser, add_registry_options
 from loraplex.errors import LoraplexError
@@ -29,7 +30,7 @@ def build_parser() -> ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     try:
         args.run(args)
     except KeyboardInterrupt:

@@ -1,9 +1,10 @@
-"""`loraplex serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--device auto|cpu|cuda]`.
+"""`loraplex serve [--model DIR] [--host 127.0.0.1] [--port 8000] [engine options]`.
 
-Upgrades the registry schema, reconciles the blob store, loads the model (the built-in demo
-without --model), records it as the served model, and serves the API with uvicorn until
-SIGTERM or Ctrl-C. With the demo, a fresh data dir also gets tenant `demo` with the demo
-adapters and a key, printed and written to `<data-dir>/demo-api-key`."""
+Checks the engine options, upgrades the registry schema, reconciles the blob store, builds the
+engine (the built-in demo model without --model; weights, memory plan, CUDA graphs), records
+the model as the served model, and serves the API with uvicorn until SIGTERM or Ctrl-C. With
+the demo, a fresh data dir also gets tenant `demo` with the demo adapters and a key, printed
+and written to `<data-dir>/demo-api-key`."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.cli.common import add_registry_options, registry_config
+from loraplex.cli.engine_flags import add_engine_flags, engine_config
 from loraplex.errors import LoraplexError
 from loraplex.registry import Registry
 from loraplex.registry.registry_errors import AuthenticationError, ConflictError, NotFoundError
@@ -38,11 +40,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="the base model's id in the API (default: the folder's name)")
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"default {DEFAULT_HOST}")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--shutdown-timeout", type=int, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                         metavar="S", help="seconds requests in flight get to finish on SIGTERM "
                         f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S})")
     add_registry_options(parser)
+    add_engine_flags(parser)
     parser.set_defaults(run=run)
 
 
@@ -59,10 +61,10 @@ def run(args: argparse.Namespace) -> None:
     import uvicorn
 
     from loraplex.engine.llm_engine import LLMEngine
-    from loraplex.engine_config import EngineConfig
     from loraplex.server import ServerConfig, create_app
 
     _configure_logging()
+    engine_config(".", args)  # a bad option is refused before anything loads
     config = registry_config(args)
     with Registry.open(config) as registry:
         report = registry.reconcile()
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace) -> None:
                     "missing blobs", config.url.split("://")[0], len(report.removed_blobs),
                     len(report.removed_temp_files), len(report.missing_blobs))
         served = _served_model(args, config.data_dir)
-        engine = LLMEngine(EngineConfig.from_kwargs(str(served.folder), device=args.device))
+        engine = LLMEngine(engine_config(str(served.folder), args))
         registry.models.set(served.model_id, engine.model_config.shape, engine.config.lora.max_lora_rank)
         if served.demo_adapters is not None:
             _set_up_demo(registry, served.demo_adapters, config.data_dir)

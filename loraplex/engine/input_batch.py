@@ -50,6 +50,10 @@ class InputBatch:
             self.tokens[row] = []
             self._free_rows.append(row)
 
+    def num_tokens_of(self, rows: np.ndarray) -> np.ndarray:
+        """[len(rows)] int64: tokens each row holds (prompt, generated, pending)."""
+        return np.fromiter((len(self.tokens[r]) for r in rows.tolist()), np.int64, len(rows))
+
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         start = self.num_blocks[row]
         self.block_table[row, start:start + len(block_ids)] = block_ids

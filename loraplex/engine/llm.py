@@ -4,7 +4,7 @@
     llm = LLM("path/to/hf-model-folder", device="cpu", dtype="float32")
     llm.add_adapter("support-bot", "path/to/peft-adapter-folder")
     outs = llm.generate(["Hello", "Hi"], SamplingParams(max_tokens=32, temperature=0.0),
-                        adapters=["support-bot", None])
+                        adapters=["support-bot", None], tenants=["acme", "globex"])
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from loraplex.types import RequestOutput, SamplingParams
 
 
 class LLM:
-    """Generate from a batch of prompts, each with its own adapter, all scheduled together.
-    Extra keyword arguments are engine options (`max_loras`, `block_size`,
-    `max_num_batched_tokens`, ...; see loraplex.engine_config)."""
+    """Generate from a batch of prompts, each with its own adapter and tenant, all scheduled
+    together. Keyword arguments are engine options (`max_loras`, `block_size`,
+    `max_num_batched_tokens`, ...: the fields of loraplex.engine_config, the same as
+    `loraplex serve`'s flags)."""
 
     def __init__(
         self, model: str | Path, *, device: str = "auto", dtype: str = "auto", **options: Any
@@ -42,6 +43,10 @@ class LLM:
     def remove_adapter(self, name: str) -> None:
         self.engine.remove_adapter(name)
 
+    def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        """A tenant's share under contention (default 1), used from the next step on."""
+        self.engine.set_tenant_weight(tenant, weight)
+
     def generate(
         self,
         prompts: str | Sequence[str] | None = None,
@@ -49,9 +54,10 @@ class LLM:
         adapters: str | None | Sequence[str | None] = None,
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        tenants: str | None | Sequence[str | None] = None,
     ) -> list[RequestOutput]:
-        """One output per prompt, in order. `sampling_params` and `adapters` are one for all
-        prompts or one per prompt."""
+        """One output per prompt, in order. `sampling_params`, `adapters` and `tenants` are one
+        for all prompts or one per prompt (None: the default tenant)."""
         if (prompts is None) == (prompt_token_ids is None):
             raise InvalidRequestError("give exactly one of prompts and prompt_token_ids")
         if isinstance(prompts, str):
@@ -59,13 +65,14 @@ class LLM:
         count = len(prompts) if prompts is not None else len(prompt_token_ids)
         params = _per_prompt(sampling_params or SamplingParams(), count, "sampling_params")
         names = _per_prompt(adapters, count, "adapters")
+        tenant_of = _per_prompt(tenants, count, "tenants")
         request_ids = []
         try:
             for i in range(count):
                 request_id = f"offline-{next(self._ids)}"
                 self.engine.add_request(
                     request_id, prompt=prompts[i] if prompts is not None else None, params=params[i],
-                    adapter=names[i],
+                    adapter=names[i], tenant=tenant_of[i],
                     prompt_token_ids=list(prompt_token_ids[i]) if prompt_token_ids is not None else None,
                 )
                 request_ids.append(request_id)

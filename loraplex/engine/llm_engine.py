@@ -1,33 +1,55 @@
 """The step-level engine that the offline API and the server drive: `add_request`, `step`,
-`abort`, and adapters by name. Single-threaded: one caller at a time.
+`abort`, adapters and tenant weights. Single-threaded: one caller at a time.
 
 A step is scheduled, launched on the device and collected. With async scheduling (CUDA), a
 `step()` call launches the next step before it collects the one in flight, so the host plans
-step N+1 and processes step N's tokens while the device computes step N+1."""
+step N+1 and processes step N's tokens while the device computes step N+1.
+
+Building the engine does all the slow work up front: the weights are loaded, memory is shared
+between the KV cache and the adapter slots from measured activations, and every decode graph is
+captured, so that no request pays for any of it."""
 
 from __future__ import annotations
 
+import json
 import logging
 import random
+import re
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
+import torch
+
 from loraplex.adapter_format import LoraAdapter
-from loraplex.engine.adapter_slots import AdapterSlots
-from loraplex.engine.adapters import AdapterStore
+from loraplex.engine.adapter_cache import AdapterCache, AdapterLoader
 from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.cuda_graphs import CaptureReport
 from loraplex.engine.detokenizer import Detokenizer
-from loraplex.engine.lora_weights import LoraSlotBuffers
+from loraplex.engine.local_adapters import LocalAdapters
+from loraplex.engine.lora_weights import HostAdapter, LoraSlotBuffers, adapter_bytes, make_host_adapter
 from loraplex.engine.model_runner import LaunchedStep, ModelRunner
 from loraplex.engine.plan import StepPlan, StepResult
-from loraplex.engine.request import Request
+from loraplex.engine.policy import FcfsPolicy
+from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.scheduler import Scheduler
-from loraplex.engine.sizing import make_kv_cache, resolve_device, resolve_dtype, resolve_max_model_len
+from loraplex.engine.sizing import (
+    MemoryPlan,
+    cuda_budget,
+    make_kv_cache,
+    plan_memory,
+    resolve_device,
+    resolve_dtype,
+    resolve_max_model_len,
+)
+from loraplex.engine.stats import EngineStats
+from loraplex.engine.tenants import DEFAULT_TENANT, TenantTable
 from loraplex.engine_config import EngineConfig
-from loraplex.errors import InvalidRequestError
-from loraplex.kernels import select_ops
+from loraplex.errors import InvalidRequestError, UnknownAdapterError
+from loraplex.kernels import Ops, select_ops
 from loraplex.model.llama import LlamaForCausalLM
 from loraplex.model.loader import load_model
 from loraplex.model.model_config import ModelConfig
@@ -35,6 +57,11 @@ from loraplex.model.tokenizer import load_tokenizer
 from loraplex.types import FinishReason, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+DIGEST_PATTERN = re.compile(r"[0-9a-f]{64}")
+IDLE_WAIT_S = 0.0005
+"""A step with nothing to run pauses this long, so that a caller stepping in a loop while
+requests wait for adapter loads does not keep the loader threads from the interpreter."""
 
 
 @dataclass
@@ -63,72 +90,135 @@ class LLMEngine:
         else:
             self.model_config, self.tokenizer, self.model, ops = model.config, None, model, model.ops
             self.max_model_len = min(config.max_model_len or model.max_positions, model.max_positions)
-        self.lora = LoraSlotBuffers(self.model_config, config.lora.max_loras,
-                                    config.lora.max_lora_rank, self.dtype, self.device)
-        self.kv_cache = make_kv_cache(config, self.model_config, self.dtype, self.device,
-                                      self.max_model_len)
-        num_blocks, block_size = self.kv_cache.shape[0], self.kv_cache.shape[3]
-        self.max_model_len = min(self.max_model_len, num_blocks * block_size)
-        self.blocks = BlockManager(num_blocks, block_size)
-        self.slots = AdapterSlots(config.lora.max_loras)
-        self.adapters = AdapterStore(self.model_config, config.lora.max_lora_rank, self.dtype,
-                                     pin=self.device.type == "cuda")
-        self.scheduler = Scheduler(config.scheduler, self.blocks, self.slots)
+        use_graphs = not config.enforce_eager and self.device.type == "cuda"
+        self.memory = self._plan_memory(ops, use_graphs)
+        logger.info("memory: %s", self.memory.describe())
+        max_rank = config.lora.max_lora_rank
+        self.lora = LoraSlotBuffers(self.model_config, self.memory.num_lora_slots, max_rank, self.dtype,
+                                    self.device)
+        block_size = config.cache.block_size
+        self.kv_cache = make_kv_cache(self.memory, self.model_config, block_size, self.dtype, self.device)
+        self.max_model_len = min(self.max_model_len, self.memory.num_kv_blocks * block_size)
+        self.blocks = BlockManager(self.memory.num_kv_blocks, block_size)
+        self.local_adapters = LocalAdapters(self.model_config.shape, max_rank)
+        self._external_loader = False
+        max_adapter = adapter_bytes(self.model_config, max_rank, self.dtype)
+        make_host = partial(make_host_adapter, config=self.model_config, dtype=self.dtype,
+                            pin=self.device.type == "cuda")
+        self.adapters = AdapterCache(
+            self.lora, self.local_adapters.load, make_host,
+            max_host_bytes=(config.lora.max_cpu_loras or 2 * self.memory.num_lora_slots) * max_adapter,
+            max_adapter_bytes=max_adapter)
+        self.tenants = TenantTable()
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.adapters, FcfsPolicy(self.tenants))
         self.runner = ModelRunner(
             self.model, self.kv_cache, self.lora, ops, config.scheduler.max_num_seqs,
-            max_blocks_per_seq=-(-self.max_model_len // block_size),
-            host_adapter=self.adapters.host,
-            use_cuda_graphs=config.use_cuda_graphs and self.device.type == "cuda",
-        )
+            config.scheduler.max_num_batched_tokens, max_blocks_per_seq=-(-self.max_model_len // block_size),
+            use_cuda_graphs=use_graphs)
+        self.graphs: CaptureReport | None = self.runner.graphs.capture_all() if use_graphs else None
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device.type == "cuda")
         self._in_flight: InFlight | None = None
         self.eos_token_ids = frozenset(self._eos_ids())
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, Detokenizer] = {}
-        self._orphans: set[str] = set()  # removed adapters still used by running requests
+        self._orphans: set[str] = set()  # removed adapters still used by requests
         self._arrivals = 0
         self._seeds = random.Random(config.seed)
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
 
+    def _plan_memory(self, ops: Ops, use_graphs: bool) -> MemoryPlan:
+        config, model = self.config, self.model_config
+        slot_bytes = adapter_bytes(model, config.lora.max_lora_rank, self.dtype)
+        if self.device.type != "cuda":
+            return plan_memory(config, model, self.dtype, self.max_model_len, slot_bytes,
+                               config.cache.cpu_kv_cache_bytes)
+        # Dummy steps on scratch buffers (one KV block, one slot) measure the activations.
+        scratch = ModelRunner(
+            self.model, torch.zeros((1, *self._kv_block_shape()), dtype=self.dtype, device=self.device),
+            LoraSlotBuffers(model, 1, config.lora.max_lora_rank, self.dtype, self.device), ops,
+            config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
+            max_blocks_per_seq=-(-self.max_model_len // config.cache.block_size))
+        activations = scratch.measure_peak_bytes(1, config.scheduler.max_num_batched_tokens)
+        scratch.measure_peak_bytes(3, 17)  # compiles the kernels for uneven prompts too
+        graphs = 0
+        if use_graphs:
+            max_batch = config.scheduler.max_num_seqs
+            graphs = scratch.measure_peak_bytes(max_batch, 1) + max_batch * model.vocab_size * 4
+        del scratch
+        budget = cuda_budget(config, self.device, activations, graphs)
+        return plan_memory(config, model, self.dtype, self.max_model_len, slot_bytes, budget,
+                           activations, graphs)
+
+    def _kv_block_shape(self) -> tuple[int, ...]:
+        m = self.model_config
+        return m.num_layers, 2, self.config.cache.block_size, m.num_kv_heads, m.head_dim
+
     # Adapters -----------------------------------------------------------------------------
-    def add_adapter(self, name: str, source: str | Path | LoraAdapter) -> str:
-        """Make an adapter servable under `name`; returns its digest (identity)."""
-        return self.adapters.add(name, source)
+    def add_adapter(self, name: str, source: str | Path | LoraAdapter | HostAdapter) -> str:
+        """Make an adapter servable under `name` (a PEFT folder, validated now and read again
+        whenever the host tier needs it, or an adapter object); returns its digest."""
+        digest = self.local_adapters.add(name, source)
+        self._orphans.discard(digest)
+        return digest
 
     def remove_adapter(self, name: str) -> None:
         """Forget `name`. Requests already using the adapter finish with it; its memory is
         freed when the last of them ends."""
-        digest = self.adapters.remove(name)
+        digest = self.local_adapters.remove(name)
         if digest is not None:
             self._orphans.add(digest)
             self._drop_orphans()
 
+    def set_adapter_loader(self, loader: AdapterLoader) -> None:
+        """Serve adapters by digest from `loader` (the server's blob store): a request may then
+        name an adapter by its digest. Call before serving."""
+        local = self.local_adapters
+
+        def load(digest: str) -> LoraAdapter | HostAdapter:
+            return local.load(digest) if digest in local.names.values() else loader(digest)
+
+        self.adapters.set_loader(load)
+        self._external_loader = True
+
+    def _resolve_adapter(self, adapter: str) -> str:
+        digest = self.local_adapters.resolve(adapter)
+        if digest is not None:
+            return digest
+        if self._external_loader and DIGEST_PATTERN.fullmatch(adapter):
+            return adapter
+        raise UnknownAdapterError(f"adapter {adapter!r} is not loaded", param="adapter")
+
     def _drop_orphans(self) -> None:
-        in_use = {r.adapter for r in self._requests.values()}
-        for digest in [d for d in self._orphans if d not in in_use]:
+        for digest in [d for d in self._orphans if not self.adapters.is_needed(d)]:
             self._orphans.discard(digest)
-            if digest not in self.adapters.names.values():  # not re-added meanwhile
-                self.slots.evict(digest)
-                self.adapters.drop(digest)
+            self.local_adapters.drop(digest)
+            self.adapters.forget(digest)
+
+    # Tenants ------------------------------------------------------------------------------
+    def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        """A tenant's share under contention; the scheduling policy reads it at the next step."""
+        self.tenants.set_weight(tenant, weight)
 
     # Requests -----------------------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt: str | None = None, params: SamplingParams | None = None,
         adapter: str | None = None, prompt_token_ids: list[int] | None = None,
+        tenant: str | None = None,
     ) -> Request:
         """Queue a request. Exactly one of `prompt` (text) and `prompt_token_ids` is given;
-        `adapter` names an added adapter or is None for the base model."""
+        `adapter` names an added adapter (or, with an adapter loader, gives a digest) or is None
+        for the base model; `tenant` is DEFAULT_TENANT when not given."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         params = params or SamplingParams()
         token_ids = self._prompt_ids(prompt, prompt_token_ids)
-        digest = self.adapters.resolve(adapter) if adapter is not None else None
+        digest = self._resolve_adapter(adapter) if adapter is not None else None
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, params=params,
             seed=params.seed if params.seed is not None else self._seeds.getrandbits(62),
-            arrival=self._arrivals, adapter=digest, adapter_name=adapter,
+            arrival=self._arrivals, tenant=tenant or DEFAULT_TENANT, adapter=digest, adapter_name=adapter,
             max_num_tokens=min(len(token_ids) + params.max_tokens, self.max_model_len),
         )
         self._arrivals += 1
@@ -180,7 +270,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step and return the requests that advanced or finished: this step's, or
         with async scheduling the previous step's, while this one runs on the device."""
-        outputs: list[RequestOutput] = []
+        outputs = self._fail_adapter_loads()
         launched = self.launch(self.scheduler.schedule(), outputs)
         if self._in_flight is not None:
             outputs += self.collect(self._in_flight)
@@ -188,6 +278,8 @@ class LLMEngine:
         if launched is not None and not self.async_scheduling:
             self._in_flight = None
             outputs += self.collect(launched)
+        if launched is None and self._in_flight is None and not outputs:
+            time.sleep(IDLE_WAIT_S)  # only waiting for adapter loads: let their threads run
         return outputs
 
     def drain(self) -> list[RequestOutput]:
@@ -198,7 +290,7 @@ class LLMEngine:
     def launch(self, plan: StepPlan, failed: list[RequestOutput]) -> InFlight | None:
         """Queue a planned step on the device and count its work as done. If the model fails,
         the step's requests fail (their outputs go to `failed`) and the engine serves on."""
-        if plan.is_empty and not plan.forgotten_ids and not plan.adapter_loads:
+        if plan.is_empty and not plan.forgotten_ids:
             return None
         try:
             launched = self.runner.launch(plan)
@@ -206,7 +298,7 @@ class LLMEngine:
             logger.exception("engine step failed")
             failed += self._fail(plan.request_ids, exc)
             return None
-        if plan.is_empty:  # only records to update (requests to forget, adapters to load)
+        if plan.is_empty:  # only records to update (requests to forget)
             return None
         sampling = self.scheduler.advance(plan)
         self.num_prompt_tokens += plan.num_tokens - len(sampling)
@@ -269,7 +361,7 @@ class LLMEngine:
             adapter=request.adapter_name,
         )
 
-    def _fail(self, request_ids: list[str], exc: Exception) -> list[RequestOutput]:
+    def _fail(self, request_ids: Iterable[str], exc: BaseException) -> list[RequestOutput]:
         outputs = []
         for request_id in request_ids:
             request = self._requests.pop(request_id, None)
@@ -282,6 +374,15 @@ class LLMEngine:
             outputs.append(output)
         return outputs
 
+    def _fail_adapter_loads(self) -> list[RequestOutput]:
+        """Requests waiting for an adapter whose load failed fail with its error."""
+        outputs = []
+        for digest, exc in self.adapters.take_failures().items():
+            waiting = [r.request_id for r in self._requests.values()
+                       if r.adapter == digest and r.status is RequestStatus.WAITING]
+            outputs += self._fail(waiting, exc)
+        return outputs
+
     def _eos_ids(self) -> Iterable[int]:
         yield from self.model_config.eos_token_ids
         eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -289,22 +390,24 @@ class LLMEngine:
             yield eos
         generation = Path(self.config.model) / "generation_config.json"  # absent for a given model
         if generation.is_file():
-            import json
-
             value = json.loads(generation.read_text()).get("eos_token_id")
             yield from value if isinstance(value, list) else [] if value is None else [value]
 
-    def stats(self) -> dict[str, float]:
-        """Live engine state for metrics and the admin UI."""
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_swapped": 0,
-            "kv_blocks_total": self.blocks.num_blocks,
-            "kv_blocks_used": self.blocks.num_used_blocks,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_adapters_resident": len(self.slots.resident),
-            "num_generated_tokens": self.num_generated_tokens,
-            "num_prompt_tokens": self.num_prompt_tokens,
-            "time": time.time(),
-        }
+    def stats(self) -> EngineStats:
+        """Live engine state for metrics, the admin API and benchmarks."""
+        scheduler, adapters = self.scheduler, self.adapters
+        return EngineStats(
+            num_running=len(scheduler.running), num_waiting=scheduler.num_waiting,
+            num_kv_blocks=self.blocks.num_blocks, num_kv_blocks_used=self.blocks.num_used_blocks,
+            num_preemptions=scheduler.num_preemptions, num_lora_slots=adapters.num_slots,
+            adapters_in_slots=tuple(adapters.resident), adapters_on_host=adapters.host_digests,
+            host_tier_bytes=adapters.host_bytes, max_host_tier_bytes=adapters.max_host_bytes,
+            num_adapter_host_loads=adapters.num_host_loads, num_adapter_slot_loads=adapters.num_slot_loads,
+            num_generated_tokens=self.num_generated_tokens, num_prompt_tokens=self.num_prompt_tokens,
+            running_by_tenant=dict(Counter(r.tenant for r in scheduler.running)),
+            waiting_by_tenant=dict(Counter(r.tenant for r in self.scheduler.policy.waiting())),
+        )
+
+    def close(self) -> None:
+        """Stop the adapter loader's threads."""
+        self.adapters.close()

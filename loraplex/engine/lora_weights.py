@@ -29,6 +29,17 @@ def group_dims(config: ModelConfig, group: str) -> tuple[int, tuple[int, ...]]:
     }[group]
 
 
+def adapter_bytes(config: ModelConfig, rank: int, dtype: torch.dtype) -> int:
+    """Bytes of one adapter of `rank` on every module (a slot of that rank, or the host copy of
+    such an adapter)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for group, modules in LORA_GROUPS.items():
+        in_features, offsets = group_dims(config, group)
+        total += config.num_layers * rank * (len(modules) * in_features + offsets[-1])
+    return total * element
+
+
 @dataclass
 class SlotGroup:
     """One layer's view of one group's slot buffers (what the model's LoRA hook reads)."""
@@ -88,7 +99,7 @@ class LoraSlotBuffers:
         self, config: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.num_slots, self.max_rank = num_slots, max_rank
+        self.num_slots, self.max_rank, self.device = num_slots, max_rank, torch.device(device)
         L, S = config.num_layers, num_slots + 1
         self.a, self.b, self.ranks = {}, {}, {}
         self._views: list[dict[str, SlotGroup]] = [{} for _ in range(L)]

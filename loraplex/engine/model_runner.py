@@ -1,10 +1,13 @@
-"""Turns a step plan into tensors, runs the model and samples. Owns the KV cache, the LoRA
-slot buffers and its own per-request arrays (InputBatch); never touches scheduler state.
+"""Turns a step plan into a forward pass and sampled tokens. Owns the KV cache, the LoRA slot
+buffers, its own per-request records (InputBatch) and the step inputs (StepInputs); never
+touches scheduler state.
 
-A step is launched (`launch`: inputs prepared, model and sampler queued on the device) and
-later collected (`collect`: waits for its tokens). Between the two the host may plan and
-launch the next step: a request whose input token is still on the device gets it there, from
-`row_tokens`, the last token sampled for each InputBatch row, so no step waits on the host."""
+A step is launched (`launch`: records updated, inputs filled and copied, the model and the
+sampler queued on the device) and later collected (`collect`: waits for its tokens). Between
+the two the host may plan and launch the next step: a request whose input token is still on the
+device gets it there, from `row_tokens`, the last token sampled for each InputBatch row, so no
+step waits on the host. `forward` is the one forward pass: eager steps run it on the step's
+exact sizes, and the decode graphs capture it at padded batch sizes."""
 
 from __future__ import annotations
 
@@ -14,35 +17,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from loraplex.engine.cuda_graphs import DecodeGraphRunner, DecodeInputs
+from loraplex.engine.cuda_graphs import DecodeGraphs
 from loraplex.engine.input_batch import InputBatch
-from loraplex.engine.lora_weights import HostAdapter, LoraSlotBuffers
+from loraplex.engine.lora_weights import LoraSlotBuffers
 from loraplex.engine.plan import StepPlan, StepResult
+from loraplex.engine.step_inputs import PENDING, FilledStep, StepInputs, StepShape
 from loraplex.kernels import Ops
 from loraplex.model.context import AttentionMetadata, ForwardContext, LoraMetadata, forward_context
 from loraplex.model.llama import LlamaForCausalLM
 from loraplex.types import TokenLogprob
-
-
-@dataclass
-class HostInputs:
-    """A step's inputs on the host (numpy), before they go to the device."""
-
-    rows: np.ndarray  # [num_seqs]: InputBatch rows of the scheduled requests
-    token_rows: np.ndarray  # [num_tokens]: the row of each token
-    input_ids: np.ndarray  # [num_tokens] int64; PENDING where the token is still on the device
-    positions: np.ndarray  # [num_tokens] int64
-    slot_mapping: np.ndarray  # [num_tokens] int64
-    block_tables: np.ndarray  # [num_seqs, max_blocks] int32
-    query_start: np.ndarray  # [num_seqs + 1] int64
-    seq_lens: np.ndarray  # [num_seqs] int64
-    token_slots: np.ndarray  # [num_tokens] int32
-    samples: np.ndarray  # [num_seqs] bool
-    max_query_len: int
-
-
-PENDING = -1
-"""A token id the host does not know yet (sampled by a step still in flight)."""
 
 
 @dataclass
@@ -71,38 +54,96 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, kv_cache: torch.Tensor, lora: LoraSlotBuffers, ops: Ops,
-        max_num_seqs: int, max_blocks_per_seq: int, host_adapter: Callable[[str], HostAdapter],
+        max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
         use_cuda_graphs: bool = False,
     ) -> None:
         self.model, self.kv_cache, self.lora, self.ops = model, kv_cache, lora, ops
         self.device = kv_cache.device
-        self.block_size = kv_cache.shape[3]
         self.batch = InputBatch(max_num_seqs, max_blocks_per_seq)
-        self._host_adapter = host_adapter
-        # [max_num_seqs + 1]: the last token sampled for each row; the extra row takes padding.
+        self.inputs = StepInputs(max(max_num_batched_tokens, max_num_seqs), max_num_seqs,
+                                 max_blocks_per_seq, kv_cache.shape[3], self.device)
+        # [max_num_seqs + 1]: the last token sampled for each row; the spare row takes padding's.
         self.row_tokens = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=self.device)
         self.on_logits: Callable[[list[str], torch.Tensor], None] | None = None
         """Called at launch with the sampled request ids and their logits [num_samples, vocab]
         (a benchmark's hook; it may synchronise)."""
-        self.graphs: DecodeGraphRunner | None = None
+        self.graphs: DecodeGraphs | None = None
         if use_cuda_graphs:
-            self.graphs = DecodeGraphRunner(model, kv_cache, lora, ops, self.row_tokens, max_num_seqs,
-                                            max_blocks_per_seq, capture=self.device.type == "cuda")
+            self.graphs = DecodeGraphs(self, max_num_seqs, model.config.vocab_size,
+                                       capture=self.device.type == "cuda")
 
+    # A step -------------------------------------------------------------------------------
     def launch(self, plan: StepPlan) -> LaunchedStep:
-        """Apply the plan, prepare its inputs and queue the model and the sampler; returns at
-        once on CUDA. (The phases are public so that benchmarks can time them apart.)"""
+        """Apply the plan, fill its inputs and queue the model and the sampler; returns at once
+        on CUDA. (The phases are public so that benchmarks can time them apart.)"""
         self.apply(plan)
         if plan.is_empty:
             return LaunchedStep()
-        host = self.prepare(plan)
-        logits, tokens = self.run(host)
-        return self.dispatch(plan, host, logits, tokens)
+        filled = self.prepare(plan)
+        logits, tokens = self.run(filled.shape)
+        return self.dispatch(plan, filled, logits, tokens)
 
-    def dispatch(self, plan: StepPlan, host: HostInputs, logits: torch.Tensor, tokens: torch.Tensor
+    def apply(self, plan: StepPlan) -> None:
+        """Bring the runner's records up to date with the plan."""
+        batch = self.batch
+        for request_id in plan.forgotten_ids:
+            batch.remove(request_id)
+        for seq in plan.new:
+            batch.add(seq)
+        for request_id, block_ids in plan.new_block_ids.items():
+            batch.append_blocks(batch.row_of[request_id], block_ids)
+
+    def prepare(self, plan: StepPlan) -> FilledStep:
+        """Fill the step inputs from the plan (padded for a graph where one will run) and queue
+        their copy to the device."""
+        pad_to = None
+        if self.graphs is not None and max(plan.num_scheduled_tokens) == 1:
+            pad_to = self.graphs.padded_size(len(plan.request_ids))
+        filled = self.inputs.fill(plan, self.batch, pad_to)
+        self.inputs.upload()
+        return filled
+
+    def run(self, shape: StepShape) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [num_samples, vocab] float32, tokens [num_samples]) of a filled step: a
+        graph replay for a padded decode step, else the forward pass run eagerly."""
+        if shape.is_padded_decode and self.graphs is not None and self.graphs.has(shape):
+            return self.graphs.replay(shape)
+        with torch.inference_mode():
+            return self.forward(shape)
+
+    def forward(self, shape: StepShape) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward pass and the sampler over the device step inputs, sliced to `shape`."""
+        s, t, n = self.inputs, shape.num_tokens, shape.num_samples
+        attention = AttentionMetadata(
+            slot_mapping=s.slot_mapping[:t], block_tables=s.block_tables[:shape.num_seqs],
+            query_start_loc=s.query_start_loc[:shape.num_seqs + 1], seq_lens=s.seq_lens[:shape.num_seqs],
+            max_query_len=shape.max_query_len)
+        lora = LoraMetadata(s.token_slots[:t], self.lora) if shape.has_lora else None
+        with forward_context(ForwardContext(self.kv_cache, attention, lora)):
+            input_ids = s.input_ids[:t]
+            input_ids = torch.where(input_ids == PENDING, self.row_tokens[s.token_rows[:t]], input_ids)
+            hidden = self.model(input_ids, s.positions[:t])
+            if not shape.is_padded_decode:  # every row samples in a padded decode step
+                hidden = hidden[s.logits_indices[:n]]
+            logits = self.model.compute_logits(hidden)
+            if shape.is_greedy:
+                tokens = self.ops.argmax(logits)
+            else:
+                tokens = self.ops.sample(logits, s.temperature[:n], s.top_k[:n], s.top_p[:n],
+                                         s.seeds[:n], s.offsets[:n])
+            self.row_tokens[s.sample_rows[:n]] = tokens
+        return logits, tokens
+
+    def dispatch(self, plan: StepPlan, filled: FilledStep, logits: torch.Tensor, tokens: torch.Tensor
                  ) -> LaunchedStep:
         """Queue the copies of a run's results to the host and advance the runner's records."""
-        sample_rows = host.rows[host.samples]
+        if filled.shape.is_padded_decode:  # every row sampled, padding and all: keep the real ones
+            if filled.samples.all():
+                logits, tokens = logits[:filled.num_real_seqs], tokens[:filled.num_real_seqs]
+            else:  # a prompt chunk of one token that does not sample yet ran as a decode row
+                keep = torch.from_numpy(np.flatnonzero(filled.samples)).to(logits.device)
+                logits, tokens = logits[keep], tokens[keep]
+        sample_rows = filled.rows[filled.samples]
         sampled_ids = [r for r, s in zip(plan.request_ids, plan.samples) if s]
         if self.on_logits is not None:
             self.on_logits(sampled_ids, logits)
@@ -114,7 +155,7 @@ class ModelRunner:
             step.done = torch.cuda.Event()
             step.done.record()
         batch = self.batch
-        batch.num_computed[host.rows] += np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
+        batch.num_computed[filled.rows] += np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
         for row in sample_rows.tolist():
             tokens_of_row = batch.tokens[row]
             step.placeholders.append((tokens_of_row, len(tokens_of_row)))
@@ -135,109 +176,22 @@ class ModelRunner:
             self._collect_logprobs(step, result)
         return result
 
-    def run(self, host: HostInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [num_samples, vocab], tokens [num_samples]) of the rows that sample: a decode
-        step replays a CUDA graph, anything else runs eagerly."""
-        if self.graphs is None or host.max_query_len != 1 or not self.graphs.can_run(len(host.rows)):
-            return self._run_eager(host)
-        logits, tokens = self.graphs.run(self._decode_inputs(host))
-        if not host.samples.all():  # a prompt chunk of one token that does not sample yet
-            keep = _to(np.flatnonzero(host.samples), self.device)
-            logits, tokens = logits[keep], tokens[keep]
-        return logits, tokens
+    # Memory --------------------------------------------------------------------------------
+    def measure_peak_bytes(self, num_seqs: int, tokens_per_seq: int) -> int:
+        """Device memory a step of that shape takes beyond what is allocated now (a dummy step,
+        with LoRA and sampling, that stores nothing)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        shape = self.inputs.fill_dummy(num_seqs, tokens_per_seq, adapter_slot=1, is_greedy=False,
+                                       has_lora=True)
+        self.inputs.upload()
+        with torch.inference_mode():
+            self.forward(shape)
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - before
 
-    def apply(self, plan: StepPlan) -> None:
-        """Bring the runner's records up to date with the plan."""
-        batch = self.batch
-        for request_id in plan.forgotten_ids:
-            batch.remove(request_id)
-        for seq in plan.new:
-            batch.add(seq)
-        for request_id, block_ids in plan.new_block_ids.items():
-            batch.append_blocks(batch.row_of[request_id], block_ids)
-        for slot, digest in plan.adapter_loads:
-            self.lora.load(slot, self._host_adapter(digest))
-
-    def prepare(self, plan: StepPlan) -> HostInputs:
-        """Flat inputs and attention/LoRA metadata of the scheduled requests, on the host."""
-        batch, bs = self.batch, self.block_size
-        row_of = batch.row_of
-        rows = np.fromiter((row_of[r] for r in plan.request_ids), np.int64, len(plan.request_ids))
-        num_new = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
-        query_start = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(num_new, out=query_start[1:])
-        start = batch.num_computed[rows]
-        seq_lens = start + num_new
-        max_query_len = int(num_new.max())
-        if max_query_len == 1:
-            token_rows, positions = rows, start
-            input_ids = [batch.tokens[r][p] for r, p in zip(rows.tolist(), start.tolist())]
-        else:
-            token_rows = np.repeat(rows, num_new)
-            positions = np.repeat(start - query_start[:-1], num_new) + np.arange(query_start[-1])
-            input_ids = [t for r, s, n in zip(rows.tolist(), start.tolist(), num_new.tolist())
-                         for t in batch.tokens[r][s:s + n]]
-        slot_mapping = batch.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        max_blocks = -(-int(seq_lens.max()) // bs)
-        return HostInputs(
-            rows=rows, token_rows=token_rows, input_ids=np.asarray(input_ids, dtype=np.int64),
-            positions=positions,
-            slot_mapping=slot_mapping, block_tables=batch.block_table[rows, :max_blocks],
-            query_start=query_start, seq_lens=seq_lens, token_slots=batch.adapter_slot[token_rows],
-            samples=np.asarray(plan.samples, dtype=bool), max_query_len=max_query_len,
-        )
-
-    def _run_eager(self, host: HostInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        device = self.device
-        attention = AttentionMetadata(
-            slot_mapping=_to(host.slot_mapping, device),
-            block_tables=_to(np.ascontiguousarray(host.block_tables), device),
-            query_start_loc=_to(host.query_start.astype(np.int32), device),
-            seq_lens=_to(host.seq_lens.astype(np.int32), device),
-            max_query_len=host.max_query_len,
-        )
-        lora = LoraMetadata(_to(host.token_slots, device), self.lora) if host.token_slots.any() else None
-        logits_indices = _to(host.query_start[1:][host.samples] - 1, device)
-        with torch.inference_mode(), forward_context(ForwardContext(self.kv_cache, attention, lora)):
-            input_ids = _to(host.input_ids, device)
-            if (host.input_ids == PENDING).any():
-                from_device = self.row_tokens[_to(host.token_rows, device)]
-                input_ids = torch.where(input_ids == PENDING, from_device, input_ids)
-            hidden = self.model(input_ids, _to(host.positions, device))
-            logits = self.model.compute_logits(hidden[logits_indices])
-            sample_rows = host.rows[host.samples]
-            tokens = self._sample(logits, sample_rows)
-            self.row_tokens[_to(sample_rows, device)] = tokens
-        return logits, tokens
-
-    def _decode_inputs(self, host: HostInputs) -> DecodeInputs:
-        batch, rows = self.batch, host.rows
-        return DecodeInputs(
-            rows=rows, input_ids=host.input_ids, positions=host.positions, slot_mapping=host.slot_mapping,
-            block_tables=host.block_tables, seq_lens=host.seq_lens.astype(np.int32),
-            token_slots=host.token_slots, temperature=batch.temperature[rows], top_k=batch.top_k[rows],
-            top_p=batch.top_p[rows], seeds=batch.seed[rows], offsets=self._offsets(rows),
-        )
-
-    def _offsets(self, rows: np.ndarray) -> np.ndarray:
-        """Index of the output token each row samples next (the sampling noise's offset)."""
-        batch = self.batch
-        lengths = np.fromiter((len(batch.tokens[r]) for r in rows.tolist()), np.int64, len(rows))
-        return lengths - batch.num_prompt_tokens[rows]
-
-    def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
-        """One token per row of logits [num_samples, vocab]."""
-        batch = self.batch
-        temperature = batch.temperature[rows]
-        if not temperature.any():
-            return self.ops.argmax(logits)
-        offsets = self._offsets(rows)
-        device = logits.device
-        return self.ops.sample(
-            logits, _to(temperature, device), _to(batch.top_k[rows], device),
-            _to(batch.top_p[rows], device), _to(batch.seed[rows], device), _to(offsets, device),
-        )
-
+    # Logprobs ------------------------------------------------------------------------------
     def _queue_logprobs(self, step: LaunchedStep, logits: torch.Tensor, tokens: torch.Tensor,
                         rows: np.ndarray) -> None:
         """For the sampled rows that asked for logprobs: the chosen token's logprob and the top
@@ -246,7 +200,7 @@ class ModelRunner:
         which = np.flatnonzero(wanted >= 0)
         if not len(which):
             return
-        index = _to(which, logits.device)
+        index = torch.from_numpy(which).to(logits.device)
         logprobs = torch.log_softmax(logits[index].float(), dim=-1)  # [num_wanted, vocab]
         chosen = logprobs.gather(1, tokens[index].view(-1, 1)).view(-1)
         top_values, top_indices = logprobs.topk(max(1, int(wanted[which].max())), dim=-1)
@@ -263,11 +217,6 @@ class ModelRunner:
                 token_id=result.sampled_tokens[i], logprob=chosen[j],
                 top=dict(zip(indices[j][:k], values[j][:k])),
             )
-
-
-def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
-    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

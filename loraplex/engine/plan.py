@@ -40,8 +40,6 @@ class StepPlan:
     """Blocks appended since the previous step, for requests that are not new."""
     forgotten_ids: list[str] = field(default_factory=list)
     """Requests the runner must drop (finished, aborted or preempted since the last plan)."""
-    adapter_loads: list[tuple[int, str]] = field(default_factory=list)
-    """(slot, adapter digest) to copy into the device's slot buffers before the step."""
     num_preempted: int = 0
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from loraplex.engine.tenants import DEFAULT_TENANT
 from loraplex.types import FinishReason, SamplingParams, TokenLogprob
 
 
@@ -23,7 +24,8 @@ class Request:
     """The request's own seed, or one drawn at arrival: sampling noise depends only on
     (seed, token index), so a preempted request resumes with the same output."""
     arrival: int
-    """Arrival order; preemption takes the newest first."""
+    """Arrival order (first come, first served orders by it)."""
+    tenant: str = DEFAULT_TENANT
     adapter: str | None = None
     """The adapter's digest (its identity), None for the base model."""
     adapter_name: str | None = None

@@ -1,7 +1,14 @@
 """Continuous batching to a per-step token budget. Running decodes first, then the rest of
 prompts already being prefilled, then chunks of waiting prompts; requests join and leave at
-every step. When KV blocks run out, the most recently admitted request is preempted (its cache
-dropped, recomputed on resume). Pure Python.
+every step. The scheduling policy orders the waiting queue and picks who is preempted when KV
+blocks run out (the victim's cache is dropped and recomputed when it resumes). Pure Python.
+
+A waiting request runs only once its adapter is in a device slot; until then it holds no
+running place, and requests behind it may go first. How far they may: a request is overtaken
+only while its adapter is being read into host memory or copied into a slot. Once it waits for
+a slot that running requests hold, or for room in the host tier, no request behind it takes a
+slot or starts a host load, so the next slot or room that frees is its own; and a slot frees
+as soon as the requests holding it finish (each within its own max_tokens).
 
 Steps may overlap: `advance` counts a launched step's work at once (the tokens it samples are
 pending), so the next step can be planned while the device still runs this one; `commit`
@@ -9,30 +16,45 @@ records each token when it reaches the host."""
 
 from __future__ import annotations
 
-from loraplex.engine.adapter_slots import AdapterSlots
+import itertools
+from collections.abc import Iterator
+
+from loraplex.engine.adapter_cache import AdapterCache, Wait
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.plan import NewSequence, StepPlan
+from loraplex.engine.policy import SchedulingPolicy
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine_config import SchedulerConfig
 from loraplex.types import FinishReason
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, slots: AdapterSlots) -> None:
-        self.config, self.blocks, self.slots = config, blocks, slots
-        self.waiting: list[Request] = []
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, adapters: AdapterCache,
+                 policy: SchedulingPolicy) -> None:
+        self.config, self.blocks, self.adapters, self.policy = config, blocks, adapters, policy
         self.running: list[Request] = []
+        self.adapter_waits: dict[str, Wait] = {}
+        """Requests that the last plan left waiting for their adapter, and why (behind a request
+        that waits for a slot or host room, a request waits for the same)."""
         self._forgotten: list[str] = []
         self.num_preemptions = 0
 
     @property
+    def num_waiting(self) -> int:
+        return self.policy.num_waiting
+
+    @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return self.policy.num_waiting + len(self.running)
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        request.status = RequestStatus.WAITING
+        if request.adapter is not None:
+            self.adapters.need(request.adapter)
+        self.policy.add(request)
 
     def schedule(self) -> StepPlan:
+        self.adapters.poll()
         plan = StepPlan(forgotten_ids=self._forgotten)
         self._forgotten = []
         scheduled: dict[str, int] = {}
@@ -52,7 +74,7 @@ class Scheduler:
                 scheduled[request.request_id] = num_new
                 budget -= num_new
         if not preempted:
-            budget = self._admit_waiting(budget, plan, scheduled)
+            self._admit_waiting(budget, plan, scheduled)
         self._fill(plan, scheduled)
         return plan
 
@@ -60,10 +82,10 @@ class Scheduler:
         self, request: Request, num_new: int, plan: StepPlan, scheduled: dict[str, int],
         preempted: set[str],
     ) -> bool:
-        """Blocks for `num_new` more tokens of a running request, preempting the most recently
-        admitted requests while short. False if the request itself had to go."""
+        """Blocks for `num_new` more tokens of a running request, preempting the policy's
+        victims while short. False if the request itself had to go."""
         while not self._reserve(request, num_new, plan):
-            victim = self.running[-1]
+            victim = self.policy.choose_victim(self.running)
             scheduled.pop(victim.request_id, None)
             self._preempt(victim, plan)
             preempted.add(victim.request_id)
@@ -71,45 +93,59 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, budget: int, plan: StepPlan, scheduled: dict[str, int]) -> int:
-        still_waiting = []
-        for index, request in enumerate(self.waiting):
+    def _admit_waiting(self, budget: int, plan: StepPlan, scheduled: dict[str, int]) -> None:
+        """Admit waiting requests in the policy's order while the budget, the running places
+        and the KV cache allow; then start host loads for the adapters of those next in line."""
+        no_slots = no_host_room = False  # someone ahead waits for a slot / for host room
+        self.adapter_waits = waits = {}
+        waiting = self.policy.waiting()
+        for request in waiting:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
-                still_waiting.extend(self.waiting[index:])
-                break
-            if request.num_pending or (
-                    request.adapter is not None and not self.slots.can_acquire(request.adapter)):
-                # preempted with a token still in flight, or every slot is held: try the others
-                still_waiting.append(request)
+                if not no_host_room:
+                    self._prefetch(itertools.chain([request], waiting))
+                return
+            if request.num_pending:  # preempted with a token still in flight
                 continue
+            slot = 0
+            if request.adapter is not None:
+                if no_slots or (no_host_room and not self.adapters.slot_of(request.adapter)):
+                    waits[request.request_id] = Wait.NO_SLOT if no_slots else Wait.NO_HOST_ROOM
+                    continue
+                acquired = self.adapters.acquire(request.adapter)
+                if isinstance(acquired, Wait):
+                    waits[request.request_id] = acquired
+                    # Slots free as their holders finish and copies end. Host room frees as the
+                    # requests that need its adapters end; with none running, none would.
+                    no_slots |= acquired is Wait.NO_SLOT
+                    no_host_room |= acquired is Wait.NO_HOST_ROOM and bool(self.running)
+                    continue
+                slot = acquired
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._reserve(request, num_new, plan):
-                still_waiting.extend(self.waiting[index:])
-                break
-            slot = self._acquire_slot(request, plan)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            plan.new.append(NewSequence(
-                request_id=request.request_id, token_ids=list(request.token_ids),
-                num_prompt_tokens=request.num_prompt_tokens, block_ids=list(request.block_ids),
-                num_computed_tokens=request.num_computed_tokens, adapter_slot=slot,
-                params=request.params, seed=request.seed,
-            ))
-            plan.new_block_ids.pop(request.request_id, None)
+                if slot:
+                    self.adapters.release(request.adapter)
+                return
+            self._start(request, slot, plan)
             scheduled[request.request_id] = num_new
             budget -= num_new
-        self.waiting = still_waiting
-        return budget
 
-    def _acquire_slot(self, request: Request, plan: StepPlan) -> int:
-        if request.adapter is None:
-            return 0
-        acquired = self.slots.acquire(request.adapter)
-        assert acquired is not None, "can_acquire said yes"
-        slot, needs_load = acquired
-        if needs_load:
-            plan.adapter_loads.append((slot, request.adapter))
-        return slot
+    def _prefetch(self, upcoming: Iterator[Request]) -> None:
+        """Start host loads of the adapters of the next requests in line, while there is room."""
+        for request in itertools.islice(upcoming, self.adapters.num_slots):
+            if request.adapter is not None and not self.adapters.prefetch(request.adapter):
+                return
+
+    def _start(self, request: Request, slot: int, plan: StepPlan) -> None:
+        self.policy.remove(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        plan.new.append(NewSequence(
+            request_id=request.request_id, token_ids=list(request.token_ids),
+            num_prompt_tokens=request.num_prompt_tokens, block_ids=list(request.block_ids),
+            num_computed_tokens=request.num_computed_tokens, adapter_slot=slot,
+            params=request.params, seed=request.seed,
+        ))
+        plan.new_block_ids.pop(request.request_id, None)
 
     def _reserve(self, request: Request, num_new: int, plan: StepPlan) -> bool:
         needed = self.blocks.blocks_needed(request.num_computed_tokens + num_new, len(request.block_ids))
@@ -157,10 +193,12 @@ class Scheduler:
             self.running.remove(request)
             self._release(request)
             self._forgotten.append(request.request_id)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+        else:
+            self.policy.remove(request)
             self.blocks.free(request.block_ids)
             request.block_ids = []
+        if request.adapter is not None:
+            self.adapters.unneed(request.adapter)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
@@ -174,10 +212,10 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.insert(0, request)
+        self.policy.add(request)
 
     def _release(self, request: Request) -> None:
         self.blocks.free(request.block_ids)
         request.block_ids = []
         if request.adapter is not None:
-            self.slots.release(request.adapter)
+            self.adapters.release(request.adapter)

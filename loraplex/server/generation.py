@@ -1,14 +1,14 @@
 """One generation request, whichever API it came through: the model it names, its sampling
 parameters checked against the context and the server's caps, admission (server queue and the
-tenant's limits), the adapter pinned in the engine, the engine stream, and at the end the
-accounting (limits released, usage recorded, metrics) however the request ended."""
+tenant's limits), the engine stream (the engine is told the adapter's digest and the tenant),
+and at the end the accounting (limits released, usage recorded, metrics) however the request ended."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing, asynccontextmanager
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from fastapi import Request, Response
@@ -108,9 +108,9 @@ async def generate(services: Services, job: Job) -> AsyncIterator[RequestOutput]
     last: RequestOutput | None = None
     previous_at = job.arrival
     try:
-        async with _pinned(services, job.adapter) as engine_adapter, aclosing(services.engine.generate(
+        async with aclosing(services.engine.generate(
                 job.request_id, prompt_token_ids=job.prompt_token_ids, params=job.params,
-                adapter=engine_adapter)) as outputs:
+                adapter=job.adapter.digest if job.adapter else None, tenant=job.tenant)) as outputs:
             async for output in outputs:
                 now = time.monotonic()
                 (metrics.time_to_first_token if last is None else metrics.inter_token_latency).observe(
@@ -133,15 +133,6 @@ async def generate(services: Services, job: Job) -> AsyncIterator[RequestOutput]
                 metrics.e2e_latency.observe(time.monotonic() - job.arrival)
             elif not last.finished:
                 metrics.aborted.inc()
-
-
-@asynccontextmanager
-async def _pinned(services: Services, adapter: AdapterRecord | None) -> AsyncIterator[str | None]:
-    if adapter is None:
-        yield None
-        return
-    async with services.adapters.use(adapter) as name:
-        yield name
 
 
 async def run_job(request: Request, services: Services, job: Job, *, stream: bool,

@@ -94,18 +94,19 @@ class _EngineCollector(Collector):
         snapshot = self._monitor.latest
         if snapshot is None:
             return
+        stats = snapshot.stats
         gauges = {
-            "vllm:num_requests_running": ("Requests in the running batch.", snapshot.num_running),
-            "vllm:num_requests_waiting": ("Requests waiting for the engine.", snapshot.num_waiting),
-            "vllm:num_requests_swapped": ("Requests swapped out to host memory.", snapshot.num_swapped),
-            "vllm:kv_cache_usage_perc": ("KV cache use, 0 to 1.", snapshot.kv_cache_usage),
-            "loraplex:kv_blocks_used": ("KV blocks in use.", snapshot.kv_blocks_used),
-            "loraplex:kv_blocks_total": ("KV blocks allocated.", snapshot.kv_blocks_total),
-            "loraplex:lora_adapters_resident": ("Adapters in device slots.",
-                                                len(snapshot.resident_adapters)),
-            "loraplex:lora_adapter_slots": ("Device adapter slots.", snapshot.num_adapter_slots),
-            "loraplex:lora_adapters_host": ("Adapters held in host memory.",
-                                            len(snapshot.host_adapters)),
+            "vllm:num_requests_running": ("Requests in the running batch.", stats.num_running),
+            "vllm:num_requests_waiting": ("Requests waiting for the engine.", stats.num_waiting),
+            "vllm:kv_cache_usage_perc": ("KV cache use, 0 to 1.", stats.kv_cache_usage),
+            "loraplex:kv_blocks_used": ("KV blocks in use.", stats.num_kv_blocks_used),
+            "loraplex:kv_blocks_total": ("KV blocks allocated.", stats.num_kv_blocks),
+            "loraplex:lora_adapters_resident": ("Adapters in device slots.", len(stats.adapters_in_slots)),
+            "loraplex:lora_adapter_slots": ("Device adapter slots.", stats.num_lora_slots),
+            "loraplex:lora_adapters_host": ("Adapters in the engine's host tier.",
+                                            len(stats.adapters_on_host)),
+            "loraplex:lora_host_tier_bytes": ("Bytes of the adapters in the host tier.",
+                                              stats.host_tier_bytes),
             "loraplex:generation_tokens_per_second": ("Generated tokens per second, last interval.",
                                                       snapshot.tokens_per_second),
         }
@@ -113,7 +114,12 @@ class _EngineCollector(Collector):
             family = GaugeMetricFamily(name, documentation, labels=["model_name"])
             family.add_metric(labels, value)
             yield family
-        preemptions = CounterMetricFamily("vllm:num_preemptions", "Requests preempted by the "
-                                          "scheduler.", labels=["model_name"])
-        preemptions.add_metric(labels, snapshot.num_preemptions)
-        yield preemptions
+        counters = {
+            "vllm:num_preemptions": ("Requests preempted by the scheduler.", stats.num_preemptions),
+            "loraplex:lora_host_loads": ("Adapters read into the host tier.", stats.num_adapter_host_loads),
+            "loraplex:lora_slot_loads": ("Adapters copied into device slots.", stats.num_adapter_slot_loads),
+        }
+        for name, (documentation, value) in counters.items():
+            family = CounterMetricFamily(name, documentation, labels=["model_name"])
+            family.add_metric(labels, value)
+            yield family

@@ -12,46 +12,22 @@ from dataclasses import dataclass, replace
 
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class EngineSnapshot:
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    num_preemptions: int
-    num_generated_tokens: int
-    num_prompt_tokens: int
-    resident_adapters: tuple[str, ...]
-    """Digests of the adapters in device slots."""
-    num_adapter_slots: int
-    host_adapters: tuple[str, ...]
-    """Digests of the adapters the engine holds in host memory."""
+    stats: EngineStats
     sampled_at: float
+    """time.monotonic() when it was taken."""
     tokens_per_second: float = 0.0
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
 def _sample(engine: LLMEngine) -> EngineSnapshot:
     """Runs on the engine thread."""
-    stats = engine.stats()
-    return EngineSnapshot(
-        num_running=int(stats["num_running"]), num_waiting=int(stats["num_waiting"]),
-        num_swapped=int(stats["num_swapped"]), kv_blocks_used=int(stats["kv_blocks_used"]),
-        kv_blocks_total=int(stats["kv_blocks_total"]), num_preemptions=int(stats["num_preemptions"]),
-        num_generated_tokens=int(stats["num_generated_tokens"]),
-        num_prompt_tokens=int(stats["num_prompt_tokens"]),
-        resident_adapters=tuple(engine.slots.resident), num_adapter_slots=engine.slots.num_slots,
-        host_adapters=tuple(sorted(set(engine.adapters.names.values()))),
-        sampled_at=time.monotonic(),
-    )
+    return EngineSnapshot(engine.stats(), time.monotonic())
 
 
 class EngineMonitor:
@@ -80,7 +56,7 @@ class EngineMonitor:
         if base is None:
             self._rate_base = snapshot
         elif snapshot.sampled_at - base.sampled_at >= self._interval_s:
-            rate = (snapshot.num_generated_tokens - base.num_generated_tokens) / (
+            rate = (snapshot.stats.num_generated_tokens - base.stats.num_generated_tokens) / (
                 snapshot.sampled_at - base.sampled_at)
             self._rate_base = snapshot
         self.latest = replace(snapshot, tokens_per_second=rate)

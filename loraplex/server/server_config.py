@@ -28,8 +28,6 @@ class ServerConfig:
     """How long API keys, tenant limits and adapter records read from the registry are reused.
     Changes made through this server's admin API apply at once; those made by other processes
     (the CLI, other replicas) within this time."""
-    max_host_adapters: int = 32
-    """Adapters kept in host memory (least recently used ones are dropped past it)."""
     tokenizer_threads: int = 2
     """Threads that tokenize prompts, each with its own copy of the tokenizer. A tenant uses
     one at a time (with one thread: that one, in turn with the others)."""
@@ -45,7 +43,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_upload_bytes", "max_requests_in_flight",
-                     "max_host_adapters", "max_concurrent_uploads", "retry_after_s", "tokenizer_threads"):
+                     "max_concurrent_uploads", "retry_after_s", "tokenizer_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
         for name in ("max_tokens_limit", "max_prompt_tokens"):

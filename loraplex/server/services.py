@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.registry import Registry
-from loraplex.server.adapter_names import AdapterManager
+from loraplex.server.adapter_names import AdapterNames
 from loraplex.server.codec import TextCodec
 from loraplex.server.limits import Limiter
 from loraplex.server.metrics import Metrics
@@ -32,7 +32,7 @@ class Services:
     engine: AsyncEngine
     principals: Principals
     codec: TextCodec
-    adapters: AdapterManager
+    adapters: AdapterNames
     limiter: Limiter
     usage: UsageRecorder
     monitor: EngineMonitor
@@ -44,6 +44,9 @@ class Services:
     @classmethod
     def start(cls, config: ServerConfig, registry: Registry, llm: LLMEngine) -> Services:
         """Start the engine thread and the background work; call from the event loop."""
+        adapters = AdapterNames(registry, llm.model_config.shape, llm.config.lora.max_lora_rank,
+                                config.registry_cache_ttl_s)
+        llm.set_adapter_loader(adapters.load)
         engine = AsyncEngine(llm)
         monitor = EngineMonitor(engine, config.engine_poll_interval_s)
         limiter = Limiter(config.max_requests_in_flight, config.retry_after_s)
@@ -51,9 +54,7 @@ class Services:
             config=config, registry=registry, llm=llm, engine=engine,
             principals=Principals(registry, config.registry_cache_ttl_s),
             codec=TextCodec(llm.tokenizer, max_prompt_tokens(config, llm), config.tokenizer_threads),
-            adapters=AdapterManager(registry, engine, llm.model_config.shape,
-                                    llm.config.lora.max_lora_rank, config.max_host_adapters,
-                                    config.registry_cache_ttl_s),
+            adapters=adapters,
             limiter=limiter, usage=UsageRecorder(registry), monitor=monitor,
             metrics=Metrics(config.model_id, monitor, lambda: limiter.num_in_flight),
             upload_slots=asyncio.Semaphore(config.max_concurrent_uploads),

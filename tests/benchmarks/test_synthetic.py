@@ -28,7 +28,7 @@ def test_transformers_peft_baseline_shares_our_weights_and_adapters():
     names = [None, "a0", "a1"]
     engine = LLMEngine(EngineConfig(model="synthetic", device="cpu", max_model_len=64), model=model)
     for name, host in adapters.items():
-        engine.adapters.add_prepared(name, host)
+        engine.add_adapter(name, host)
     ours = []
     for i, (tokens, name) in enumerate(zip(prompt, names)):
         engine.add_request(str(i), prompt_token_ids=tokens, adapter=name,

@@ -45,8 +45,8 @@ def test_operator_session(registry_config: RegistryConfig, tmp_path: Path) -> No
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({
-        "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
-        "intermediate_size": 128, "num_key_value_heads": 2}))
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+        "num_hidden_layers": 2, "intermediate_size": 128, "num_key_value_heads": 2, "vocab_size": 300}))
     adapter = write_adapter(tmp_path / "adapter")
     upload = _run(registry_config, "adapter", "upload", "--tenant", "acme", "--name", "sql",
                   str(adapter), "--model", str(model))

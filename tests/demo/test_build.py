@@ -13,10 +13,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from loraplex.adapter_format import BaseModelShape, load_adapter_dir
+from loraplex.adapter_format import load_adapter_dir
 from loraplex.demo import DEMO_ADAPTERS, DEMO_PROMPT, DEMO_SYSTEM_PROMPT, ensure_demo
 from loraplex.demo.answers import greedy_answer
 from loraplex.demo.corpus import BASE_STYLE, TOPICS
+from loraplex.model.model_config import ModelConfig
 
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                "generation_config.json", "special_tokens_map.json")
@@ -63,8 +64,7 @@ def test_adapter_folders(demo_assets, adapter):
     assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (
         adapter.rank, adapter.alpha, adapter.use_rslora)
     # loraplex's own validation (the engine's and the registry's) accepts it
-    shape = BaseModelShape.from_hf_config(
-        json.loads((demo_assets.model_dir / "config.json").read_text()))
+    shape = ModelConfig.load(demo_assets.model_dir).shape
     loaded = load_adapter_dir(folder, shape, max_rank=64)
     assert loaded.rank == adapter.rank
     assert set(loaded.target_modules) == set(adapter.target_modules)

@@ -9,7 +9,7 @@ from loraplex.demo.answers import greedy_answer
 
 
 def test_engine_matches_transformers_and_peft(demo_assets, demo_model):
-    llm = LLM(str(demo_assets.model_dir), device="cpu", dtype="float32", num_blocks=64)
+    llm = LLM(str(demo_assets.model_dir), device="cpu", dtype="float32", num_kv_blocks=64)
     for name, folder in demo_assets.adapters.items():
         llm.add_adapter(name, str(folder))
     tokenizer = demo_model.tokenizer

@@ -1,13 +1,14 @@
-"""The static-buffer decode path that CUDA graphs replay, run eagerly on CPU: padded batch
-sizes give exactly the tokens of the plain path, with adapters and seeded sampling, also when
-steps overlap (async scheduling: input tokens come from the device)."""
+"""The padded decode path that CUDA graphs replay, run eagerly on CPU: decode steps laid out in
+the step inputs at padded batch sizes give exactly the tokens of the plain path, with adapters
+and seeded sampling, also when steps overlap (async scheduling: input tokens come from the
+device)."""
 
 from __future__ import annotations
 
 import pytest
 
 from loraplex import LLM, SamplingParams
-from loraplex.engine.cuda_graphs import DecodeGraphRunner, graph_batch_sizes
+from loraplex.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 
 
 def test_graph_batch_sizes():
@@ -28,12 +29,16 @@ def test_static_decode_path_matches_plain_path(tiny_llama, num_requests, async_s
             llm.add_adapter(name, path)
         runner = llm.engine.runner
         if static:
-            runner.graphs = DecodeGraphRunner(runner.model, runner.kv_cache, runner.lora, runner.ops,
-                                              runner.row_tokens, max_batch=20,
-                                              max_blocks_per_seq=runner.batch.block_table.shape[1],
-                                              capture=False)
-            original, sizes = runner.graphs.run, []
-            runner.graphs.run = lambda inputs: sizes.append(len(inputs.input_ids)) or original(inputs)
+            runner.graphs = DecodeGraphs(runner, max_batch=20, vocab_size=runner.model.config.vocab_size,
+                                         capture=False)
+            original, sizes = runner.forward, []
+
+            def forward(shape):
+                if shape.is_padded_decode:
+                    sizes.append((shape.num_seqs, runner.inputs.seq_lens[:shape.num_seqs].count_nonzero()))
+                return original(shape)
+
+            runner.forward = forward
             llm.decode_sizes = sizes
         names = [None, *adapters]
         params = [SamplingParams(max_tokens=6 + i % 3, temperature=0.0 if i % 2 else 0.9, seed=i,
@@ -46,5 +51,9 @@ def test_static_decode_path_matches_plain_path(tiny_llama, num_requests, async_s
     plain, _ = run(static=False)
     static, llm = run(static=True, async_scheduling=async_scheduling)
     assert static == plain
-    assert max(llm.decode_sizes) == num_requests and len(llm.decode_sizes) >= 5  # the static path ran
+    # the padded path ran, at graph sizes, with padding rows (sequence length 0) after the real ones
+    assert len(llm.decode_sizes) >= 5
+    assert all(size in graph_batch_sizes(20) and real <= size for size, real in llm.decode_sizes)
+    assert max(real for _, real in llm.decode_sizes) == num_requests
+    assert any(real < size for size, real in llm.decode_sizes)
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks

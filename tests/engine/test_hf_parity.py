@@ -100,7 +100,7 @@ def test_whole_prefill_matches_hf_peft(case):
 def test_preempted_requests_resume_with_identical_output(case, async_scheduling):
     model_dir, adapters, prompts, names, references = case
     llm, outputs, logits = _run(model_dir, adapters, prompts, names, max_num_batched_tokens=CHUNK,
-                                async_scheduling=async_scheduling, block_size=4, num_blocks=24,
+                                async_scheduling=async_scheduling, block_size=4, num_kv_blocks=24,
                                 max_num_seqs=16)
     assert llm.engine.scheduler.num_preemptions > 0
     _check(outputs, logits, references)

@@ -4,6 +4,8 @@ time or overlapped (async scheduling)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from loraplex import LLM, SamplingParams
@@ -27,7 +29,14 @@ def _assert_all_returned(engine):
     assert engine.scheduler.num_unfinished == 0
     assert engine.num_requests == 0
     assert not engine.runner.batch.row_of
-    assert all(engine.slots.can_acquire(f"new-{i}") for i in range(engine.slots.num_slots))
+    assert engine.adapters.num_held_slots == 0 and engine.adapters.num_needed == 0
+
+
+def _step_until(engine, condition, max_seconds: float = 30.0):
+    deadline = time.monotonic() + max_seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the engine did not get there"
+        engine.step()
 
 
 def test_requests_join_and_leave_at_every_step(llm):
@@ -72,7 +81,7 @@ def test_failed_step_fails_its_requests_and_frees_everything(llm, monkeypatch):
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     for i in range(3):
         engine.add_request(f"r{i}", prompt_token_ids=[4, 5, 6], params=params, adapter="pattern")
-    engine.step()
+    _step_until(engine, lambda: len(engine.scheduler.running) == 3)  # the adapter loads first
     model = engine.runner.model
 
     def broken(*args, **kwargs):
@@ -115,10 +124,10 @@ def test_removed_adapter_frees_its_slot_and_name(llm):
     out = llm.generate(prompt_token_ids=[[5, 6]], adapters="qv4",
                        sampling_params=SamplingParams(max_tokens=2))
     assert out[0].adapter == "qv4"
-    digest = llm.engine.adapters.resolve("qv4")
-    assert llm.engine.slots.slot_of(digest) is not None
+    digest = llm.engine.local_adapters.resolve("qv4")
+    assert llm.engine.adapters.slot_of(digest) is not None
     llm.remove_adapter("qv4")
-    assert llm.engine.slots.slot_of(digest) is None
+    assert llm.engine.adapters.slot_of(digest) is None
     with pytest.raises(UnknownAdapterError):
         llm.generate(prompt_token_ids=[[5, 6]], adapters="qv4")
 
@@ -126,27 +135,27 @@ def test_removed_adapter_frees_its_slot_and_name(llm):
 def test_same_adapter_under_two_names_shares_one_slot(llm, tiny_llama):
     _, adapters = tiny_llama
     digest = llm.add_adapter("alias", adapters["all8"])
-    assert digest == llm.engine.adapters.resolve("all8")
+    assert digest == llm.engine.local_adapters.resolve("all8")
     outs = llm.generate(prompt_token_ids=[[5, 6, 7]] * 2, adapters=["all8", "alias"],
                         sampling_params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert outs[0].token_ids == outs[1].token_ids
-    assert len(llm.engine.slots.resident) == 1
+    assert len(llm.engine.adapters.resident) == 1
 
 
 def test_adapter_removed_while_in_use_is_freed_when_its_last_request_ends(llm):
     engine = llm.engine
     engine.add_request("r", prompt_token_ids=[5, 6], adapter="mlp16",
                        params=SamplingParams(max_tokens=4, ignore_eos=True))
-    engine.step()
-    digest = engine.adapters.resolve("mlp16")
+    _step_until(engine, lambda: engine.scheduler.running)
+    digest = engine.local_adapters.resolve("mlp16")
     llm.remove_adapter("mlp16")
-    assert engine.slots.slot_of(digest) is not None  # the running request still uses it
+    assert engine.adapters.slot_of(digest) is not None  # the running request still uses it
     outputs = []
     while engine.has_unfinished_requests():
         outputs.extend(engine.step())
     assert outputs[-1].finished and len(outputs[-1].token_ids) == 4
-    assert engine.slots.slot_of(digest) is None
-    assert digest not in engine.adapters._host
+    assert engine.adapters.slot_of(digest) is None
+    assert digest not in engine.adapters.host_digests
     _assert_all_returned(engine)
 
 

@@ -12,7 +12,7 @@ from loraplex.kernels import reference
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
 def llm(tiny_llama, request):
     model, adapters = tiny_llama
-    llm = LLM(model, device="cpu", block_size=4, num_blocks=40, max_num_batched_tokens=16,
+    llm = LLM(model, device="cpu", block_size=4, num_kv_blocks=40, max_num_batched_tokens=16,
               async_scheduling=request.param)
     llm.add_adapter("all8", adapters["all8"])
     return llm
@@ -42,12 +42,12 @@ def test_seeded_sampling_survives_preemption(tiny_llama):
     model, _ = tiny_llama
     params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=99, ignore_eos=True)
     roomy = LLM(model, device="cpu", block_size=4, max_num_batched_tokens=16)
-    tight = LLM(model, device="cpu", block_size=4, num_blocks=14, max_num_batched_tokens=16)
+    tight = LLM(model, device="cpu", block_size=4, num_kv_blocks=14, max_num_batched_tokens=16)
     prompts = [[5 + i] * (3 + 4 * i) for i in range(4)]
     expected = _tokens(roomy, params, prompts)
     assert _tokens(tight, params, prompts) == expected
     assert tight.engine.scheduler.num_preemptions > 0
-    overlapped = LLM(model, device="cpu", block_size=4, num_blocks=14, max_num_batched_tokens=16,
+    overlapped = LLM(model, device="cpu", block_size=4, num_kv_blocks=14, max_num_batched_tokens=16,
                      async_scheduling=True)
     assert _tokens(overlapped, params, prompts) == expected
     assert overlapped.engine.scheduler.num_preemptions > 0

@@ -18,7 +18,7 @@ def test_triton_kernels_in_the_engine_match_the_reference(tiny_llama):
     results = {}
     for kernels in ("reference", "triton"):
         llm = LLM(model, device=device, dtype="float32", kernels=kernels, max_num_batched_tokens=16,
-                  use_cuda_graphs=False)
+                  enforce_eager=True)
         assert llm.engine.model.ops.name == kernels
         for name in set(names) - {None}:
             llm.add_adapter(name, adapters[name])

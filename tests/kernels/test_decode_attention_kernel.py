@@ -40,6 +40,29 @@ def test_decode_matches_reference_with_gqa_and_padding(dtype, num_splits):
     assert rel_error(out, expected) < (1e-5 if dtype == torch.float32 else 2e-3)
 
 
+def _decode_at_boundaries(group, block_n, num_splits, dtype, device):
+    """(out, expected float32) at lengths around the 16-token blocks, the 16- and 64-token
+    tiles and the splits' chunks, for 2 KV heads of `group` q heads each."""
+    seq_lens = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128]
+    kv_layer, block_tables = make_paged_kv(seq_lens, 2, 16, 16, dtype, device, seed=group)
+    q = _query(len(seq_lens), 2 * group, 16, dtype, device, seed=group)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    config = decode_attention.DecodeConfig(num_splits, block_n, num_warps=4, num_stages=2)
+    with poisoned_allocations(decode_attention):
+        out = decode_attention._launch(q, kv_layer, block_tables, lens, 0.25, config)
+    return out, ref.paged_decode_attention(q.float(), kv_layer.float(), block_tables, lens, 0.25)
+
+
+BOUNDARY_CONFIGS = [(64, 1), (16, 1), (16, 3)]  # (block_n, num_splits)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_n,num_splits", BOUNDARY_CONFIGS)
+def test_decode_at_tile_and_block_boundaries(group, block_n, num_splits):
+    out, expected = _decode_at_boundaries(group, block_n, num_splits, torch.float32, DEVICE)
+    assert rel_error(out, expected) < 1e-5
+
+
 def test_decode_head_dim_not_a_power_of_two_and_wide_group():
     seq_lens = [5, 33]
     kv_layer, block_tables = make_paged_kv(seq_lens, 1, 24, 4, torch.float32, DEVICE, seed=1)
@@ -109,5 +132,16 @@ def test_decode_bf16_candidate_configs(config):
     expected = ref.paged_decode_attention(q.float(), kv_layer.float(), block_tables, lens,
                                           128 ** -0.5)
     assert torch.isfinite(out).all() and torch.equal(out[2], torch.zeros_like(out[2]))
+    assert cosine(out, expected) > 0.99
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=0)
+
+
+@gpu
+@skip_without_cuda
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_n,num_splits", BOUNDARY_CONFIGS)
+def test_decode_bf16_at_tile_and_block_boundaries(group, block_n, num_splits):
+    out, expected = _decode_at_boundaries(group, block_n, num_splits, torch.bfloat16, "cuda")
+    assert torch.isfinite(out).all()
     assert cosine(out, expected) > 0.99
     torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=0)

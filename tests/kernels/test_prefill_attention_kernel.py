@@ -49,6 +49,33 @@ def test_prefill_matches_reference_chunked_gqa(dtype):
     torch.testing.assert_close(lse[:rows], expected_lse[:rows], atol=1e-4, rtol=1e-4)
 
 
+def _prefill_at_boundaries(group, block_m, block_n, dtype, device):
+    """(out, lse, expected float32, expected_lse): cached context around the 16-token blocks
+    and the key tiles, new tokens that cross them; 2 KV heads of `group` q heads each."""
+    context_lens, query_lens = [0, 1, 15, 16, 17, 63, 64, 65], [17, 15, 2, 1, 16, 1, 3, 20]
+    q, kv_layer, block_tables, qsl, lens = _batch(query_lens, context_lens, 2 * group, 2, 16, 16,
+                                                  dtype, device, seed=group)
+    config = prefill_attention.PrefillConfig(block_m, block_n, num_warps=4, num_stages=2)
+    with poisoned_allocations(prefill_attention):
+        out, lse = prefill_attention._launch(q, kv_layer, block_tables, qsl, lens, 0.25, True,
+                                             config)
+    expected, expected_lse = ref.paged_attention(q.float(), kv_layer.float(), block_tables, qsl,
+                                                 lens, 0.25, return_lse=True)
+    return out, lse, expected, expected_lse
+
+
+BOUNDARY_CONFIGS = [(16, 16), (64, 64)]  # (block_m, block_n)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_m,block_n", BOUNDARY_CONFIGS)
+def test_prefill_at_tile_and_block_boundaries(group, block_m, block_n):
+    out, lse, expected, expected_lse = _prefill_at_boundaries(group, block_m, block_n,
+                                                              torch.float32, DEVICE)
+    assert rel_error(out, expected) < 1e-5
+    torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=1e-5)
+
+
 def test_prefill_without_lse_and_wide_group():
     q, kv_layer, block_tables, qsl, lens = _batch([5, 3], [2, 40], 32, 1, 16, 16, torch.float32,
                                                   DEVICE, seed=1)
@@ -84,6 +111,19 @@ def test_prefill_bf16_llama_shapes(config):
                                              True, config)
     expected, expected_lse = ref.paged_attention(q.float(), kv_layer.float(), block_tables, qsl,
                                                  lens, 128 ** -0.5, return_lse=True)
+    assert torch.isfinite(out).all()
+    assert cosine(out, expected) > 0.99
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=0)
+    torch.testing.assert_close(lse, expected_lse, atol=3e-2, rtol=1e-2)
+
+
+@gpu
+@skip_without_cuda
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_m,block_n", BOUNDARY_CONFIGS)
+def test_prefill_bf16_at_tile_and_block_boundaries(group, block_m, block_n):
+    out, lse, expected, expected_lse = _prefill_at_boundaries(group, block_m, block_n,
+                                                              torch.bfloat16, "cuda")
     assert torch.isfinite(out).all()
     assert cosine(out, expected) > 0.99
     torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=0)

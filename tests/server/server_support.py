@@ -54,7 +54,7 @@ def make_model(folder: Path, shape: BaseModelShape = TINY, seed: int = 0, vocab_
 
 
 def make_engine(model_dir: Path, **options: Any) -> LLMEngine:
-    defaults = dict(device="cpu", block_size=16, num_blocks=1024, max_num_seqs=64,
+    defaults = dict(device="cpu", block_size=16, num_kv_blocks=1024, max_num_seqs=64,
                     max_lora_rank=MAX_RANK, max_loras=4, max_model_len=512)
     return LLMEngine(EngineConfig.from_kwargs(str(model_dir), **(defaults | options)))
 

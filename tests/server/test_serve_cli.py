@@ -205,3 +205,49 @@ def test_the_demo_on_a_fresh_registry_and_after_a_restart(tmp_path: Path) -> Non
             assert [t.name for t in registry.tenants.list()] == ["demo"]
             assert len(registry.keys.list(tenant="demo")) == 1
             assert sorted(a.name for a in registry.adapters.list("demo")) == names
+
+
+ENGINE_FLAGS = {"max_num_seqs": 8, "max_loras": 3, "max_cpu_loras": 5, "block_size": 32,
+                "max_num_batched_tokens": 256, "max_model_len": 384, "seed": 7, "max_lora_rank": 16}
+
+
+def test_engine_options_from_the_command_line_reach_the_engine(tmp_path: Path, wide_model: Path) -> None:
+    flags = [part for name, value in ENGINE_FLAGS.items()
+             for part in (f"--{name.replace('_', '-')}", str(value))]
+    with loraplex_serve(tmp_path / "data", "--model", str(wide_model), "--enforce-eager", *flags) as served:
+        with _registry(tmp_path / "data") as registry:
+            admin_key = registry.keys.create(admin=True).secret
+        state = httpx.get(f"{served.url}/admin/api/engine", timeout=30,
+                          headers={"Authorization": f"Bearer {admin_key}"}).json()
+    assert {name: state["options"][name] for name in ENGINE_FLAGS} == ENGINE_FLAGS
+    assert state["options"]["enforce_eager"] is True and state["options"]["device"] == "cpu"
+    assert state["num_adapter_slots"] == state["memory"]["num_lora_slots"] == 3
+    assert state["max_model_len"] == 384 and state["cuda_graphs"] is None
+
+
+def test_a_bad_engine_option_is_refused_before_anything_loads(tmp_path: Path) -> None:
+    data_dir = tmp_path / "never-created"
+    for flags, message in ((["--max-num-seqs", "0"], "--max-num-seqs must be positive"),
+                           (["--gpu-memory-utilization", "1.5"],
+                            "--gpu-memory-utilization must be in (0, 1]"),
+                           (["--block-size", "12"], "--block-size must be a power of two"),
+                           (["--max-loras", "lots"], "argument --max-loras: invalid int value: 'lots'"),
+                           (["--dtype", "float8"], "argument --dtype: invalid choice: 'float8'")):
+        started = time.monotonic()
+        result = subprocess.run([sys.executable, "-m", "loraplex.cli", "serve", "--data-dir",
+                                 str(data_dir), *flags], capture_output=True, text=True, timeout=60)
+        assert result.returncode != 0 and message in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+        assert time.monotonic() - started < 30
+    assert not data_dir.exists()  # no registry, no demo build: nothing was loaded
+
+
+def test_serve_help_lists_every_engine_option() -> None:
+    from loraplex.engine_config import option_owners
+
+    result = subprocess.run([sys.executable, "-m", "loraplex.cli", "serve", "--help"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    for name in option_owners():
+        assert f"--{name.replace('_', '-')}" in result.stdout, name
+    assert "--max-num-batched-tokens INT" in result.stdout and "(default: 2048)" in result.stdout

@@ -224,18 +224,24 @@ def test_metrics_health_and_readiness(sqlite_server: Server) -> None:
 
 def test_adapters_are_loaded_lazily_shared_by_identity_and_dropped_past_the_cap(
         tmp_path: Path, model_dir: Path, adapter_dirs) -> None:
-    engine = make_engine(model_dir)  # its own: no adapter loaded by other tests
-    with serve(RegistryConfig(data_dir=tmp_path / "data"), engine, tenants=("acme", "globex"),
-               max_host_adapters=2) as server, server.http() as http:
+    # Its own engine (no adapter loaded by other tests), whose host tier holds two adapters of
+    # the largest rank (8): qv and qv2 are rank 4, mlp rank 8, and a load reserves room for 8.
+    engine = make_engine(model_dir, max_cpu_loras=2)
+    with serve(RegistryConfig(data_dir=tmp_path / "data"), engine, tenants=("acme", "globex")
+               ) as server, server.http() as http:
         for tenant, name, folder in [("acme", "a", "qv"), ("acme", "b", "mlp"), ("acme", "c", "qv2"),
                                      ("globex", "same-as-a", "qv")]:
             server.registry.adapters.upload_dir(tenant, name, adapter_dirs[folder])
 
         def loaded() -> tuple[set[str], int]:
-            """(acme's adapters held for the engine, adapters the engine holds)."""
+            """(acme's adapters in the engine's host tier, adapters in that tier)."""
             names = {a["name"] for a in http.get("/admin/api/adapters", params={"tenant": "acme"}).json()
                      if a["is_loaded"]}
-            return names, http.get("/admin/api/engine").json()["num_adapters_loaded"]
+            return names, http.get("/admin/api/engine").json()["num_adapters_on_host"]
+
+        def resident() -> set[str]:
+            return {a["name"] for a in http.get("/admin/api/adapters", params={"tenant": "acme"}).json()
+                    if a["is_resident"]}
 
         def ask(tenant: str, model: str) -> str:
             return server.openai(tenant).completions.create(model=model, prompt="x", max_tokens=2,
@@ -246,10 +252,12 @@ def test_adapters_are_loaded_lazily_shared_by_identity_and_dropped_past_the_cap(
         assert ask("globex", "same-as-a") == first
         assert loaded() == ({"a"}, 1)  # two tenants, one identity, one copy
         ask("acme", "b")
-        ask("acme", "c")  # a third adapter: the least recently used one (a) is dropped
-        _wait_until(lambda: loaded() == ({"b", "c"}, 2), 5, "adapter a to be dropped")
-        assert ask("acme", "a") == first  # and loaded again when needed
-        assert loaded() == ({"a", "c"}, 2)
+        ask("acme", "c")  # no room for a third: the least recently used one (a) is dropped
+        assert loaded() == ({"b", "c"}, 2)
+        assert resident() == {"a", "b", "c"}  # the device's four slots still hold all three
+        host_loads = http.get("/admin/api/engine").json()["num_adapter_host_loads"]
+        assert ask("acme", "a") == first  # served from its slot: not read again
+        assert http.get("/admin/api/engine").json()["num_adapter_host_loads"] == host_loads
 
 
 def test_the_admin_ui_is_served_beside_the_api(tmp_path: Path, engine) -> None:
@@ -304,3 +312,31 @@ def test_a_failing_registry_database_answers_503_and_recovers(sqlite_server: Ser
                 away.rename(path)
     assert httpx.get(f"{server.url}/ready", timeout=10).status_code == 200
     assert server.openai("acme").models.list().data
+
+
+def test_each_request_reaches_the_engine_with_its_tenant_and_adapter_digest(sqlite_server: Server,
+                                                                             engine) -> None:
+    """The server tells the engine who asks (the tenant) and which adapter (its digest), and
+    the engine's own state shows requests by tenant."""
+    seen: list[tuple[str, str | None]] = []
+    scheduler = engine.scheduler
+    add = scheduler.add
+    scheduler.add = lambda request: seen.append((request.tenant, request.adapter)) or add(request)
+    try:
+        server = sqlite_server
+        server.openai("acme").completions.create(model="style", prompt="x", max_tokens=1)
+        server.openai("globex").chat.completions.create(
+            model=MODEL_ID, messages=[{"role": "user", "content": "y"}], max_tokens=1)
+    finally:
+        scheduler.add = add
+    style = server.registry.adapters.get("acme", "style").digest
+    assert seen == [("acme", style), ("globex", None)]
+    with server.http() as http:
+        stream = threading.Thread(target=lambda: server.openai("acme").completions.create(
+            model="style", prompt="z", max_tokens=200, extra_body={"ignore_eos": True}))
+        stream.start()
+        _wait_until(lambda: http.get("/admin/api/engine").json()["requests_by_tenant"].get("acme"),
+                    10, "acme's request in the engine")
+        state = http.get("/admin/api/engine").json()["requests_by_tenant"]["acme"]
+        assert state["running"] + state["waiting"] == 1
+        stream.join()

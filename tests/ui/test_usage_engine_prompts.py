@@ -89,6 +89,14 @@ def test_engine_page_refreshes_live_and_stops_when_left(admin_page, server: Live
     expect(page.locator('[data-stat="kv"]')).to_have_text(re.compile(r"^[\d,]+$"))
     expect(page.get_by_role("cell", name="demo/pirate")).to_be_visible()
     assert len(polls) >= 2
+    # The engine's options, as the server's flags set them (the test server runs with
+    # --max-num-seqs and --max-loras of its own), and what start-up made of them.
+    options = page.get_by_role("table", name="Engine options (the flags of loraplex serve)")
+    expect(options.get_by_role("row", name=re.compile(r"--max-loras"))).to_contain_text(
+        str(server.options["max_loras"]))
+    expect(options.get_by_role("row", name=re.compile(r"--block-size"))).to_contain_text("16")
+    expect(page.locator('[data-role="startup"]')).to_contain_text(
+        f'{server.options["max_loras"]} adapter slots')
 
     page.get_by_role("button", name="Pause updates").click()
     expect(page.get_by_role("button", name="Resume updates")).to_have_attribute("aria-pressed", "true")

@@ -52,6 +52,8 @@ class LiveServer:
     admin_key: str
     demo_key: str
     log_path: Path
+    options: dict[str, int]
+    """Engine options it was started with (flags of `loraplex serve`)."""
 
     @property
     def demo_adapters(self) -> Path:
@@ -94,6 +96,9 @@ def run_server(data_dir: Path, log_path: Path) -> Iterator[LiveServer]:
     port = free_port()
     command = [sys.executable, "-m", "loraplex.cli", "serve", "--data-dir", str(data_dir),
                "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
+    options = {"max_num_seqs": 32, "max_loras": 6}
+    for name, value in options.items():
+        command += [f"--{name.replace('_', '-')}", str(value)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop(DATABASE_URL_ENV, None)  # the demo server keeps its SQLite registry in the data dir
     with open(log_path, "wb") as log:
@@ -101,7 +106,7 @@ def run_server(data_dir: Path, log_path: Path) -> Iterator[LiveServer]:
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(process, url, log_path)
-        server = LiveServer(url=url, data_dir=data_dir, log_path=log_path,
+        server = LiveServer(url=url, data_dir=data_dir, log_path=log_path, options=options,
                             admin_key=(data_dir / "admin-api-key").read_text().strip(),
                             demo_key=(data_dir / "demo-api-key").read_text().strip())
         yield server

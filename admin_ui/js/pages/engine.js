@@ -1,10 +1,11 @@
-// Engine: requests running, waiting and swapped, KV blocks, adapters in device slots and the
-// generation rate, polled from GET /admin/api/engine while the page is open and visible.
+// Engine: requests running and waiting, KV blocks, adapters in device slots and in the host
+// tier, the generation rate, and the engine's options and start-up (memory plan, CUDA graphs),
+// polled from GET /admin/api/engine while the page is open and visible.
 
 import { api } from "../api.js";
 import { lineChart } from "../components/chart.js";
 import { h, replace } from "../components/dom.js";
-import { formatDuration, formatNumber, formatRate, shortHash } from "../components/format.js";
+import { formatBytes, formatDuration, formatNumber, formatRate, shortHash } from "../components/format.js";
 import { pageHead } from "../components/page.js";
 import { table } from "../components/table.js";
 
@@ -16,7 +17,6 @@ const HISTORY = 80;  // samples kept for the charts: two minutes at POLL_MS
 const STATS = [
   { key: "running", label: "Running", value: (s) => formatNumber(s.num_requests_running) },
   { key: "waiting", label: "Waiting", value: (s) => formatNumber(s.num_requests_waiting) },
-  { key: "swapped", label: "Swapped to host", value: (s) => formatNumber(s.num_requests_swapped) },
   { key: "in-flight", label: "In flight (server)", value: (s) => formatNumber(s.num_requests_in_flight) },
   {
     key: "kv", label: "KV blocks in use", value: (s) => formatNumber(s.kv_blocks_used),
@@ -30,7 +30,15 @@ const STATS = [
     sub: (s) => `of ${formatNumber(s.num_adapter_slots)} device slots`,
     meter: (s) => (s.num_adapter_slots ? s.adapters_resident.length / s.num_adapter_slots : 0),
   },
-  { key: "host", label: "Adapters in host memory", value: (s) => formatNumber(s.num_adapters_loaded) },
+  {
+    key: "host", label: "Adapters in host tier", value: (s) => formatNumber(s.num_adapters_on_host),
+    sub: (s) => `${formatBytes(s.host_tier_bytes)} of ${formatBytes(s.max_host_tier_bytes)}`,
+    meter: (s) => (s.max_host_tier_bytes ? s.host_tier_bytes / s.max_host_tier_bytes : 0),
+  },
+  {
+    key: "adapter-loads", label: "Adapter loads", value: (s) => formatNumber(s.num_adapter_slot_loads),
+    sub: (s) => `into slots; ${formatNumber(s.num_adapter_host_loads)} read into the host tier`,
+  },
   { key: "preemptions", label: "Preemptions", value: (s) => formatNumber(s.num_preemptions), sub: () => "since start" },
 ];
 
@@ -65,9 +73,33 @@ function residentTable(state) {
     empty: "No adapter is in a device slot now. Adapters load on first use.",
     columns: [
       { label: "Digest", cell: (a) => h("code", { title: a.digest }, shortHash(a.digest)) },
-      { label: "Adapters (tenant/name)", cell: (a) => (a.names.length ? a.names.join(", ") : h("span", { class: "muted" }, "unknown")) },
+      { label: "Adapters (tenant/name)", cell: (a) => (a.names.length ? a.names.join(", ") : h("span", { class: "muted" }, "none now (deleted)")) },
     ],
   });
+}
+
+function optionsTable(state) {
+  const rows = Object.entries(state.options).map(([name, value]) => ({
+    name: `--${name.replaceAll("_", "-")}`, value: value === null ? "default (sized at start-up)" : String(value),
+  }));
+  const memory = state.memory;
+  const graphs = state.cuda_graphs;
+  const startup = [
+    `${formatNumber(memory.num_kv_blocks)} KV blocks of ${formatBytes(memory.kv_block_bytes)}`,
+    `${formatNumber(memory.num_lora_slots)} adapter slots of ${formatBytes(memory.lora_slot_bytes)}`,
+    graphs ? `${formatNumber(graphs.num_graphs)} decode graphs captured in ${graphs.seconds.toFixed(1)} s, `
+      + `holding ${formatBytes(graphs.pool_bytes + graphs.output_bytes)}` : "no CUDA graphs (eager steps)",
+  ].join("; ");
+  return h("div", {},
+    h("p", { class: "muted", dataset: { role: "startup" } }, `At start-up: ${startup}.`),
+    table({
+      caption: "Engine options (the flags of loraplex serve)",
+      rows, rowKey: (o) => o.name,
+      columns: [
+        { label: "Option", cell: (o) => h("code", {}, o.name) },
+        { label: "Value", cell: (o) => o.value },
+      ],
+    }));
 }
 
 export function render(container) {
@@ -78,6 +110,7 @@ export function render(container) {
   const rateChart = h("div", {});
   const requestChart = h("div", {});
   const resident = h("div", {});
+  const options = h("div", {});
   const liveDot = h("span", { class: "live-dot", "aria-hidden": "true" });
   const liveText = h("span", {}, `Live, every ${POLL_MS / 1000} s`);
   const pause = h("button", { type: "button", class: "button button-secondary", "aria-pressed": "false" }, "Pause updates");
@@ -97,15 +130,15 @@ export function render(container) {
       yFormat: (v) => formatRate(v),
     }));
     replace(requestChart, lineChart({
-      title: "Requests running, waiting and swapped, last two minutes",
+      title: "Requests running and waiting, last two minutes",
       labels, series: [
         { name: "running", values: history.map((s) => s.state.num_requests_running) },
         { name: "waiting", values: history.map((s) => s.state.num_requests_waiting) },
-        { name: "swapped", values: history.map((s) => s.state.num_requests_swapped) },
       ],
       isInteger: true,
     }));
     replace(resident, residentTable(state));
+    replace(options, optionsTable(state));
   }
 
   async function poll() {
@@ -143,7 +176,9 @@ export function render(container) {
       h("section", { class: "card", "aria-labelledby": "rate-title" }, h("h2", { id: "rate-title" }, "Generation rate"), rateChart),
       h("section", { class: "card", "aria-labelledby": "requests-title" }, h("h2", { id: "requests-title" }, "Requests"), requestChart)),
     h("section", { class: "card", "aria-labelledby": "resident-title" },
-      h("h2", { id: "resident-title" }, "Adapters in device slots"), resident));
+      h("h2", { id: "resident-title" }, "Adapters in device slots"), resident),
+    h("section", { class: "card", "aria-labelledby": "options-title" },
+      h("h2", { id: "options-title" }, "Options and start-up"), options));
   poll();
   return () => {
     isStopped = true;

@@ -4,7 +4,7 @@ secrets (except a new key's secret, once)."""
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -112,7 +112,7 @@ class Adapter(BaseModel):
     size_bytes: int
     created_at: datetime
     num_requests_served: int
-    is_loaded: bool = Field(description="Held in the engine's host memory now.")
+    is_loaded: bool = Field(description="In the engine's host tier now.")
     is_resident: bool = Field(description="In a device slot now.")
 
     @classmethod
@@ -187,6 +187,11 @@ class ResidentAdapter(BaseModel):
                              "digest now (several names can share one copy; none if all were deleted).")
 
 
+class TenantRequests(BaseModel):
+    running: int
+    waiting: int
+
+
 class EngineState(BaseModel):
     model: str
     device: str
@@ -195,17 +200,28 @@ class EngineState(BaseModel):
     is_alive: bool
     num_requests_running: int
     num_requests_waiting: int
-    num_requests_swapped: int
     num_requests_in_flight: int = Field(description="Admitted by the server and not finished.")
+    requests_by_tenant: dict[str, TenantRequests] = Field(
+        description="Requests running and waiting in the engine, per tenant that has any.")
     kv_blocks_used: int
     kv_blocks_total: int
     kv_cache_usage: float
     num_preemptions: int
     num_adapter_slots: int
     adapters_resident: list[ResidentAdapter] = Field(description="Adapters in device slots.")
-    num_adapters_loaded: int = Field(description="Adapters held in host memory.")
+    num_adapters_on_host: int = Field(description="Adapters in the engine's host tier.")
+    host_tier_bytes: int
+    max_host_tier_bytes: int
+    num_adapter_host_loads: int = Field(description="Adapters read into the host tier so far.")
+    num_adapter_slot_loads: int = Field(description="Adapters copied into device slots so far.")
     generation_tokens_per_second: float
     num_generated_tokens: int
+    options: dict[str, Any] = Field(description="The engine's options, as `loraplex serve` flags "
+                                    "(or their defaults) set them.")
+    memory: dict[str, int] = Field(description="How the engine shares its memory: KV blocks, adapter "
+                                   "slots and their sizes, what was set aside for activations and graphs.")
+    cuda_graphs: dict[str, Any] | None = Field(description="The decode graphs captured at start-up "
+                                               "(none on CPU or with enforce_eager).")
     uptime_s: float
 
 

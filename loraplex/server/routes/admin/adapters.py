@@ -36,11 +36,10 @@ UPLOAD_FORM = {
 }
 
 
-def _adapters(services: Services, records: list) -> list[Adapter]:
-    snapshot = services.monitor.latest
-    resident = set(snapshot.resident_adapters) if snapshot else set()
-    loaded = set(services.adapters.loaded)
-    return [Adapter.of(record, loaded, resident) for record in records]
+async def _adapters(services: Services, records: list) -> list[Adapter]:
+    stats = (await services.monitor.refresh()).stats
+    on_host, resident = set(stats.adapters_on_host), set(stats.adapters_in_slots)
+    return [Adapter.of(record, on_host, resident) for record in records]
 
 
 @router.get("", response_model=list[Adapter], summary="List adapters",
@@ -50,7 +49,7 @@ async def list_adapters(admin: AdminDep, services: ServicesDep,
                         ) -> list[Adapter]:
     await run_in_threadpool(services.usage.flush)  # requests served so far are counted
     records = await run_in_threadpool(services.registry.adapters.list, tenant)
-    return _adapters(services, list(records))
+    return await _adapters(services, list(records))
 
 
 @router.post("", response_model=Adapter, status_code=status.HTTP_201_CREATED,
@@ -64,7 +63,7 @@ async def upload_adapter(request: Request, admin: AdminDep, services: ServicesDe
     async with services.upload_slots:
         record = await receive_adapter(request, services.registry, admin.key_id)
     services.adapters.forget(record.tenant, record.name)
-    return _adapters(services, [record])[0]
+    return (await _adapters(services, [record]))[0]
 
 
 @router.get("/{tenant}/{name}", response_model=Adapter, summary="Get an adapter",
@@ -73,7 +72,7 @@ async def get_adapter(tenant: NameParam, name: NameParam, admin: AdminDep,
                       services: ServicesDep) -> Adapter:
     await run_in_threadpool(services.usage.flush)
     record = await run_in_threadpool(services.registry.adapters.get, tenant, name)
-    return _adapters(services, [record])[0]
+    return (await _adapters(services, [record]))[0]
 
 
 @router.delete("/{tenant}/{name}", status_code=status.HTTP_204_NO_CONTENT, response_class=Response,

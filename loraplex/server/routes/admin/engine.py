@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
@@ -10,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from loraplex.server.auth import AdminDep
 from loraplex.server.deps import ServicesDep
 from loraplex.server.routes.docs import error_responses
-from loraplex.server.schemas.admin import EngineState, ResidentAdapter
+from loraplex.server.schemas.admin import EngineState, ResidentAdapter, TenantRequests
 
 router = APIRouter(tags=["Admin: engine"])
 
@@ -18,23 +19,32 @@ router = APIRouter(tags=["Admin: engine"])
 @router.get("/engine", response_model=EngineState, summary="Engine state now",
             responses=error_responses(401, 403, 503))
 async def get_engine_state(admin: AdminDep, services: ServicesDep) -> EngineState:
-    """Requests running, waiting and swapped, KV blocks, adapters in device slots, and the
-    generation rate (tokens per second over the last few seconds)."""
+    """Requests running and waiting (per tenant), KV blocks, adapters in device slots and in
+    the host tier, the generation rate (tokens per second over the last few seconds), and the
+    engine's options, memory plan and captured graphs."""
     snapshot = await services.monitor.refresh()
-    names = await run_in_threadpool(services.registry.adapters.names_by_digest, snapshot.resident_adapters)
-    llm = services.llm
+    stats, llm = snapshot.stats, services.llm
+    names = await run_in_threadpool(services.registry.adapters.names_by_digest, stats.adapters_in_slots)
+    by_tenant = {t: TenantRequests(running=stats.running_by_tenant.get(t, 0),
+                                   waiting=stats.waiting_by_tenant.get(t, 0))
+                 for t in sorted(set(stats.running_by_tenant) | set(stats.waiting_by_tenant))}
     return EngineState(
         model=services.config.model_id, device=str(llm.device), dtype=str(llm.dtype).removeprefix("torch."),
         max_model_len=llm.max_model_len, is_alive=services.engine.is_alive,
-        num_requests_running=snapshot.num_running, num_requests_waiting=snapshot.num_waiting,
-        num_requests_swapped=snapshot.num_swapped, num_requests_in_flight=services.limiter.num_in_flight,
-        kv_blocks_used=snapshot.kv_blocks_used, kv_blocks_total=snapshot.kv_blocks_total,
-        kv_cache_usage=snapshot.kv_cache_usage, num_preemptions=snapshot.num_preemptions,
-        num_adapter_slots=snapshot.num_adapter_slots,
+        num_requests_running=stats.num_running, num_requests_waiting=stats.num_waiting,
+        num_requests_in_flight=services.limiter.num_in_flight,
+        requests_by_tenant=by_tenant,
+        kv_blocks_used=stats.num_kv_blocks_used, kv_blocks_total=stats.num_kv_blocks,
+        kv_cache_usage=stats.kv_cache_usage, num_preemptions=stats.num_preemptions,
+        num_adapter_slots=stats.num_lora_slots,
         adapters_resident=[ResidentAdapter(digest=digest, names=list(names[digest]))
-                           for digest in snapshot.resident_adapters],
-        num_adapters_loaded=len(snapshot.host_adapters),
+                           for digest in stats.adapters_in_slots],
+        num_adapters_on_host=len(stats.adapters_on_host), host_tier_bytes=stats.host_tier_bytes,
+        max_host_tier_bytes=stats.max_host_tier_bytes, num_adapter_host_loads=stats.num_adapter_host_loads,
+        num_adapter_slot_loads=stats.num_adapter_slot_loads,
         generation_tokens_per_second=snapshot.tokens_per_second,
-        num_generated_tokens=snapshot.num_generated_tokens,
+        num_generated_tokens=stats.num_generated_tokens,
+        options=llm.config.options(), memory=asdict(llm.memory),
+        cuda_graphs=None if llm.graphs is None else asdict(llm.graphs),
         uptime_s=time.time() - services.started_at,
     )

@@ -1,0 +1,302 @@
+"""The engine's adapters in two tiers: device slots (the slot buffers the LoRA kernels read) and
+a host tier bounded in bytes (pinned on CUDA), each least recently used first. Adapters arrive by
+digest from a loader that the caller supplies (the server's reads the blob store, the offline
+API's reads folders).
+
+Nothing here blocks a step. A host load (the loader's disk read and validation, then the slot
+layout) runs on a worker thread; a copy into a device slot runs on a side stream on CUDA, after
+every step already launched (those may still read the slot's previous adapter), or on a second
+worker thread on CPU. A request whose adapter is not on the device yet stays in the queue and
+holds no running place; `acquire` starts what its adapter needs and says when it can run.
+
+Invariants: the host tier never holds more than `max_host_bytes` (a load reserves the bytes of
+an adapter of the largest rank before it starts); an adapter that a queued or running request
+needs is never dropped from the host tier, and a slot that a running request holds is never
+given to another adapter. Pure bookkeeping, but for the copies."""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.adapter_format import LoraAdapter
+from loraplex.engine.lora_weights import HostAdapter, LoraSlotBuffers
+
+logger = logging.getLogger(__name__)
+
+AdapterLoader = Callable[[str], "LoraAdapter | HostAdapter"]
+"""digest -> the adapter's tensors (validated, with that digest). Runs on a worker thread."""
+
+
+class Wait(enum.Enum):
+    """Why `acquire` gave no slot."""
+
+    LOADING = "loading"
+    """A host load or a slot copy is under way (or about to start): try again next step."""
+    NO_HOST_ROOM = "no-host-room"
+    """Every byte of the host tier holds an adapter that a request needs."""
+    NO_SLOT = "no-slot"
+    """Every device slot is held by running requests for other adapters."""
+
+
+@dataclass(eq=False)
+class _HostEntry:
+    digest: str
+    reserved: int
+    """Bytes counted against the bound: the largest adapter's while loading, then its own."""
+    adapter: HostAdapter | None = None
+    loading: Future | None = None
+    num_copies: int = 0
+    """Slot copies reading this entry's memory (it stays until they are done)."""
+
+
+@dataclass(eq=False)
+class _SlotCopy:
+    digest: str
+    entry: _HostEntry
+    done: torch.cuda.Event | Future
+
+
+class AdapterCache:
+    def __init__(
+        self, buffers: LoraSlotBuffers, loader: AdapterLoader,
+        make_host: Callable[[LoraAdapter], HostAdapter], max_host_bytes: int, max_adapter_bytes: int,
+    ) -> None:
+        """`make_host` lays a loaded LoraAdapter out for slot copies (pinned on CUDA);
+        `max_adapter_bytes` is the host size of an adapter of the largest rank allowed."""
+        if max_host_bytes < max_adapter_bytes:
+            raise ValueError(f"the host tier ({max_host_bytes} bytes) cannot hold one adapter of the "
+                             f"largest rank ({max_adapter_bytes} bytes)")
+        self.buffers, self.num_slots = buffers, buffers.num_slots
+        self._loader, self._make_host = loader, make_host
+        self.max_host_bytes, self._max_adapter_bytes = max_host_bytes, max_adapter_bytes
+        self._is_cuda = buffers.device.type == "cuda"
+        # Device tier. Slot 0 means "no adapter" and is never handed out.
+        self._slot_of: dict[str, int] = {}
+        self._holders = [0] * (self.num_slots + 1)  # running requests holding each slot
+        self._copies: dict[int, _SlotCopy] = {}  # slots being filled
+        self._idle: OrderedDict[int, str] = OrderedDict()  # resident, unheld: oldest use first
+        self._empty = list(range(self.num_slots, 0, -1))
+        # Host tier, oldest use first.
+        self._host: OrderedDict[str, _HostEntry] = OrderedDict()
+        self._loading: list[_HostEntry] = []
+        self.host_bytes = 0
+        self._needed: Counter[str] = Counter()  # queued or running requests per digest
+        self._failures: dict[str, BaseException] = {}
+        self._disk = ThreadPoolExecutor(1, thread_name_prefix="loraplex-adapter-load")
+        self._copier = (None if self._is_cuda
+                        else ThreadPoolExecutor(1, thread_name_prefix="loraplex-slot-copy"))
+        self._stream = torch.cuda.Stream(buffers.device) if self._is_cuda else None
+        self.num_host_loads = self.num_slot_loads = 0
+
+    def set_loader(self, loader: AdapterLoader) -> None:
+        """Read adapters from `loader` from now on (loads under way finish with the old one)."""
+        self._loader = loader
+
+    # Demand -------------------------------------------------------------------------------
+    def need(self, digest: str) -> None:
+        """A request that uses `digest` was queued: its adapter stays in the host tier (once
+        there) until `unneed`."""
+        self._needed[digest] += 1
+
+    def unneed(self, digest: str) -> None:
+        """A request that used `digest` ended."""
+        self._needed[digest] -= 1
+        if self._needed[digest] <= 0:
+            del self._needed[digest]
+
+    def is_needed(self, digest: str) -> bool:
+        return digest in self._needed
+
+    # Slots for running requests -------------------------------------------------------------
+    def acquire(self, digest: str) -> int | Wait:
+        """A hold on the slot holding `digest`, for a request about to run, or why there is
+        none yet (starting the host load or the slot copy it waits for)."""
+        slot = self._slot_of.get(digest)
+        if slot is not None:
+            if slot in self._copies and not self._finish_copy(slot):
+                return Wait.LOADING
+            self._idle.pop(slot, None)
+            self._holders[slot] += 1
+            return slot
+        entry = self._host.get(digest)
+        if entry is None:
+            return Wait.LOADING if self.prefetch(digest) else Wait.NO_HOST_ROOM
+        if entry.adapter is None:
+            return Wait.LOADING
+        slot = self._free_slot()
+        if slot is None:
+            return Wait.NO_SLOT
+        self._start_copy(slot, entry)
+        return Wait.LOADING
+
+    def release(self, digest: str) -> None:
+        """A running request that held `digest`'s slot ended; an unheld slot stays resident,
+        the most recently used."""
+        slot = self._slot_of[digest]
+        if self._holders[slot] <= 0:
+            raise ValueError(f"adapter {digest[:12]} released more often than acquired")
+        self._holders[slot] -= 1
+        if self._holders[slot] == 0:
+            self._idle[slot] = digest
+
+    def slot_of(self, digest: str) -> int | None:
+        """The slot `digest` is in (or being copied into)."""
+        return self._slot_of.get(digest)
+
+    @property
+    def resident(self) -> dict[str, int]:
+        """digest -> slot of the adapters in device slots (copies finished or not)."""
+        return dict(self._slot_of)
+
+    @property
+    def num_held_slots(self) -> int:
+        """Slots held by running requests or being filled."""
+        return sum(1 for holders in self._holders if holders) + len(
+            [s for s in self._copies if not self._holders[s]])
+
+    @property
+    def num_needed(self) -> int:
+        """Adapters that queued or running requests need."""
+        return len(self._needed)
+
+    @property
+    def host_digests(self) -> tuple[str, ...]:
+        return tuple(digest for digest, e in self._host.items() if e.adapter is not None)
+
+    def _free_slot(self) -> int | None:
+        if self._empty:
+            return self._empty.pop()
+        if self._idle:
+            slot, evicted = self._idle.popitem(last=False)
+            del self._slot_of[evicted]
+            return slot
+        return None
+
+    def _start_copy(self, slot: int, entry: _HostEntry) -> None:
+        self._slot_of[entry.digest] = slot
+        entry.num_copies += 1
+        adapter = entry.adapter
+        if self._stream is not None:
+            # After every step launched so far: they may still read the slot's old adapter.
+            self._stream.wait_stream(torch.cuda.current_stream(self.buffers.device))
+            with torch.cuda.stream(self._stream):
+                self.buffers.load(slot, adapter)
+                done: torch.cuda.Event | Future = torch.cuda.Event()
+                done.record(self._stream)
+        else:
+            done = self._copier.submit(self.buffers.load, slot, adapter)
+        self._copies[slot] = _SlotCopy(entry.digest, entry, done)
+        self.num_slot_loads += 1
+
+    def _finish_copy(self, slot: int) -> bool:
+        """Whether the copy into `slot` is done (and if so, its bookkeeping closed)."""
+        copy = self._copies[slot]
+        if isinstance(copy.done, Future):
+            if not copy.done.done():
+                return False
+            copy.done.result()  # a failed copy raises here, on the engine thread
+        elif not copy.done.query():
+            return False
+        else:
+            # Steps launched from now on read the slot; order them after the copy.
+            torch.cuda.current_stream(self.buffers.device).wait_event(copy.done)
+        del self._copies[slot]
+        copy.entry.num_copies -= 1
+        self._idle[slot] = copy.digest  # resident; the caller holds it at once, or it idles
+        return True
+
+    def poll(self) -> None:
+        """Close the bookkeeping of loads and copies that finished (call once a step)."""
+        self._collect_loads()
+        for slot in list(self._copies):
+            self._finish_copy(slot)
+
+    # The host tier ------------------------------------------------------------------------
+    def prefetch(self, digest: str) -> bool:
+        """Start loading `digest` into the host tier if it is not there and there is room
+        (dropping unneeded adapters, oldest use first); False if there is no room."""
+        if digest in self._host:
+            self._host.move_to_end(digest)
+            return True
+        if not self._make_room(self._max_adapter_bytes):
+            return False
+        entry = _HostEntry(digest, self._max_adapter_bytes)
+        self._host[digest] = entry
+        self.host_bytes += entry.reserved
+        entry.loading = self._disk.submit(self._load, digest)
+        self._loading.append(entry)
+        return True
+
+    def _load(self, digest: str) -> HostAdapter:
+        """On the worker thread: read, validate and lay out one adapter."""
+        loaded = self._loader(digest)
+        host = loaded if isinstance(loaded, HostAdapter) else self._make_host(loaded)
+        if host.digest != digest:
+            raise ValueError(f"the loader gave adapter {host.digest[:12]} for {digest[:12]}")
+        return host
+
+    def _collect_loads(self) -> None:
+        done = [e for e in self._loading if e.loading.done()]
+        if not done:
+            return
+        self._loading = [e for e in self._loading if not e.loading.done()]
+        for entry in done:
+            future, entry.loading = entry.loading, None
+            try:
+                entry.adapter = future.result()
+            except Exception as exc:  # noqa: BLE001 - the requests that need it fail with it
+                logger.warning("could not load adapter %s: %s", entry.digest[:12], exc)
+                self._drop(entry)
+                self._failures[entry.digest] = exc
+                continue
+            self.host_bytes += entry.adapter.num_bytes - entry.reserved
+            entry.reserved = entry.adapter.num_bytes
+            self.num_host_loads += 1
+
+    def take_failures(self) -> dict[str, BaseException]:
+        """Adapters whose load failed since the last call (the requests that need them should
+        fail); a later request for one of them tries again."""
+        self._collect_loads()
+        failures, self._failures = self._failures, {}
+        return failures
+
+    def _make_room(self, num_bytes: int) -> bool:
+        if self.host_bytes + num_bytes <= self.max_host_bytes:
+            return True
+        droppable = [e for e in self._host.values()
+                     if e.adapter is not None and not e.num_copies and e.digest not in self._needed]
+        for entry in droppable:
+            self._drop(entry)
+            if self.host_bytes + num_bytes <= self.max_host_bytes:
+                return True
+        return False
+
+    def _drop(self, entry: _HostEntry) -> None:
+        del self._host[entry.digest]
+        self.host_bytes -= entry.reserved
+
+    # Removal and shutdown -----------------------------------------------------------------
+    def forget(self, digest: str) -> None:
+        """Drop an adapter that no request uses (it was removed): its slot and host copy."""
+        if digest in self._needed:
+            raise ValueError(f"adapter {digest[:12]} is in use")
+        slot = self._slot_of.get(digest)
+        if slot is not None and slot not in self._copies:
+            del self._slot_of[digest]
+            self._idle.pop(slot, None)
+            self._empty.append(slot)
+        entry = self._host.get(digest)
+        if entry is not None and entry.loading is None and not entry.num_copies:
+            self._drop(entry)
+
+    def close(self) -> None:
+        self._disk.shutdown(wait=False, cancel_futures=True)
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)

@@ -1,0 +1,227 @@
+"""Every input that changes from step to step, in one preallocated, padded structure that the
+eager path and the CUDA graphs both read.
+
+A step's inputs are written once, from the plan and the runner's per-request records, into
+host buffers (pinned on CUDA), then copied to the device in one copy per dtype. The model
+reads the device buffers: eagerly sliced to the step's exact sizes, or under a CUDA graph
+sliced to a padded batch size (the slices keep their addresses, so a captured graph reads each
+step's values). Padding is inert: token ids 0, cache slot -1 (nothing stored), sequence length
+0 (attention gives zeros), adapter slot 0, sampled tokens written to the spare row.
+
+Adding a per-step input means three edits: declare it in FIELDS, fill it in `fill`, read it
+where the model runs. Nothing else copies or packs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from loraplex.engine.input_batch import InputBatch
+from loraplex.engine.plan import StepPlan
+
+PENDING = -1
+"""A token id the host does not know yet (sampled by a step still in flight): the device reads
+it from the runner's `row_tokens`."""
+
+TOKENS, SEQS, QUERY_STARTS, SAMPLES = "tokens", "seqs", "query_starts", "samples"
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    dtype: torch.dtype
+    axis: str
+    """TOKENS (one value per scheduled token), SEQS (per scheduled sequence), QUERY_STARTS (per
+    sequence, plus one), SAMPLES (per token that samples)."""
+    pad: float | str
+    """Value of padding entries ("spare row": the spare row of row_tokens)."""
+
+
+FIELDS = (
+    Field("input_ids", torch.int64, TOKENS, 0),  # PENDING where the token is still on the device
+    Field("positions", torch.int64, TOKENS, 0),
+    Field("slot_mapping", torch.int64, TOKENS, -1),  # cache slot of each token; -1: not stored
+    Field("token_rows", torch.int64, TOKENS, "spare row"),  # InputBatch row of each token
+    Field("token_slots", torch.int32, TOKENS, 0),  # adapter slot of each token; 0: none
+    Field("seq_lens", torch.int32, SEQS, 0),  # tokens of each sequence, the new ones included
+    Field("query_start_loc", torch.int32, QUERY_STARTS, 0),  # padding: one token per sequence
+    Field("logits_indices", torch.int64, SAMPLES, 0),  # the token (row of hidden) that samples
+    Field("sample_rows", torch.int64, SAMPLES, "spare row"),  # where its token goes in row_tokens
+    Field("temperature", torch.float32, SAMPLES, 0.0),
+    Field("top_k", torch.int32, SAMPLES, 0),
+    Field("top_p", torch.float32, SAMPLES, 1.0),
+    Field("seeds", torch.int64, SAMPLES, 0),
+    Field("offsets", torch.int64, SAMPLES, 0),  # index of the output token sampled next
+)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the model runs: sizes (padded under a graph) and the switches a graph is keyed by."""
+
+    num_tokens: int
+    num_seqs: int
+    num_samples: int
+    max_query_len: int
+    has_lora: bool
+    is_greedy: bool
+    is_padded_decode: bool
+    """A decode step laid out for a graph: every sequence samples, padding included."""
+
+    @property
+    def graph_key(self) -> tuple[int, bool, bool]:
+        return self.num_seqs, self.has_lora, self.is_greedy
+
+
+@dataclass
+class FilledStep:
+    """The host side of a filled step: its shape, and what the runner needs to finish it."""
+
+    shape: StepShape
+    rows: np.ndarray  # [num_seqs] InputBatch rows of the scheduled requests, in plan order
+    samples: np.ndarray  # [num_seqs] bool: which of them sample
+    num_real_seqs: int
+
+
+class StepInputs:
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device) -> None:
+        """Room for `max_tokens` tokens and `max_seqs` sequences; the spare row of row_tokens
+        (padding's destination) is `max_seqs`."""
+        self.max_tokens, self.max_seqs, self.block_size = max_tokens, max_seqs, block_size
+        self.device = device
+        lengths = {TOKENS: max_tokens, SEQS: max_seqs, QUERY_STARTS: max_seqs + 1, SAMPLES: max_seqs}
+        pin = device.type == "cuda"
+        # One buffer per dtype on each side; each field is a slice of its dtype's buffer.
+        sizes: dict[torch.dtype, int] = {}
+        spans: dict[str, tuple[torch.dtype, int, int]] = {}
+        for f in FIELDS:
+            start = sizes.get(f.dtype, 0)
+            spans[f.name] = (f.dtype, start, start + lengths[f.axis])
+            sizes[f.dtype] = start + lengths[f.axis]
+        # Two host sets, used in turn: with steps overlapped, the host fills step N+1's while
+        # the device may not yet have copied step N's. `_copied[i]` marks when it has read set i.
+        self._host_sets = [{dtype: _zeros(n, dtype, "cpu", pin) for dtype, n in sizes.items()}
+                           for _ in range(2)]
+        self._host_blocks = [_zeros((max_seqs, max_blocks_per_seq), torch.int32, "cpu", pin)
+                             for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+        self._device = {dtype: _zeros(n, dtype, device, False) for dtype, n in sizes.items()}
+        self.block_tables = _zeros((max_seqs, max_blocks_per_seq), torch.int32, device, False)
+        self._views = [{name: host[dtype].numpy()[lo:hi] for name, (dtype, lo, hi) in spans.items()}
+                       for host in self._host_sets]
+        self._pads = {f.name: max_seqs if f.pad == "spare row" else f.pad for f in FIELDS}
+        self._axes = {f.name: f.axis for f in FIELDS}
+        self._num_block_rows = 0
+        for f in FIELDS:  # the device-side tensors the model reads, by name
+            dtype, lo, hi = spans[f.name]
+            setattr(self, f.name, self._device[dtype][lo:hi])
+
+    # Filling ------------------------------------------------------------------------------
+    def fill(self, plan: StepPlan, batch: InputBatch, pad_to: int | None) -> FilledStep:
+        """Write the plan's inputs into the host buffers. `pad_to`: lay a decode step out for
+        a graph of that many sequences (every sequence samples; padding after the real ones)."""
+        host = self._next_host_set()
+        bs = self.block_size
+        rows = np.fromiter((batch.row_of[r] for r in plan.request_ids), np.int64, len(plan.request_ids))
+        num_new = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
+        samples = np.asarray(plan.samples, dtype=bool)
+        n = len(rows)
+        query_start = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(num_new, out=query_start[1:])
+        num_tokens = int(query_start[-1])
+        start = batch.num_computed[rows]
+        max_query_len = int(num_new.max())
+        if max_query_len == 1:
+            token_rows, positions = rows, start
+            input_ids = [batch.tokens[r][p] for r, p in zip(rows.tolist(), start.tolist())]
+        else:
+            token_rows = np.repeat(rows, num_new)
+            positions = np.repeat(start - query_start[:-1], num_new) + np.arange(num_tokens)
+            input_ids = [t for r, s, k in zip(rows.tolist(), start.tolist(), num_new.tolist())
+                         for t in batch.tokens[r][s:s + k]]
+        decode = pad_to is not None
+        if decode:
+            sample_of, sample_rows = np.arange(n), rows
+        else:
+            sample_of, sample_rows = np.flatnonzero(samples), rows[samples]
+        token_slots = batch.adapter_slot[token_rows]
+        blocks = batch.block_table[token_rows, positions // bs].astype(np.int64)
+        values = {
+            "input_ids": input_ids, "positions": positions, "token_rows": token_rows,
+            "slot_mapping": blocks * bs + positions % bs,
+            "token_slots": token_slots, "seq_lens": start + num_new, "query_start_loc": query_start,
+            "logits_indices": query_start[1:][sample_of] - 1, "sample_rows": sample_rows,
+            "temperature": batch.temperature[sample_rows], "top_k": batch.top_k[sample_rows],
+            "top_p": batch.top_p[sample_rows], "seeds": batch.seed[sample_rows],
+            "offsets": batch.num_tokens_of(sample_rows) - batch.num_prompt_tokens[sample_rows],
+        }
+        size = pad_to if decode else n
+        counts = {TOKENS: (num_tokens, size if decode else num_tokens), SEQS: (n, size),
+                  QUERY_STARTS: (n + 1, size + 1), SAMPLES: (len(sample_rows), size)}
+        for name, value in values.items():
+            used, padded = counts[self._axes[name]]
+            out = host[name]
+            out[:used] = value
+            if name == "query_start_loc":  # padding sequences own one (padding) token each
+                out[used:padded] = num_tokens + np.arange(1, padded - used + 1)
+            else:
+                out[used:padded] = self._pads[name]
+        self._host_blocks[self._turn].numpy()[:n] = batch.block_table[rows]
+        self._num_block_rows = size
+        shape = StepShape(
+            num_tokens=size if decode else num_tokens, num_seqs=size,
+            num_samples=size if decode else len(sample_rows), max_query_len=max_query_len,
+            has_lora=bool(token_slots.any()), is_greedy=not batch.temperature[sample_rows].any(),
+            is_padded_decode=decode)
+        return FilledStep(shape, rows, samples, n)
+
+    def upload(self) -> None:
+        """Copy the filled host buffers to the device (queued on CUDA)."""
+        host = self._host_sets[self._turn]
+        for dtype, device_buffer in self._device.items():
+            device_buffer.copy_(host[dtype], non_blocking=True)
+        rows = self._num_block_rows
+        self.block_tables[:rows].copy_(self._host_blocks[self._turn][:rows], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied[self._turn] = torch.cuda.Event()
+            self._copied[self._turn].record()
+
+    def fill_dummy(self, num_seqs: int, tokens_per_seq: int, adapter_slot: int, is_greedy: bool,
+                   has_lora: bool) -> StepShape:
+        """A step of dummy sequences that store nothing, to capture a graph (one token each:
+        padding, attention reads nothing) or to measure a step's memory (several tokens each:
+        attention reads block 0 over and over). Every sequence samples."""
+        host = self._next_host_set()
+        num_tokens = num_seqs * tokens_per_seq
+        ends = np.arange(1, num_seqs + 1) * tokens_per_seq
+        values = {
+            "input_ids": 0, "positions": np.tile(np.arange(tokens_per_seq), num_seqs), "slot_mapping": -1,
+            "token_rows": self.max_seqs, "token_slots": adapter_slot,
+            "seq_lens": 0 if tokens_per_seq == 1 else tokens_per_seq,
+            "query_start_loc": np.concatenate(([0], ends)), "logits_indices": ends - 1,
+            "sample_rows": self.max_seqs, "temperature": 0.0 if is_greedy else 1.0, "top_k": 0,
+            "top_p": 1.0, "seeds": 0, "offsets": 0,
+        }
+        counts = {TOKENS: num_tokens, SEQS: num_seqs, QUERY_STARTS: num_seqs + 1, SAMPLES: num_seqs}
+        for name, value in values.items():
+            host[name][:counts[self._axes[name]]] = value
+        self._host_blocks[self._turn][:num_seqs] = 0
+        self._num_block_rows = num_seqs
+        return StepShape(num_tokens, num_seqs, num_seqs, tokens_per_seq, has_lora=has_lora,
+                         is_greedy=is_greedy, is_padded_decode=tokens_per_seq == 1)
+
+    def _next_host_set(self) -> dict[str, np.ndarray]:
+        self._turn ^= 1
+        if self._copied[self._turn] is not None:
+            self._copied[self._turn].synchronize()  # long done in practice: two steps ago
+        return self._views[self._turn]
+
+
+def _zeros(shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.device | str, pin: bool
+           ) -> torch.Tensor:
+    tensor = torch.zeros(shape, dtype=dtype, device=device)
+    return tensor.pin_memory() if pin else tensor

@@ -1,0 +1,135 @@
+"""Tenants in the engine and the scheduling policy: requests carry their tenant from the offline
+API; admission order and preemption victims come from the policy object alone (a test policy
+swapped in changes both); a tenant weight changed while the engine runs is used by the next
+step."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from loraplex import LLM, SamplingParams
+from loraplex.engine.policy import FcfsPolicy, SchedulingPolicy
+from loraplex.engine.request import Request
+from loraplex.engine.tenants import DEFAULT_TENANT
+from loraplex.errors import InvalidRequestError
+
+
+class HeaviestTenantFirst(SchedulingPolicy):
+    """Admits the tenant of the largest weight first (arrival order within a tenant) and
+    preempts the lightest tenant's newest request. Reads the weights at every call."""
+
+    def __init__(self, tenants) -> None:
+        super().__init__(tenants)
+        self._queue: list[Request] = []
+        self.victims: list[str] = []
+
+    def add(self, request: Request) -> None:
+        self._queue.append(request)
+
+    def remove(self, request: Request) -> None:
+        self._queue.remove(request)
+
+    def waiting(self) -> Iterator[Request]:
+        return iter(sorted(self._queue, key=lambda r: (-self.tenants.weight(r.tenant), r.arrival)))
+
+    def choose_victim(self, running: Sequence[Request]) -> Request:
+        victim = min(running, key=lambda r: (self.tenants.weight(r.tenant), -r.arrival))
+        self.victims.append(victim.request_id)
+        return victim
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._queue)
+
+
+@pytest.fixture
+def llm(tiny_llama):
+    model, adapters = tiny_llama
+    llm = LLM(model, device="cpu", block_size=4, max_num_seqs=1, max_num_batched_tokens=64)
+    llm.add_adapter("qv4", adapters["qv4"])
+    return llm
+
+
+def _admission_order(llm: LLM, requests: list[tuple[str, str]]) -> list[str]:
+    """Queue (request id, tenant) pairs, then step one request at a time (max_num_seqs 1):
+    the order in which they start running."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for request_id, tenant in requests:
+        engine.add_request(request_id, prompt_token_ids=[5, 6, 7], params=params, tenant=tenant)
+    started = []
+    while engine.has_unfinished_requests():
+        for request in engine.scheduler.running:
+            if request.request_id not in started:
+                started.append(request.request_id)
+        engine.step()
+    return started
+
+
+def test_offline_requests_carry_their_tenant(llm):
+    seen = []
+    original = llm.engine.scheduler.add
+    llm.engine.scheduler.add = lambda request: seen.append(request.tenant) or original(request)
+    llm.generate(prompt_token_ids=[[5], [6], [7]], sampling_params=SamplingParams(max_tokens=1),
+                 tenants=["acme", None, "globex"])
+    llm.generate(prompt_token_ids=[[5], [6]], sampling_params=SamplingParams(max_tokens=1), tenants="acme")
+    assert seen == ["acme", DEFAULT_TENANT, "globex", "acme", "acme"]
+    with pytest.raises(InvalidRequestError, match="tenants has 1 entries for 2 prompts"):
+        llm.generate(prompt_token_ids=[[5], [6]], tenants=["acme"])
+
+
+def test_fcfs_is_the_default_policy_and_ignores_weights(llm):
+    assert isinstance(llm.engine.scheduler.policy, FcfsPolicy)
+    llm.set_tenant_weight("heavy", 8.0)
+    order = _admission_order(llm, [("a", "light"), ("b", "heavy"), ("c", "light"), ("d", "heavy")])
+    assert order == ["a", "b", "c", "d"]
+
+
+def test_a_swapped_in_policy_decides_admission_order(llm):
+    engine = llm.engine
+    engine.scheduler.policy = HeaviestTenantFirst(engine.tenants)
+    llm.set_tenant_weight("heavy", 8.0)
+    order = _admission_order(llm, [("a", "light"), ("b", "heavy"), ("c", "light"), ("d", "heavy")])
+    assert order == ["b", "d", "a", "c"]
+
+
+def test_a_weight_changed_at_run_time_is_used_by_the_next_step(llm):
+    engine = llm.engine
+    engine.scheduler.policy = HeaviestTenantFirst(engine.tenants)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for request_id, tenant in [("x1", "x"), ("y1", "y"), ("x2", "x"), ("y2", "y")]:
+        engine.add_request(request_id, prompt_token_ids=[5, 6], params=params, tenant=tenant)
+    engine.set_tenant_weight("x", 2.0)
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ["x1"]
+    engine.set_tenant_weight("y", 4.0)  # between two steps: y now outweighs x
+    running = engine.scheduler.running
+    while not running or running[0].request_id == "x1":
+        engine.step()
+    assert [r.request_id for r in running] == ["y1"]
+    with pytest.raises(InvalidRequestError, match="weight must be a finite number > 0"):
+        engine.set_tenant_weight("y", 0)
+
+
+def test_the_policy_chooses_the_victims(tiny_llama):
+    """KV blocks for two of three requests: when they run short, the policy's victim (the
+    lightest tenant's newest request) is preempted, not the newest request overall."""
+    model, _ = tiny_llama
+    llm = LLM(model, device="cpu", block_size=4, num_kv_blocks=7, max_num_batched_tokens=64)
+    engine = llm.engine
+    policy = HeaviestTenantFirst(engine.tenants)
+    engine.scheduler.policy = policy
+    llm.set_tenant_weight("heavy", 4.0)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    for request_id, tenant in [("light-old", "light"), ("heavy-new", "heavy")]:
+        engine.add_request(request_id, prompt_token_ids=[5] * 6, params=params, tenant=tenant)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs[output.request_id] = output
+    assert policy.victims and set(policy.victims) == {"light-old"}
+    assert all(o.finished and len(o.token_ids) == 10 for o in outputs.values())
+    alone = llm.generate(prompt_token_ids=[[5] * 6], sampling_params=params)[0]
+    assert outputs["light-old"].token_ids == alone.token_ids == outputs["heavy-new"].token_ids
