@@ -49,7 +49,7 @@ PROMPT_BYTES = 4_000_000
 def demo_engine() -> LLMEngine:
     from loraplex.demo import ensure_demo
 
-    return make_engine(ensure_demo(DEMO_CACHE).model_dir, max_model_len=2048, num_blocks=512)
+    return make_engine(ensure_demo(DEMO_CACHE).model_dir, max_model_len=2048, num_kv_blocks=512)
 
 
 @pytest.fixture

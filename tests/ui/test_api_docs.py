@@ -22,9 +22,14 @@ def test_the_api_docs_render_without_internet(page, server: LiveServer) -> None:
             route.abort()
 
     page.route("**/*", only_local)
+    blocked: list[str] = []  # what the pages' Content-Security-Policy kept them from loading
+    page.on("console", lambda message: blocked.append(message.text)
+            if "Content Security Policy" in message.text else None)
     page.goto(f"{server.url}/docs")
     expect(page.get_by_text("/v1/chat/completions", exact=True)).to_be_visible()
     expect(page.get_by_text("Answer a conversation").first).to_be_visible()
     page.goto(f"{server.url}/redoc")
     expect(page.locator("h2", has_text="Answer a conversation")).to_be_visible()
+    page.wait_for_load_state("networkidle")
     assert refused == []
+    assert not [b for b in blocked if "script" in b or "stylesheet" in b], blocked  # the pages' own code ran

@@ -5,7 +5,6 @@ that never cover the page, and the UI saying plainly what does not act yet."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,8 +12,9 @@ from pathlib import Path
 
 from playwright.sync_api import expect
 
-from loraplex.adapter_format import BaseModelShape, load_adapter_dir
+from loraplex.adapter_format import load_adapter_dir
 from loraplex.demo import DEMO_PROMPT
+from loraplex.model.model_config import ModelConfig
 from loraplex.registry.registry_config import DATABASE_URL_ENV
 from tests.ui.ui_support import REPO, LiveServer, copy_adapter, go_to, screenshot, upload_adapter
 
@@ -24,8 +24,8 @@ TENANT = "zz-first-use"
 
 def _engine_digest(server: LiveServer, folder: Path) -> str:
     """The digest the engine computes when it loads the adapter (loraplex.adapter_format)."""
-    config = json.loads((server.data_dir / "demo" / "model" / "config.json").read_text())
-    return load_adapter_dir(folder, BaseModelShape.from_hf_config(config), max_rank=64).digest
+    shape = ModelConfig.load(server.data_dir / "demo" / "model").shape
+    return load_adapter_dir(folder, shape, max_rank=64).digest
 
 
 def _cli(server: LiveServer, *args: str) -> str:
