@@ -16,7 +16,7 @@ from loraplex.adapter_format import load_adapter_dir
 from loraplex.demo import DEMO_PROMPT
 from loraplex.model.model_config import ModelConfig
 from loraplex.registry.registry_config import DATABASE_URL_ENV
-from tests.ui.ui_support import REPO, LiveServer, copy_adapter, go_to, screenshot, upload_adapter
+from tests.ui.ui_support import REPO, LiveServer, copy_adapter, go_to, upload_adapter
 
 SOURCE = "robot"
 TENANT = "zz-first-use"
@@ -52,8 +52,7 @@ def _is_clickable(page, locator) -> bool:
 
 
 def test_one_identity_everywhere_and_the_engine_page_follows_deletions(admin_page, server: LiveServer,
-                                                                       admin, tmp_path: Path,
-                                                                       screenshot_dir: Path):
+                                                                       admin, tmp_path: Path):
     page = admin_page
     assert admin.post("/tenants", json={"name": TENANT}).status_code == 201  # not the first in the list
     key = admin.post("/keys", json={"tenant": TENANT}).json()["secret"]
@@ -79,7 +78,6 @@ def test_one_identity_everywhere_and_the_engine_page_follows_deletions(admin_pag
     for i in range(deletes.count()):
         deletes.nth(i).scroll_into_view_if_needed()
         assert _is_clickable(page, deletes.nth(i)), deletes.nth(i).get_attribute("aria-label")
-    screenshot(page, "adapters-after-upload", screenshot_dir)
 
     # One identity: the engine's digest of the tensors, in the API, the UI and the CLI.
     digest = _engine_digest(server, folder)
