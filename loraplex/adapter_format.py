@@ -4,14 +4,16 @@ header field checked, and values are read into numpy (bf16 widened to float32 by
 Nothing is ever unpickled.
 
 An adapter is refused with an AdapterError naming the problem: not LoRA, DoRA, modules_to_save,
-unsupported target modules, rank above the limit, shapes that do not fit the base model,
-NaN/Inf, disallowed dtypes, a malformed or oversized safetensors header, or only a pickle file.
+unsupported target modules, tensors that disagree with the modules the config targets (by PEFT's
+rules, loraplex.adapter_targets), rank above the limit, shapes that do not fit the base model,
+NaN/Inf, disallowed dtypes, a malformed, oversized, too deeply nested or truncated file, or only
+a pickle file. Messages name the files by their PEFT names (never a server path) and quote
+values from the files only in short.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -20,20 +22,24 @@ from typing import Any
 
 import numpy as np
 
+from loraplex.adapter_targets import SUPPORTED_MODULES, TargetSpec, block_of
 from loraplex.errors import AdapterError
+from loraplex.json_limits import loads_bounded
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_NAMES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
-
 MAX_CONFIG_BYTES = 64 * 1024
+MAX_CONFIG_DEPTH = 16
+"""PEFT's own configs nest 3 deep (loftq_config, layer_replication)."""
 MAX_HEADER_BYTES = 4 * 1024 * 1024
+MAX_HEADER_DEPTH = 4
+"""A safetensors header is {name: {dtype, shape: [...], data_offsets: [...]}}: 3 deep."""
 MAX_TENSORS = 8192
 MAX_PATTERN_LENGTH = 256
+MAX_QUOTED_CHARS = 80
+"""Values from the files are quoted in messages up to this length."""
 
 _DTYPES: dict[str, tuple[np.dtype, int]] = {
     "F32": (np.dtype("<f4"), 4),
@@ -95,7 +101,7 @@ class AdapterConfig:
     rank: int
     alpha: float
     use_rslora: bool
-    target_modules: tuple[str, ...] | str
+    targets: TargetSpec
     rank_pattern: dict[str, int]
     alpha_pattern: dict[str, float]
     base_model_name: str | None
@@ -162,14 +168,14 @@ def load_adapter(
     """Validate a parsed or raw adapter config and a safetensors weights file against `base`."""
     adapter_config = parse_adapter_config(config, max_rank)
     weights_path = Path(weights_path)
-    tensors = read_safetensors(weights_path)
+    tensors = read_safetensors(weights_path, name=WEIGHTS_NAME)
     pairs = _pair_tensors(tensors, adapter_config, base)
     modules: dict[tuple[int, str], LoraModule] = {}
     hasher = hashlib.sha256()
     for (layer, module), (a_name, b_name) in sorted(pairs.items()):
         a_raw, b_raw = tensors[a_name], tensors[b_name]
         rank = _check_shapes(layer, module, a_raw, b_raw, adapter_config, base, max_rank)
-        path = f"model.layers.{layer}.{_block(module)}.{module}"
+        path = f"model.layers.{layer}.{block_of(module)}.{module}"
         config_rank, scaling = adapter_config.scaling(path)
         if config_rank != rank:
             raise AdapterError(
@@ -184,7 +190,7 @@ def load_adapter(
             raw.update_digest(hasher)
         hasher.update(f"scaling={scaling!r};".encode())
     if not modules:
-        raise AdapterError(f"{weights_path.name} holds no LoRA tensors")
+        raise AdapterError(f"{WEIGHTS_NAME} holds no LoRA tensors")
     return LoraAdapter(hasher.hexdigest(), adapter_config, modules, weights_path.stat().st_size)
 
 
@@ -194,8 +200,8 @@ def parse_adapter_config(raw: bytes | str | dict[str, Any], max_rank: int) -> Ad
         if len(raw) > MAX_CONFIG_BYTES:
             raise AdapterError(f"{CONFIG_NAME} is larger than {MAX_CONFIG_BYTES} bytes")
         try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
+            data = loads_bounded(raw, MAX_CONFIG_DEPTH)
+        except ValueError as exc:  # UnicodeDecodeError and JSONTooDeepError are ValueErrors
             raise AdapterError(f"{CONFIG_NAME} is not valid JSON: {exc}") from None
     else:
         data = raw
@@ -203,19 +209,19 @@ def parse_adapter_config(raw: bytes | str | dict[str, Any], max_rank: int) -> Ad
         raise AdapterError(f"{CONFIG_NAME} must hold a JSON object")
     peft_type = data.get("peft_type")
     if peft_type != "LORA":
-        raise AdapterError(f"peft_type must be 'LORA', got {peft_type!r}")
+        raise AdapterError(f"peft_type must be 'LORA', got {_quote(peft_type)}")
     task_type = data.get("task_type")
     if task_type not in (None, "CAUSAL_LM"):
-        raise AdapterError(f"task_type must be 'CAUSAL_LM', got {task_type!r}")
+        raise AdapterError(f"task_type must be 'CAUSAL_LM', got {_quote(task_type)}")
     if data.get("use_dora"):
         raise AdapterError("DoRA adapters (use_dora: true) are not supported")
     if data.get("modules_to_save"):
         raise AdapterError(
             f"modules_to_save is not supported (the adapter trains full copies of "
-            f"{data['modules_to_save']}); only LoRA weights can be served per request"
+            f"{_quote(data['modules_to_save'])}); only LoRA weights can be served per request"
         )
     if data.get("bias", "none") != "none":
-        raise AdapterError(f"bias={data['bias']!r} is not supported; only bias='none'")
+        raise AdapterError(f"bias={_quote(data['bias'])} is not supported; only bias='none'")
     if data.get("fan_in_fan_out"):
         raise AdapterError("fan_in_fan_out is not supported for Llama-family models")
     for key in _UNSUPPORTED_FEATURES:
@@ -224,7 +230,7 @@ def parse_adapter_config(raw: bytes | str | dict[str, Any], max_rank: int) -> Ad
     rank, alpha = data.get("r", 8), data.get("lora_alpha", 8)
     _check_rank(rank, "r", max_rank)
     if not _is_number(alpha) or not math.isfinite(alpha) or alpha <= 0:
-        raise AdapterError(f"lora_alpha must be a positive finite number, got {alpha!r}")
+        raise AdapterError(f"lora_alpha must be a positive finite number, got {_quote(alpha)}")
     rank_pattern = _pattern_dict(data.get("rank_pattern"), "rank_pattern")
     alpha_pattern = _pattern_dict(data.get("alpha_pattern"), "alpha_pattern")
     for key, value in rank_pattern.items():
@@ -232,11 +238,10 @@ def parse_adapter_config(raw: bytes | str | dict[str, Any], max_rank: int) -> Ad
     for key, value in alpha_pattern.items():
         if not _is_number(value) or not math.isfinite(value) or value <= 0:
             raise AdapterError(f"alpha_pattern[{key!r}] must be a positive finite number")
-    target_modules = _parse_targets(data.get("target_modules"))
     base_model = data.get("base_model_name_or_path")
     return AdapterConfig(
         rank=rank, alpha=float(alpha), use_rslora=bool(data.get("use_rslora", False)),
-        target_modules=target_modules, rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
+        targets=TargetSpec.parse(data), rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
         base_model_name=base_model if isinstance(base_model, str) else None,
     )
 
@@ -260,61 +265,67 @@ class RawTensor:
         hasher.update(self.data)
 
 
-def read_safetensors(path: str | Path, max_header_bytes: int = MAX_HEADER_BYTES) -> dict[str, RawTensor]:
-    """Parse a safetensors file, checking the header size, JSON, dtypes, shapes and that the
-    data offsets tile the data section exactly."""
+def read_safetensors(path: str | Path, max_header_bytes: int = MAX_HEADER_BYTES,
+                     name: str | None = None) -> dict[str, RawTensor]:
+    """Parse a safetensors file, checking the header size, depth and JSON, dtypes, shapes and
+    that the data offsets tile the data section exactly. Messages call the file `name`
+    (default: the file's own name)."""
     path = Path(path)
+    file = name or path.name
     data = path.read_bytes()
     if len(data) < 8:
-        raise AdapterError(f"{path.name} is not a safetensors file (too short)")
+        raise AdapterError(f"{file} is not a safetensors file (too short)")
     header_len = int.from_bytes(data[:8], "little")
     if header_len > max_header_bytes:
-        raise AdapterError(f"{path.name}: safetensors header of {header_len} bytes exceeds the "
+        raise AdapterError(f"{file}: safetensors header of {header_len} bytes exceeds the "
                            f"{max_header_bytes}-byte limit")
     if 8 + header_len > len(data):
-        raise AdapterError(f"{path.name} is not a safetensors file (header runs past the end)")
+        raise AdapterError(f"{file} is not a safetensors file (header runs past the end)")
     try:
-        header = json.loads(data[8:8 + header_len])
-    except (ValueError, UnicodeDecodeError):
-        raise AdapterError(f"{path.name} is not a safetensors file (header is not JSON)") from None
+        header = loads_bounded(data[8:8 + header_len], MAX_HEADER_DEPTH)
+    except ValueError as exc:
+        raise AdapterError(f"{file} is not a safetensors file (header is not JSON: {exc})") from None
     if not isinstance(header, dict):
-        raise AdapterError(f"{path.name}: safetensors header must be a JSON object")
+        raise AdapterError(f"{file}: safetensors header must be a JSON object")
     header.pop("__metadata__", None)
     if len(header) > MAX_TENSORS:
-        raise AdapterError(f"{path.name} holds {len(header)} tensors, more than {MAX_TENSORS}")
+        raise AdapterError(f"{file} holds {len(header)} tensors, more than {MAX_TENSORS}")
     body = memoryview(data)[8 + header_len:]
-    spans: list[tuple[int, int, str]] = []
-    tensors: dict[str, RawTensor] = {}
-    for name, info in header.items():
-        dtype, shape, (begin, end) = _tensor_info(path.name, name, info)
-        spans.append((begin, end, name))
-        tensors[name] = RawTensor(name, dtype, shape, body[begin:end])
+    spans = [(*_tensor_info(file, tensor, info), tensor) for tensor, info in header.items()]
+    promised = max((end for _, _, (_, end), _ in spans), default=0)
+    if promised > len(body):
+        raise AdapterError(f"{file} is truncated: its header promises {promised} bytes of tensor "
+                           f"data and the file holds {len(body)}")
     position = 0
-    for begin, end, name in sorted(spans):
+    tensors: dict[str, RawTensor] = {}
+    for dtype, shape, (begin, end), tensor in sorted(spans, key=lambda span: span[2]):
         if begin != position:
-            raise AdapterError(f"{path.name}: data of tensor {name} does not follow the previous "
+            raise AdapterError(f"{file}: data of tensor {_quote(tensor)} does not follow the previous "
                                f"tensor (offset {begin}, expected {position})")
         position = end
+        tensors[tensor] = RawTensor(tensor, dtype, shape, body[begin:end])
     if position != len(body):
-        raise AdapterError(f"{path.name}: {len(body) - position} bytes of data belong to no tensor")
+        raise AdapterError(f"{file}: {len(body) - position} bytes of data after the last tensor belong "
+                           f"to no tensor")
     return tensors
 
 
 def _tensor_info(file: str, name: str, info: Any) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+    where = f"{file}: tensor {_quote(name)}"
     if not isinstance(info, dict):
-        raise AdapterError(f"{file}: header entry {name!r} is malformed")
+        raise AdapterError(f"{where}: its header entry is malformed")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if dtype not in _DTYPES:
-        raise AdapterError(f"{file}: tensor {name} has dtype {dtype!r}; allowed: F32, F16, BF16")
+        raise AdapterError(f"{where} has dtype {_quote(dtype)}; allowed: F32, F16, BF16")
     if (not isinstance(shape, list) or len(shape) > 8
             or not all(isinstance(d, int) and 0 <= d < 2**31 for d in shape)):
-        raise AdapterError(f"{file}: tensor {name} has an invalid shape {shape!r}")
+        raise AdapterError(f"{where} has an invalid shape {_quote(shape)}")
     if (not isinstance(offsets, list) or len(offsets) != 2
-            or not all(isinstance(o, int) and o >= 0 for o in offsets)):
-        raise AdapterError(f"{file}: tensor {name} has invalid data_offsets {offsets!r}")
+            or not all(isinstance(o, int) and 0 <= o < 2**63 for o in offsets)):
+        raise AdapterError(f"{where} has invalid data_offsets {_quote(offsets)}")
     begin, end = offsets
     if end - begin != math.prod(shape) * _DTYPES[dtype][1]:
-        raise AdapterError(f"{file}: tensor {name}: data_offsets span {end - begin} bytes, but "
+        raise AdapterError(f"{where}: data_offsets span {end - begin} bytes, but "
                            f"shape {shape} of {dtype} needs {math.prod(shape) * _DTYPES[dtype][1]}")
     return dtype, tuple(shape), (begin, end)
 
@@ -322,6 +333,8 @@ def _tensor_info(file: str, name: str, info: Any) -> tuple[str, tuple[int, ...],
 def _pair_tensors(
     tensors: dict[str, RawTensor], config: AdapterConfig, base: BaseModelShape
 ) -> dict[tuple[int, str], tuple[str, str]]:
+    """(layer, module) -> (lora_A name, lora_B name), for exactly the modules the config
+    targets in the base model."""
     halves: dict[tuple[int, str], dict[str, str]] = {}
     for name in tensors:
         match = _KEY.match(name)
@@ -331,14 +344,13 @@ def _pair_tensors(
         if module not in SUPPORTED_MODULES:
             raise AdapterError(f"unsupported target module {module!r} (tensor {name}); "
                                f"supported: {', '.join(SUPPORTED_MODULES)}")
-        if block != _block(module):
-            raise AdapterError(f"tensor {name}: {module} belongs under {_block(module)}, not {block}")
+        if block != block_of(module):
+            raise AdapterError(f"tensor {name}: {module} belongs under {block_of(module)}, not {block}")
         if layer >= base.num_layers:
             raise AdapterError(f"tensor {name} is for layer {layer}, but the base model has "
                                f"{base.num_layers} layers")
-        if isinstance(config.target_modules, tuple) and module not in config.target_modules:
-            raise AdapterError(f"tensor {name} adapts {module}, which is not in target_modules")
         halves.setdefault((layer, module), {})[half] = name
+    _check_targets(set(halves), config.targets, base.num_layers)
     pairs = {}
     for key, found in halves.items():
         if set(found) != {"A", "B"}:
@@ -348,18 +360,37 @@ def _pair_tensors(
     return pairs
 
 
+def _check_targets(found: set[tuple[int, str]], targets: TargetSpec, num_layers: int) -> None:
+    """The adapted modules must be those the config targets: PEFT saves a tensor pair for
+    every module it adapts, and would load no others."""
+    selected = targets.select(num_layers)
+    extra, missing = sorted(found - selected), sorted(selected - found)
+    if extra:
+        raise AdapterError(f"{WEIGHTS_NAME} adapts {_modules(extra)}, which {CONFIG_NAME}'s "
+                           f"{targets.describe()} does not select")
+    if missing:
+        raise AdapterError(f"{CONFIG_NAME}'s {targets.describe()} selects {_modules(missing)}, but "
+                           f"{WEIGHTS_NAME} has no tensors for {'it' if len(missing) == 1 else 'them'}")
+
+
+def _modules(keys: list[tuple[int, str]], limit: int = 4) -> str:
+    named = [f"layer {layer} {module}" for layer, module in keys[:limit]]
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(named) + more
+
+
 def _describe_unexpected(name: str) -> str:
     if "lora_magnitude_vector" in name:
         return "DoRA adapters (lora_magnitude_vector) are not supported"
     if "lora_embedding" in name or "embed_tokens" in name:
         return "unsupported target module 'embed_tokens'; supported: " + ", ".join(SUPPORTED_MODULES)
     if "modules_to_save" in name or name.endswith(("lm_head.weight", "embed_tokens.weight")):
-        return f"modules_to_save is not supported (tensor {name})"
+        return f"modules_to_save is not supported (tensor {_quote(name)})"
     match = re.search(r"\.([A-Za-z0-9_]+)\.lora_[AB]\.", name)
     if match:
-        return (f"unsupported target module {match[1]!r} (tensor {name}); "
+        return (f"unsupported target module {_quote(match[1])} (tensor {_quote(name)}); "
                 f"supported: {', '.join(SUPPORTED_MODULES)}")
-    return f"unexpected tensor {name!r} in adapter weights"
+    return f"unexpected tensor {_quote(name)} in {WEIGHTS_NAME}"
 
 
 def _check_shapes(
@@ -384,28 +415,9 @@ def _check_shapes(
 
 def _check_rank(rank: Any, what: str, max_rank: int) -> None:
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise AdapterError(f"{what}: rank must be a positive integer, got {rank!r}")
+        raise AdapterError(f"{what}: rank must be a positive integer, got {_quote(rank)}")
     if rank > max_rank:
         raise AdapterError(f"{what}: rank {rank} exceeds the limit of {max_rank} (max_lora_rank)")
-
-
-def _parse_targets(targets: Any) -> tuple[str, ...] | str:
-    if targets is None:
-        raise AdapterError("target_modules is missing from adapter_config.json")
-    if isinstance(targets, str):
-        if len(targets) > MAX_PATTERN_LENGTH:
-            raise AdapterError("target_modules pattern is too long")
-        if targets in SUPPORTED_MODULES:
-            return (targets,)
-        return targets  # a regex or "all-linear": the tensors say which modules are adapted
-    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
-        raise AdapterError("target_modules must be a list of module names or a string")
-    names = {t.rsplit(".", 1)[-1] for t in targets}
-    unsupported = sorted(names - set(SUPPORTED_MODULES))
-    if unsupported:
-        raise AdapterError(f"unsupported target modules: {', '.join(unsupported)}; "
-                           f"supported: {', '.join(SUPPORTED_MODULES)}")
-    return tuple(m for m in SUPPORTED_MODULES if m in names)
 
 
 def _pattern_dict(value: Any, what: str) -> dict[str, Any]:
@@ -416,7 +428,7 @@ def _pattern_dict(value: Any, what: str) -> dict[str, Any]:
     for key in value:
         # Module paths or their suffixes only: no regex metacharacters, so matching is linear.
         if len(key) > MAX_PATTERN_LENGTH or not _MODULE_PATH.fullmatch(key):
-            raise AdapterError(f"{what} key {key!r} must be a module name or dotted path")
+            raise AdapterError(f"{what} key {_quote(key)} must be a module name or dotted path")
     return dict(value)
 
 
@@ -428,8 +440,10 @@ def _pattern_key(patterns: dict[str, Any], module_path: str) -> str:
     return module_path
 
 
-def _block(module: str) -> str:
-    return "self_attn" if module in ATTENTION_MODULES else "mlp"
+def _quote(value: Any) -> str:
+    """repr() of a value from a file, cut short."""
+    text = repr(value)
+    return text if len(text) <= MAX_QUOTED_CHARS else text[:MAX_QUOTED_CHARS - 3] + "..."
 
 
 def _is_number(value: Any) -> bool:

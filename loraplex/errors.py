@@ -33,6 +33,12 @@ class InvalidRequestError(LoraplexError, ValueError):
     code = "invalid_request"
 
 
+class ContextLengthError(InvalidRequestError):
+    """A prompt, or a prompt and max_tokens, longer than the model's context allows."""
+
+    code = "context_length_exceeded"
+
+
 class UnknownAdapterError(LoraplexError, KeyError):
     """A request names an adapter the engine does not know."""
 

@@ -4,6 +4,7 @@ adapter's digest is its identity (same tensors and scaling -> same digest)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -81,6 +82,30 @@ def test_digest_is_content_identity(good, tmp_path):
 def test_refused_peft_configs(base, tmp_path, config, message):
     path = _peft(base, tmp_path, **config)
     with pytest.raises(AdapterError, match=message):
+        load_adapter_dir(path, SHAPE, max_rank=64)
+
+
+@pytest.mark.parametrize("targets", [
+    dict(target_modules=r".*\.(q_proj|down_proj)"),  # a regular expression over module names
+    dict(target_modules=r"model\.layers\.1\.self_attn\.[kv]_proj"),
+    dict(target_modules=["self_attn.q_proj", "model.layers.0.mlp.up_proj"]),  # dotted suffixes
+    dict(target_modules=["q_proj", "o_proj"], layers_to_transform=[1]),
+    dict(target_modules=["q_proj", "v_proj"], layers_to_transform=0, layers_pattern="layers"),
+    dict(target_modules="all-linear", exclude_modules=["k_proj", "model.layers.0.mlp.gate_proj"]),
+    dict(target_modules=["q_proj", "gate_proj"], exclude_modules=r".*\.1\..*"),
+])
+def test_target_modules_mean_what_they_mean_to_peft(base, tmp_path, targets):
+    """Whatever PEFT adapts for a config is what is loaded; a config that says otherwise than
+    the tensors is refused, naming the difference."""
+    path = _peft(base, tmp_path, r=4, lora_alpha=8, **targets)
+    peft_modules = {(int(m[1]), m[2]) for m in (
+        re.match(r".*layers\.(\d+)\.\w+\.(\w+)\.lora_A", n) for n in load_file(
+            path / "adapter_model.safetensors")) if m}
+    assert set(load_adapter_dir(path, SHAPE, max_rank=64).modules) == peft_modules
+    _edit_config(path, target_modules=r"model\.layers\.0\..*_proj", layers_to_transform=None,
+                 exclude_modules=None)
+    with pytest.raises(AdapterError, match="adapter_config.json's target_modules .* selects|which "
+                                           "adapter_config.json's target_modules .* does not select"):
         load_adapter_dir(path, SHAPE, max_rank=64)
 
 
@@ -166,7 +191,7 @@ def test_refuses_disallowed_dtype_and_bad_offsets(good):
     save_file(tensors, good / "adapter_model.safetensors")
     data = (good / "adapter_model.safetensors").read_bytes()
     (good / "adapter_model.safetensors").write_bytes(data + b"\0" * 4)
-    with pytest.raises(AdapterError, match="4 bytes of data belong to no tensor"):
+    with pytest.raises(AdapterError, match="4 bytes of data after the last tensor belong to no tensor"):
         load_adapter_dir(good, SHAPE, max_rank=64)
 
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 import argparse
 
 from loraplex.cli.common import add_registry_options, open_registry, print_table
+from loraplex.registry.key_service import LAST_USED_RESOLUTION
+
+LAST_USED_NOTE = (f"(LAST_USED is recorded at most once every {LAST_USED_RESOLUTION.seconds} s per key: "
+                  f"it can be up to that much behind.)")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -40,6 +44,7 @@ def run_list(args: argparse.Namespace) -> None:
         [(k.id, k.role, k.tenant, k.prefix + "...", k.created_at, k.last_used_at, k.revoked_at)
          for k in keys],
     )
+    print(LAST_USED_NOTE)
 
 
 def run_revoke(args: argparse.Namespace) -> None:

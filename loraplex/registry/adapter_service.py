@@ -3,6 +3,7 @@ blobs, then one row), list, get, delete. On any failure of an upload nothing is 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -95,6 +96,19 @@ class AdapterService:
             if tenant is not None:
                 query = query.where(Adapter.tenant_id == find_tenant(session, tenant).id)
             return tuple(self._record(row, owner) for row, owner in session.execute(query))
+
+    def names_by_digest(self, digests: Iterable[str]) -> dict[str, tuple[str, ...]]:
+        """`tenant/name` of every adapter with each of these digests (identities), sorted; a
+        digest no adapter has maps to ()."""
+        wanted = set(digests)
+        names: dict[str, list[str]] = {digest: [] for digest in wanted}
+        if wanted:
+            query = (select(Adapter.digest, Tenant.name, Adapter.name)
+                     .join(Tenant, Adapter.tenant_id == Tenant.id).where(Adapter.digest.in_(wanted)))
+            with self._db.read() as session:
+                for digest, tenant, name in session.execute(query):
+                    names[digest].append(f"{tenant}/{name}")
+        return {digest: tuple(sorted(found)) for digest, found in names.items()}
 
     def get(self, tenant: str, name: str) -> AdapterRecord:
         """The tenant's adapter `name` with its blob paths (what the engine loads);

@@ -25,6 +25,19 @@ def check_name(value: Any, what: str) -> str:
     return value
 
 
+def check_text(value: str, what: str, param: str) -> str:
+    """Text to store: valid Unicode (no lone surrogates, which neither database stores) and no
+    NUL characters (which PostgreSQL refuses)."""
+    if "\x00" in value:
+        raise InvalidInputError(f"{what} holds a NUL character at {value.index(chr(0))}", param=param)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(f"{what} is not valid Unicode: it holds a lone surrogate at "
+                                f"character {exc.start}", param=param) from None
+    return value
+
+
 def check_weight(value: Any) -> float:
     """A tenant's fair-share weight: a finite number > 0."""
     if (not isinstance(value, (int, float)) or isinstance(value, bool)

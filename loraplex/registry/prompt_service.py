@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 from loraplex.registry.adapter_service import find_adapter
 from loraplex.registry.audit import record_audit
 from loraplex.registry.database import Database
-from loraplex.registry.names import check_name
+from loraplex.registry.names import check_name, check_text
 from loraplex.registry.records import SystemPromptRecord
 from loraplex.registry.registry_errors import ConflictError, InvalidInputError, NotFoundError
 from loraplex.registry.tables import Adapter, SystemPrompt, Tenant
@@ -31,6 +31,7 @@ class PromptService:
         if len(text) > MAX_PROMPT_CHARS:
             raise InvalidInputError(f"the system prompt is longer than {MAX_PROMPT_CHARS} "
                                     f"characters", param="text")
+        check_text(text, "the system prompt", "text")
         conflict = ConflictError(f"tenant {tenant!r} already has a system prompt named "
                                  f"{name!r}", param="name")
         try:

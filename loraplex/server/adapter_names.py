@@ -27,7 +27,6 @@ class AdapterNames:
         self._shape = shape
         self._max_rank = max_rank
         self._records: TTLCache[tuple[str, str], AdapterRecord] = TTLCache(ttl_s)
-        self._names: dict[str, set[tuple[str, str]]] = {}
         self._blobs: dict[str, AdapterRecord] = {}  # digest -> a record whose blobs hold it
 
     async def lookup(self, tenant: str, name: str) -> AdapterRecord:
@@ -36,21 +35,15 @@ class AdapterNames:
         key = (tenant, name)
         record = self._records.get(key)
         if record is None:
+            read_at = self._records.generation
             record = self._records.put(key, await run_in_threadpool(
-                self._registry.adapters.get, tenant, name))
-            self._names.setdefault(record.digest, set()).add(key)
+                self._registry.adapters.get, tenant, name), read_at)
             self._blobs[record.digest] = record
         return record
 
     def forget(self, tenant: str, name: str | None = None) -> None:
         """Drop cached records of a tenant's adapter (or of all its adapters)."""
         self._records.forget(lambda key: key[0] == tenant and name in (None, key[1]))
-        for keys in self._names.values():
-            keys.difference_update({k for k in keys if k[0] == tenant and name in (None, k[1])})
-
-    def names_of(self, digest: str) -> list[str]:
-        """`tenant/name` of the adapters last seen with this digest."""
-        return sorted(f"{tenant}/{name}" for tenant, name in self._names.get(digest, ()))
 
     def load(self, digest: str) -> LoraAdapter:
         """The engine's adapter loader (runs on its loader thread): the adapter of `digest`,
@@ -67,5 +60,6 @@ class AdapterNames:
         if adapter.digest != digest:
             raise RegistryError(f"the blobs of adapter {record.tenant}/{record.name} do not match "
                                 f"its recorded digest")
-        logger.info("read adapter %s (%s) for the engine", digest[:12], ", ".join(self.names_of(digest)))
+        logger.info("read adapter %s (asked for as %s/%s) for the engine", digest[:16], record.tenant,
+                    record.name)
         return adapter

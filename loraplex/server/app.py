@@ -14,12 +14,14 @@ from fastapi.staticfiles import StaticFiles
 from loraplex import __version__
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.registry import Registry
+from loraplex.server.api_docs import install_api_docs
+from loraplex.server.codec import max_request_body_bytes
 from loraplex.server.http_errors import install_error_handlers
-from loraplex.server.middleware import RequestContextMiddleware
+from loraplex.server.middleware import BodyLimit, RequestContextMiddleware
 from loraplex.server.routes import chat, completions, health, models
 from loraplex.server.routes.admin import UPLOAD_PATH, make_router
 from loraplex.server.server_config import ServerConfig
-from loraplex.server.services import Services
+from loraplex.server.services import Services, max_prompt_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -53,17 +55,29 @@ def create_app(config: ServerConfig, registry: Registry, engine: LLMEngine) -> F
             await services.stop()
 
     app = FastAPI(title="loraplex", version=__version__, description=DESCRIPTION, openapi_tags=TAGS,
-                  lifespan=lifespan)
+                  lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_api_docs(app)
     app.state.services = None
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware, max_body_bytes=config.max_body_bytes,
-                       max_upload_bytes=config.max_upload_bytes, upload_paths=(UPLOAD_PATH,))
+                       path_limits=_body_limits(config, engine))
     for module in (completions, chat, models, health):
         app.include_router(module.router)
     app.include_router(make_router())
     _mount_admin_ui(app, config)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _body_limits(config: ServerConfig, engine: LLMEngine) -> dict[str, BodyLimit]:
+    """Uploads may be large; a completion's body need not be larger than its longest prompt
+    that fits (refused before it is read, let alone parsed or tokenized)."""
+    num_tokens = max_prompt_tokens(config, engine)
+    inference = BodyLimit(min(config.max_body_bytes, max_request_body_bytes(engine.tokenizer, num_tokens)),
+                          f": no request whose prompt fits this model ({num_tokens} tokens at most) "
+                          f"needs more")
+    generation_paths = {route.path for router in (completions.router, chat.router) for route in router.routes}
+    return {UPLOAD_PATH: BodyLimit(config.max_upload_bytes)} | dict.fromkeys(generation_paths, inference)
 
 
 def _mount_admin_ui(app: FastAPI, config: ServerConfig) -> None:

@@ -1,5 +1,10 @@
 """A small time-to-live cache for registry reads on the request path (keys, tenant limits,
-adapter records). Thread-safe; bounded (cleared when full)."""
+adapter records). Thread-safe; bounded (cleared when full).
+
+A change made through this server (a revoked key, a deleted adapter) calls `forget`, and must
+hold at once: a value read from the registry before that change, by a request still in flight,
+must not be cached after it. So a reader takes the cache's `generation` before it reads and
+passes it to `put`, which keeps the value only if nothing was forgotten in between."""
 
 from __future__ import annotations
 
@@ -18,6 +23,12 @@ class TTLCache(Generic[K, V]):
         self._max_entries = max_entries
         self._entries: dict[K, tuple[V, float]] = {}
         self._lock = threading.Lock()
+        self._generation = 0
+
+    @property
+    def generation(self) -> int:
+        """Increases with every `forget`; take it before reading what `put` will store."""
+        return self._generation
 
     def get(self, key: K) -> V | None:
         entry = self._entries.get(key)
@@ -25,9 +36,13 @@ class TTLCache(Generic[K, V]):
             return None
         return entry[0]
 
-    def put(self, key: K, value: V) -> V:
+    def put(self, key: K, value: V, read_at: int) -> V:
+        """Keep `value` (read when the generation was `read_at`) unless something was
+        forgotten since; returns it either way."""
         if self._ttl_s > 0:
             with self._lock:
+                if read_at != self._generation:
+                    return value
                 if len(self._entries) >= self._max_entries:
                     self._entries.clear()
                 self._entries[key] = (value, time.monotonic() + self._ttl_s)
@@ -35,5 +50,6 @@ class TTLCache(Generic[K, V]):
 
     def forget(self, where: Callable[[K], bool] = lambda _: True) -> None:
         with self._lock:
+            self._generation += 1
             for key in [k for k in self._entries if where(k)]:
                 del self._entries[key]

@@ -12,23 +12,19 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from fastapi import Request, Response
-from starlette.concurrency import run_in_threadpool
 
-from loraplex.errors import InvalidRequestError, LoraplexError
+from loraplex.errors import ContextLengthError, InvalidRequestError, LoraplexError
 from loraplex.registry.names import NAME_PATTERN
-from loraplex.registry.records import AdapterRecord, TenantRecord
+from loraplex.registry.records import AdapterRecord
 from loraplex.registry.registry_errors import AdapterNotFoundError
-from loraplex.server.http_errors import RateLimitError, ServiceUnavailableError
+from loraplex.server.http_errors import RateLimitError
+from loraplex.server.limits import Admission
 from loraplex.server.schemas.openai import PromptLogprob, PromptLogprobs, SamplingFields, Usage
 from loraplex.server.services import Services
 from loraplex.server.streaming import ClientDisconnected, EventStreamResponse, until_disconnect
 from loraplex.types import RequestOutput, SamplingParams, TokenLogprob
 
 logger = logging.getLogger(__name__)
-
-
-class ContextLengthError(InvalidRequestError):
-    code = "context_length_exceeded"
 
 
 class InvalidValueError(InvalidRequestError):
@@ -52,6 +48,8 @@ class Job:
     params: SamplingParams
     arrival: float
     """time.monotonic() when the request arrived."""
+    admission: Admission
+    """Its place under the server's and the tenant's limits: released when the job ends."""
 
 
 async def resolve_model(services: Services, tenant: str, model: str) -> AdapterRecord | None:
@@ -92,17 +90,16 @@ def sampling_params(
             f"This model's maximum context length is {context} tokens; the prompt has "
             f"{num_prompt_tokens} tokens (at most {services.max_prompt_tokens} are accepted).",
             param=prompt_param)
-    room = context - num_prompt_tokens
-    if max_tokens is not None:
-        if max_tokens > cap:
-            raise InvalidRequestError(f"max_tokens is at most {cap} on this server", param="max_tokens")
-        if max_tokens > room:
-            raise ContextLengthError(
-                f"This model's maximum context length is {context} tokens. However, you requested "
-                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
-                f"{max_tokens} in the completion).", param="max_tokens")
-    else:
-        max_tokens = min(default_max_tokens or room, room, cap)
+    room = context - num_prompt_tokens  # the context left after the prompt
+    if max_tokens is not None and max_tokens > room:
+        raise ContextLengthError(
+            f"max_tokens is {max_tokens}, but only {room} tokens are left in this model's context "
+            f"of {context} tokens after the prompt's {num_prompt_tokens}.", param="max_tokens")
+    if max_tokens is not None and cap is not None and max_tokens > cap:
+        raise InvalidRequestError(f"max_tokens is {max_tokens}, but this server generates at most {cap} "
+                                  f"tokens per request.", param="max_tokens")
+    if max_tokens is None:
+        max_tokens = min(default_max_tokens or room, room, cap or room)
     vocab = services.llm.model_config.vocab_size
     if not all(token < vocab for token in body.stop_token_ids or ()):
         raise InvalidValueError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
@@ -116,24 +113,16 @@ def sampling_params(
     )
 
 
-async def tenant_record(services: Services, name: str) -> TenantRecord:
-    principals = services.principals
-    return principals.cached_tenant(name) or await run_in_threadpool(principals.tenant, name)
-
-
 async def generate(services: Services, job: Job) -> AsyncIterator[RequestOutput]:
     """The request's outputs (cumulative, as the engine gives them). Raises before the first
-    output if it is refused (429/503, unknown adapter, invalid for the engine). Closing the
-    iterator early aborts the engine request."""
-    tenant = await tenant_record(services, job.tenant)
+    output if it is refused (429 past the tenant's tokens per minute, unknown adapter, invalid
+    for the engine). Closing the iterator early aborts the engine request."""
     num_prompt = len(job.prompt_token_ids)
+    admission = job.admission
     try:
-        admission = services.limiter.admit(tenant, num_prompt + job.params.max_tokens)
+        admission.reserve(num_prompt + job.params.max_tokens)
     except RateLimitError:
         services.metrics.reject("rate_limit")
-        raise
-    except ServiceUnavailableError:
-        services.metrics.reject("overloaded")
         raise
     metrics = services.metrics
     metrics.request_max_tokens.observe(job.params.max_tokens)
@@ -212,6 +201,11 @@ def token_logprobs(output: RequestOutput, newest_only: bool) -> list[TokenLogpro
     return list((output.logprobs or [])[start:end])
 
 
+def usage_of(output: RequestOutput) -> Usage:
+    prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
 async def prompt_logprobs_of(services: Services, output: RequestOutput, num_top: int) -> PromptLogprobs:
     """vLLM's `prompt_logprobs`: for each prompt token after the first, its own entry and its
     `num_top` best alternatives, by token id."""
@@ -230,8 +224,3 @@ async def prompt_logprobs_of(services: Services, output: RequestOutput, num_top:
                                                    decoded_token=texts[entry.token_id])
         result.append(by_id)
     return result
-
-
-def usage_of(output: RequestOutput) -> Usage:
-    prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)

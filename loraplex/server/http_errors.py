@@ -33,6 +33,7 @@ from loraplex.registry.registry_errors import (
     RegistryError,
 )
 from loraplex.server.request_id import REQUEST_ID_HEADER, request_id_of
+from loraplex.server.schemas.client_body import INVALID_UNICODE, NESTED_TOO_DEEP
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,14 @@ def error_type(status: int) -> str:
 
 
 def error_body(message: str, status: int, code: str | None, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+    """The OpenAI error body. Text from a request that is quoted in it can hold lone surrogates,
+    which no JSON encoder writes as UTF-8: they are escaped (`\\ud800`)."""
+    return {"error": {"message": _printable(message), "type": error_type(status),
+                      "param": None if param is None else _printable(param), "code": code}}
+
+
+def _printable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(exc: LoraplexError) -> JSONResponse:
@@ -167,6 +175,9 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         message, code = f"Missing required parameter: {param}", "missing_required_parameter"
     elif kind == "json_invalid":
         message, code, param = "The request body is not valid JSON", "invalid_json", None
+    elif kind in (INVALID_UNICODE, NESTED_TOO_DEEP):  # the whole body was checked: ctx has the path
+        param = _param((*first.get("loc", ()), *first["ctx"]["path"]))
+        message, code = first.get("msg", "invalid value"), kind
     else:
         message = first.get("msg", "invalid value")
         message, code = (f"{param}: {message}" if param else message), "invalid_value"

@@ -1,8 +1,10 @@
 """Admission control: a bound on requests in flight across the server (503 past it) and each
 tenant's limits from the registry (429 past them): concurrent requests, requests per minute
-and tokens per minute over a sliding 60-second window. A request reserves its prompt plus
-`max_tokens` against the token window when admitted and is charged what it really used when it
-ends. State lives in this process (one replica); it is touched only from the event loop."""
+and tokens per minute over a sliding 60-second window. A request is admitted as soon as its
+key is known, before any work is done for it (so refusals count too); it reserves its prompt
+plus `max_tokens` against the token window before it is generated and is charged what it
+really used when it ends. State lives in this process (one replica); it is touched only from
+the event loop."""
 
 from __future__ import annotations
 
@@ -40,19 +42,29 @@ class _TenantWindow:
 
 @dataclass
 class Admission:
-    """A request let in; `release` it exactly once, with the tokens it used."""
+    """A request let in: it counts against the server's and its tenant's limits from `admit`
+    until `release`, whatever becomes of it (a request refused later as invalid still took a
+    slot and a request of the minute). `reserve` its tokens before generating; `release` it
+    exactly once, with the tokens it used."""
 
     limiter: Limiter
-    tenant: str
+    tenant: TenantRecord
     charge: _Charge
     is_released: bool = False
 
-    def release(self, num_tokens: int) -> None:
+    def reserve(self, num_tokens: int) -> None:
+        """Reserve prompt + max_tokens against the tenant's tokens per minute, or raise
+        RateLimitError (the request still counts as one)."""
+        self.limiter._reserve(self, num_tokens)
+
+    def release(self, num_tokens: int | None = None) -> None:
+        """End the request; `num_tokens` is what it used (None: what it reserved, or nothing)."""
         if self.is_released:
             return
         self.is_released = True
-        self.charge.tokens = num_tokens
-        self.limiter._release(self.tenant)
+        if num_tokens is not None:
+            self.charge.tokens = num_tokens
+        self.limiter._release(self.tenant.name)
 
 
 class Limiter:
@@ -64,9 +76,9 @@ class Limiter:
         self._clock = clock
         self._tenants: dict[str, _TenantWindow] = {}
 
-    def admit(self, tenant: TenantRecord, num_tokens: int) -> Admission:
-        """Let a request of `num_tokens` (prompt + max_tokens) in, or raise
-        ServiceUnavailableError (server full) / RateLimitError (tenant over a limit)."""
+    def admit(self, tenant: TenantRecord) -> Admission:
+        """Let a request in, or raise ServiceUnavailableError (server full) / RateLimitError
+        (the tenant is at its concurrent requests or its requests per minute)."""
         if self.num_in_flight >= self.max_in_flight:
             raise ServiceUnavailableError(
                 f"the server is at its limit of {self.max_in_flight} requests in flight; retry "
@@ -74,15 +86,15 @@ class Limiter:
         now = self._clock()
         window = self._tenants.setdefault(tenant.name, _TenantWindow())
         window.expire(now)
-        self._check(tenant, window, num_tokens, now)
-        charge = _Charge(now, num_tokens)
+        self._check_requests(tenant, window, now)
+        charge = _Charge(now, 0)
         if tenant.max_requests_per_minute is not None or tenant.max_tokens_per_minute is not None:
             window.charges.append(charge)
         window.in_flight += 1
         self.num_in_flight += 1
-        return Admission(self, tenant.name, charge)
+        return Admission(self, tenant, charge)
 
-    def _check(self, tenant: TenantRecord, window: _TenantWindow, num_tokens: int, now: float) -> None:
+    def _check_requests(self, tenant: TenantRecord, window: _TenantWindow, now: float) -> None:
         headers = _headers(tenant, window)
         limit = tenant.max_concurrent_requests
         if limit is not None and window.in_flight >= limit:
@@ -94,9 +106,16 @@ class Limiter:
             wait = window.charges[-limit].at + WINDOW_S - now
             raise RateLimitError(f"tenant {tenant.name!r} is over its limit of {limit} requests per "
                                  f"minute", headers=headers | _retry_after(wait))
-        limit = tenant.max_tokens_per_minute
+
+    def _reserve(self, admission: Admission, num_tokens: int) -> None:
+        tenant, limit = admission.tenant, admission.tenant.max_tokens_per_minute
         if limit is None:
+            admission.charge.tokens = num_tokens
             return
+        now = self._clock()
+        window = self._tenants[tenant.name]
+        window.expire(now)
+        headers = _headers(tenant, window)
         if num_tokens > limit:
             raise RateLimitError(
                 f"this request may use {num_tokens} tokens (prompt + max_tokens), more than tenant "
@@ -112,6 +131,7 @@ class Limiter:
                     break
             raise RateLimitError(f"tenant {tenant.name!r} is over its limit of {limit} tokens per "
                                  f"minute", headers=headers | _retry_after(wait))
+        admission.charge.tokens = num_tokens
 
     def _release(self, tenant: str) -> None:
         self.num_in_flight -= 1

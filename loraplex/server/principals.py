@@ -21,16 +21,19 @@ class Principals:
         return self._keys.get(_digest(presented))
 
     def authenticate(self, presented: str) -> Principal:
-        return self._keys.put(_digest(presented), self._registry.keys.authenticate(presented))
+        read_at = self._keys.generation
+        return self._keys.put(_digest(presented), self._registry.keys.authenticate(presented), read_at)
 
     def cached_tenant(self, name: str) -> TenantRecord | None:
         return self._tenants.get(name)
 
     def tenant(self, name: str) -> TenantRecord:
-        return self._tenants.put(name, self._registry.tenants.get(name))
+        read_at = self._tenants.generation
+        return self._tenants.put(name, self._registry.tenants.get(name), read_at)
 
     def forget(self) -> None:
-        """After a change made through the admin API (a revoked key, new limits)."""
+        """After a change made through the admin API (a revoked key, new limits): from now on
+        this server reads them anew, and no read already in flight is cached."""
         self._keys.forget()
         self._tenants.forget()
 

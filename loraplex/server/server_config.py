@@ -16,8 +16,9 @@ class ServerConfig:
     """Largest JSON request body (413 past it)."""
     max_upload_bytes: int = (1 << 30) + (1 << 20)
     """Largest adapter upload body (multipart: config, weights and form fields)."""
-    max_tokens_limit: int = 4096
-    """Most tokens one request may ask to generate (`max_tokens`), whatever the context."""
+    max_tokens_limit: int | None = None
+    """Most tokens one request may ask to generate (`max_tokens`); None: only the context left
+    after the prompt bounds it."""
     max_prompt_tokens: int | None = None
     """Longest prompt accepted; None means the model's context minus one token."""
     max_requests_in_flight: int = 512
@@ -27,6 +28,9 @@ class ServerConfig:
     """How long API keys, tenant limits and adapter records read from the registry are reused.
     Changes made through this server's admin API apply at once; those made by other processes
     (the CLI, other replicas) within this time."""
+    tokenizer_threads: int = 2
+    """Threads that tokenize prompts, each with its own copy of the tokenizer. A tenant uses
+    one at a time (with one thread: that one, in turn with the others)."""
     max_concurrent_uploads: int = 4
     """Adapter uploads validated at once; more wait for a turn."""
     retry_after_s: int = 1
@@ -38,12 +42,13 @@ class ServerConfig:
     """Folder served at /admin when it holds an index.html (the admin web UI)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_upload_bytes", "max_tokens_limit", "max_requests_in_flight",
-                     "max_concurrent_uploads", "retry_after_s"):
+        for name in ("max_body_bytes", "max_upload_bytes", "max_requests_in_flight",
+                     "max_concurrent_uploads", "retry_after_s", "tokenizer_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise ValueError("max_prompt_tokens must be positive")
+        for name in ("max_tokens_limit", "max_prompt_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
         if self.registry_cache_ttl_s < 0 or self.engine_poll_interval_s <= 0:
             raise ValueError("registry_cache_ttl_s must be >= 0 and engine_poll_interval_s > 0")
         if not self.model_id:

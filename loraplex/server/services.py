@@ -53,7 +53,7 @@ class Services:
         services = cls(
             config=config, registry=registry, llm=llm, engine=engine,
             principals=Principals(registry, config.registry_cache_ttl_s),
-            codec=TextCodec(llm.tokenizer),
+            codec=TextCodec(llm.tokenizer, max_prompt_tokens(config, llm), config.tokenizer_threads),
             adapters=adapters,
             limiter=limiter, usage=UsageRecorder(registry), monitor=monitor,
             metrics=Metrics(config.model_id, monitor, lambda: limiter.num_in_flight),
@@ -64,9 +64,7 @@ class Services:
 
     @property
     def max_prompt_tokens(self) -> int:
-        context = self.llm.max_model_len - 1
-        limit = self.config.max_prompt_tokens
-        return context if limit is None else min(limit, context)
+        return max_prompt_tokens(self.config, self.llm)
 
     async def stop(self) -> None:
         self.is_stopping = True
@@ -74,3 +72,9 @@ class Services:
         await run_in_threadpool(self.usage.close)
         await run_in_threadpool(self.engine.shutdown)
         self.codec.close()
+
+
+def max_prompt_tokens(config: ServerConfig, llm: LLMEngine) -> int:
+    """The longest prompt accepted: the context less one token, or the configured limit."""
+    context = llm.max_model_len - 1
+    return context if config.max_prompt_tokens is None else min(config.max_prompt_tokens, context)

@@ -78,7 +78,10 @@ def test_keys(cli, registry_config: RegistryConfig) -> None:
     assert code == 0 and KEY.fullmatch(admin_out.strip())
     code, listing, _ = cli("key", "list")
     assert secret not in listing and secret[:12] + "..." in listing
-    rows = [line.split() for line in listing.splitlines()[1:]]
+    *table, note = listing.splitlines()
+    assert note == ("(LAST_USED is recorded at most once every 60 s per key: it can be up to that much "
+                    "behind.)")
+    rows = [line.split() for line in table[1:]]
     assert [(r[0], r[1], r[2]) for r in rows] == [("1", "tenant", "acme"), ("2", "admin", "-")]
     assert cli("key", "revoke", "1")[:2] == (0, f"revoked key 1 ({secret[:12]}...)\n")
     with Registry.open(registry_config) as registry:
@@ -112,6 +115,10 @@ def test_adapters(cli, registry_config: RegistryConfig, tmp_path: Path) -> None:
                                 "target_modules": ["q_proj", "v_proj"]})
     _fails_with(cli("adapter", "upload", "--tenant", "acme", "--name", "big", str(bad)),
                 "exceeds the limit of 8")
+    deep = write_adapter(tmp_path / "deep")
+    (deep / "adapter_config.json").write_bytes(b"[" * 30000 + b"]" * 30000)
+    _fails_with(cli("adapter", "upload", "--tenant", "acme", "--name", "deep", str(deep)),
+                "adapter_config.json is not valid JSON: it is nested deeper than 16 levels")
     code, out, _ = cli("adapter", "list")
     assert [line.split()[:3] for line in out.splitlines()[1:]] == [["acme", "sql", "4"]]
     assert cli("adapter", "list", "--tenant", "acme")[1] == out

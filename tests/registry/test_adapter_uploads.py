@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import re
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -99,12 +100,62 @@ BAD_ADAPTERS: dict[str, tuple[Callable[[Path], Path], str]] = {
         _A.replace("lora_A", "lora_B"): {"dtype": "F32", "shape": [64, 4],
                                          "data_offsets": [0, 1024]}}, bytes(2048))),
         "does not follow"),
+    "tensor data cut short": (lambda d: write_adapter(d, weights=_safetensors({
+        _A: {"dtype": "F32", "shape": [4, 64], "data_offsets": [0, 1024]}}, bytes(24))),
+        "adapter_model.safetensors is truncated: its header promises 1024 bytes of tensor data and "
+        "the file holds 24"),
+    "header nested thousands deep": (lambda d: write_adapter(d, weights=_deep_header(5000)),
+                                     "nested deeper than 4 levels"),
+    "header nested past the bound": (lambda d: write_adapter(d, weights=_deep_header(6)),
+                                     "nested deeper than 4 levels"),
+    "config nested thousands deep": (lambda d: _replace_config(write_adapter(d), b"[" * 20000 + b"]" * 20000),
+                                     "nested deeper than 16 levels"),
+    "config nested past the bound": (lambda d: write_adapter(d, adapter_config(loftq_config=_nest({}, 17))),
+                                     "nested deeper than 16 levels"),
+    "target_modules pattern matching nothing": (
+        lambda d: write_adapter(d, adapter_config(target_modules="attn_q")),
+        "target_modules 'attn_q' selects no module of the base model"),
+    "target_modules pattern narrower than the tensors": (
+        lambda d: write_adapter(d, adapter_config(target_modules=r".*\.q_proj")),
+        "adapter_model.safetensors adapts layer 0 v_proj, layer 1 v_proj, which adapter_config.json's "
+        "target_modules '.*\\\\.q_proj' does not select"),
+    "target_modules pattern selecting a norm": (
+        lambda d: write_adapter(d, adapter_config(target_modules=r".*(q_proj|v_proj|norm)")),
+        "selects model.norm, which loraplex cannot adapt (unsupported target module 'norm'"),
+    "target_modules pattern that is not a regular expression": (
+        lambda d: write_adapter(d, adapter_config(target_modules="q_proj(")),
+        "'q_proj(' is not a valid regular expression"),
+    "target_modules pattern that backtracks for ever": (
+        lambda d: write_adapter(d, adapter_config(target_modules="(.*)" * 8 + "".join(
+            f"\\{i}" for i in range(1, 9)) + "l")),
+        "takes too long to match module names"),
+    "target_modules without their tensors": (
+        lambda d: write_adapter(d, adapter_config(target_modules=["q_proj", "k_proj", "v_proj"])),
+        "target_modules [q_proj, k_proj, v_proj] selects layer 0 k_proj, layer 1 k_proj, but "
+        "adapter_model.safetensors has no tensors for them"),
+    "layers_to_transform narrower than the tensors": (
+        lambda d: write_adapter(d, adapter_config(layers_to_transform=[0])),
+        "adapts layer 1 q_proj, layer 1 v_proj, which"),
+    "exclude_modules that the tensors ignore": (
+        lambda d: write_adapter(d, adapter_config(exclude_modules=["model.layers.1.self_attn.v_proj"])),
+        "adapts layer 1 v_proj, which"),
     "only a pickle .bin": (lambda d: _pickle_only(d), "pickle"),
     "config not JSON": (lambda d: _replace_config(write_adapter(d), b"{not json"),
                         "not valid JSON"),
     "no config": (lambda d: _remove(write_adapter(d) / "adapter_config.json"),
                   "has no adapter_config.json"),
 }
+
+
+def _nest(value: object, depth: int) -> object:
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _deep_header(depth: int) -> bytes:
+    raw = b'{"x": ' + b"[" * depth + b"]" * depth + b"}"
+    return struct.pack("<Q", len(raw)) + raw
 
 
 def _pickle_only(folder: Path) -> Path:
@@ -132,7 +183,7 @@ def test_bad_adapters_are_refused_and_nothing_is_stored(
     build, match = BAD_ADAPTERS[case]
     folder = build(tmp_path / "bad")
     before = registry_state(registry)
-    with pytest.raises(AdapterError, match=match):
+    with pytest.raises(AdapterError, match=re.escape(match)):
         registry.adapters.upload_dir("acme", "candidate", folder)
     assert registry_state(registry) == before
 

@@ -37,6 +37,10 @@ def test_system_prompts(registry: Registry, tmp_path: Path) -> None:
         registry.prompts.add("acme", "x", "y" * 200_001)
     with pytest.raises(InvalidInputError, match="invalid system prompt name"):
         registry.prompts.add("acme", "a b", "text")
+    for bad, reason in (("a\ud800b", "lone surrogate at character 1"), ("a\x00b", "NUL character at 1")):
+        with pytest.raises(InvalidInputError, match=reason) as caught:  # what no database stores
+            registry.prompts.add("acme", "x", bad)
+        assert caught.value.param == "text"
     registry.adapters.delete("acme", "sql")  # a prompt bound to it goes with it
     assert [p.name for p in registry.prompts.list()] == ["plain"]
     registry.prompts.delete("acme", "plain")

@@ -9,6 +9,8 @@ from datetime import datetime, timedelta, timezone
 import openai
 import pytest
 
+from loraplex.adapter_format import load_adapter_dir
+from tests.registry.registry_support import MAX_RANK, TINY
 from tests.server.server_support import MODEL_ID, Server, upload_files
 
 
@@ -73,7 +75,10 @@ def test_adapter_upload_list_serve_delete(server: Server, adapter_dirs) -> None:
             "globex", "fresh", 8, MODEL_ID)
         assert adapter["target_modules"] == ["gate_proj", "up_proj", "down_proj"]
         weights = (adapter_dirs["mlp"] / "adapter_model.safetensors").read_bytes()
-        assert adapter["size_bytes"] == len(weights) and len(adapter["sha256"]) == 64
+        assert adapter["size_bytes"] == len(weights)
+        # One identity: the engine's digest of the tensors, and no other hash beside it.
+        assert adapter["digest"] == load_adapter_dir(adapter_dirs["mlp"], TINY, MAX_RANK).digest
+        assert not {"sha256", "config_sha256", "weights_sha256"} & adapter.keys()
         assert "path" not in response.text and str(server.registry.config.data_dir) not in response.text
         # Servable at once, by this server, without a restart.
         assert client.completions.create(model="fresh", prompt="x", max_tokens=3).usage.completion_tokens
@@ -158,6 +163,27 @@ def test_engine_state_and_audit(server: Server) -> None:
         assert (entry["action"], entry["object_id"], entry["actor_key_id"]) == (
             "tenant.create", "audited", me["key_id"])
         assert http.get("/admin/api/audit", params={"limit": 0}).status_code == 400
+
+
+def test_the_engine_state_names_the_adapters_of_each_digest_in_the_registry(server: Server,
+                                                                          adapter_dirs) -> None:
+    """Names come from the registry as it is now: one never used is named, one deleted (by
+    this server or another process) is not."""
+    server.registry.adapters.upload_dir("acme", "twin", adapter_dirs["mlp"])  # as acme/shared
+    server.openai("acme").completions.create(model="shared", prompt="x", max_tokens=1)
+    with server.http() as http:
+        digest = http.get("/admin/api/adapters/acme/shared").json()["digest"]
+
+        def names() -> list[str]:
+            (resident,) = [a for a in http.get("/admin/api/engine").json()["adapters_resident"]
+                           if a["digest"] == digest]
+            return resident["names"]
+
+        assert names() == ["acme/shared", "acme/twin"]
+        server.registry.adapters.delete("acme", "twin")  # as the CLI does, beside the server
+        assert names() == ["acme/shared"]
+        assert http.delete("/admin/api/adapters/acme/shared").status_code == 204
+        assert names() == []
 
 
 def test_the_openapi_document_describes_every_route(server: Server) -> None:

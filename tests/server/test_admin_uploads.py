@@ -3,6 +3,7 @@ problem, and leaves the registry exactly as it was (rows, blobs, temporary files
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -49,6 +50,16 @@ def test_bad_adapters(upload_server: Server, tmp_path: Path, case: str) -> None:
     assert API_MESSAGES.get(case, match) in error["message"], error
     assert error["type"] == "invalid_request_error"
     assert registry_state(upload_server.registry) == before
+    _reveals_no_server_path(upload_server, error["message"])
+
+
+def _reveals_no_server_path(server: Server, message: str) -> None:
+    """Nothing of the server's file system: no path, no temporary file (named by host and
+    process id)."""
+    blobs = server.registry.blobs
+    for secret in (str(blobs.root), str(blobs.root.resolve()), socket.gethostname(), f".{os.getpid()}.",
+                   ".tmp", "/tmp/"):
+        assert secret not in message, (secret, message)
 
 
 def _good(tmp_path: Path) -> dict[str, tuple[str, bytes]]:
@@ -96,6 +107,7 @@ def test_bad_upload_forms(upload_server: Server, tmp_path: Path, case: str) -> N
     response = _post(upload_server, **make(_good(tmp_path)))
     assert response.status_code == status, response.text
     assert message in response.json()["error"]["message"], response.json()
+    _reveals_no_server_path(upload_server, response.json()["error"]["message"])
     assert "x-request-id" in response.headers
     assert registry_state(upload_server.registry) == before
 

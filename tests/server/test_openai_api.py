@@ -255,7 +255,7 @@ BAD_PARAMETERS = [
     ({"max_tokens": 0}, "max_tokens", "invalid_value"),
     ({"max_tokens": -3}, "max_tokens", "invalid_value"),
     ({"max_tokens": 600}, "max_tokens", "context_length_exceeded"),
-    ({"max_tokens": 5000}, "max_tokens", "invalid_request"),
+    ({"max_tokens": 5000}, "max_tokens", "context_length_exceeded"),
     ({"temperature": -0.5}, "temperature", "invalid_value"),
     ({"top_p": 0}, "top_p", "invalid_value"),
     ({"top_p": 1.5}, "top_p", "invalid_value"),

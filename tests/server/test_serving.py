@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import socket
 import threading
 import time
@@ -268,6 +269,20 @@ def test_the_admin_ui_is_served_beside_the_api(tmp_path: Path, engine) -> None:
         assert page.status_code == 200 and "loraplex admin" in page.text
         with server.http() as http:
             assert http.get("/admin/api/me").json()["role"] == "admin"
+
+
+def test_the_api_docs_load_nothing_from_other_hosts(sqlite_server: Server) -> None:
+    """/docs (Swagger UI) and /redoc name only this server's own assets, and it serves them.
+    (tests/ui/test_api_docs.py renders them in a browser cut off from other hosts.)"""
+    with httpx.Client(base_url=sqlite_server.url, timeout=30) as http:
+        for page in ("/docs", "/redoc"):
+            html = http.get(page).text
+            urls = re.findall(r"""(?:src|href)=["']([^"']+)["']|url: *["']([^"']+)["']""", html)
+            urls = [a or b for a, b in urls]
+            assert urls and not [u for u in urls if "://" in u or u.startswith("//")], (page, urls)
+            assert "googleapis" not in html and "jsdelivr" not in html, page
+            for url in urls:
+                assert http.get(url).status_code == 200, url
 
 
 def test_a_failing_registry_database_answers_503_and_recovers(sqlite_server: Server) -> None:

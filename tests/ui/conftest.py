@@ -14,6 +14,8 @@ from tests.ui.ui_support import (
     DESKTOP,
     FAILED,
     NARROW,
+    SCREENSHOT_DIR,
+    UPDATE_SCREENSHOTS,
     LiveServer,
     launch_chromium,
     open_page,
@@ -70,6 +72,15 @@ def narrow_page(browser: Any, request: pytest.FixtureRequest, tmp_path: Path) ->
 def admin_page(page: Any, server: LiveServer) -> Any:
     """A page signed in with the admin key, on the Adapters page."""
     return sign_in(page, server)
+
+
+@pytest.fixture(scope="session")
+def screenshot_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """docs/screenshots/ with --update-screenshots (the README's pictures), else a temporary
+    folder: tests do not change the checkout."""
+    if request.config.getoption(UPDATE_SCREENSHOTS):
+        return SCREENSHOT_DIR
+    return tmp_path_factory.mktemp("screenshots")
 
 
 @pytest.fixture

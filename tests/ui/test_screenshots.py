@@ -1,4 +1,6 @@
-"""Screenshots of every page at 1280x800 for the README (docs/screenshots/), taken on data this
+"""Screenshots of every page at 1280x800, for the README with `--update-screenshots`
+(`python -m pytest tests/ui/test_screenshots.py tests/ui/test_usability.py --update-screenshots`
+rewrites docs/screenshots/; otherwise they go to a temporary folder), taken on data this
 test sets up: two more tenants with adapters, keys and a system prompt (admin API), requests
 through the openai client (this hour's usage, and generation while the Engine page is shown),
 and usage of the previous 23 hours written to the registry directly, so that the usage charts
@@ -16,7 +18,16 @@ from playwright.sync_api import expect
 
 from loraplex.demo import DEMO_PROMPT
 from loraplex.registry import Registry, RegistryConfig
-from tests.ui.ui_support import LiveServer, copy_adapter, go_to, screenshot, upload_adapter
+from tests.ui.ui_support import (
+    REPO,
+    SCREENSHOT_DIR,
+    UPDATE_SCREENSHOTS,
+    LiveServer,
+    copy_adapter,
+    go_to,
+    screenshot,
+    upload_adapter,
+)
 
 TENANTS = {"acme": {"weight": 2, "max_concurrent_requests": 8, "max_tokens_per_minute": 20000},
            "globex": {"weight": 1, "max_requests_per_minute": 120}}
@@ -73,18 +84,18 @@ def _generate_until(stop: threading.Event, server: LiveServer, key: str, model: 
                     break
 
 
-def test_screenshots_of_every_page(page, server: LiveServer, admin, tmp_path: Path):
+def test_screenshots_of_every_page(page, server: LiveServer, admin, tmp_path: Path, screenshot_dir: Path):
     keys = _seed(server, admin)
     _seed_history(server)
 
     page.goto(f"{server.url}/admin/")
     expect(page.get_by_label("Admin API key")).to_be_focused()
-    screenshot(page, "sign-in")
+    screenshot(page, "sign-in", screenshot_dir)
     page.get_by_label("Admin API key").fill(server.admin_key)
     page.get_by_role("button", name="Sign in").click()
 
     expect(page.locator('tr[data-key="globex/terse"]')).to_be_visible()
-    screenshot(page, "adapters")
+    screenshot(page, "adapters", screenshot_dir)
     bad = copy_adapter(server.demo_adapters / "pirate", tmp_path / "bad", r=4096, lora_alpha=8192)
     page.get_by_label("Tenant", exact=True).first.select_option("acme")
     page.get_by_label("Adapter name").fill("too-big")
@@ -92,28 +103,28 @@ def test_screenshots_of_every_page(page, server: LiveServer, admin, tmp_path: Pa
     page.get_by_label("adapter_model.safetensors").set_input_files(bad / "adapter_model.safetensors")
     page.get_by_role("button", name="Upload adapter").click()
     expect(page.get_by_text("exceeds the limit")).to_be_visible()
-    screenshot(page, "adapters-upload-error")
+    screenshot(page, "adapters-upload-error", screenshot_dir)
 
     go_to(page, "Tenants")
     expect(page.locator('tr[data-key="globex"]')).to_be_visible()
-    screenshot(page, "tenants")
+    screenshot(page, "tenants", screenshot_dir)
 
     go_to(page, "API keys")
     expect(page.locator("tbody tr").first).to_be_visible()
-    screenshot(page, "keys")
+    screenshot(page, "keys", screenshot_dir)
     page.get_by_label("Tenant", exact=True).first.select_option("acme")
     page.get_by_role("button", name="Create key").click()
     expect(page.get_by_role("dialog", name="New API key")).to_be_visible()
-    screenshot(page, "keys-created")
+    screenshot(page, "keys-created", screenshot_dir)
     page.keyboard.press("Escape")
 
     go_to(page, "System prompts")
     expect(page.locator('tr[data-key="acme/support"]')).to_be_visible()
-    screenshot(page, "prompts")
+    screenshot(page, "prompts", screenshot_dir)
 
     go_to(page, "Usage")
     expect(page.locator('#usage-by-adapter-card .legend li[data-series="acme/support-bot"]')).to_be_visible()
-    screenshot(page, "usage")
+    screenshot(page, "usage", screenshot_dir)
 
     go_to(page, "Engine")
     expect(page.locator('[data-stat="running"]')).to_have_text("0")
@@ -129,8 +140,16 @@ def test_screenshots_of_every_page(page, server: LiveServer, admin, tmp_path: Pa
         expect(page.locator('[data-stat="tokens-per-second"]')).not_to_have_text(re.compile(r"^0(\.0)?$"),
                                                                                   timeout=15_000)
         page.wait_for_timeout(6000)
-        screenshot(page, "engine")
+        screenshot(page, "engine", screenshot_dir)
     finally:
         stop.set()
         for thread in threads:
             thread.join(timeout=30)
+
+
+def test_screenshots_go_outside_the_checkout_unless_asked(request, screenshot_dir: Path):
+    """Running the tests leaves the checkout as it was (tests/conftest.py fails a run that
+    changes it); `--update-screenshots` is the one way to rewrite docs/screenshots/."""
+    is_updating = request.config.getoption(UPDATE_SCREENSHOTS)
+    assert (screenshot_dir == SCREENSHOT_DIR) == is_updating
+    assert is_updating or not screenshot_dir.resolve().is_relative_to(REPO)

@@ -3,6 +3,8 @@ labelled with its errors wired to it, and at 400 px a collapsed menu and no side
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from playwright.sync_api import expect
 
@@ -101,7 +103,8 @@ def test_errors_are_tied_to_their_field(admin_page):
     expect(name).not_to_have_attribute("aria-invalid", "true")
 
 
-def test_narrow_window_collapses_the_menu_and_never_scrolls_sideways(narrow_page, server: LiveServer):
+def test_narrow_window_collapses_the_menu_and_never_scrolls_sideways(narrow_page, server: LiveServer,
+                                                                    screenshot_dir: Path):
     page = sign_in(narrow_page, server)
     menu = page.get_by_role("button", name="Menu")
     nav = page.get_by_role("navigation", name="Main")
@@ -115,7 +118,7 @@ def test_narrow_window_collapses_the_menu_and_never_scrolls_sideways(narrow_page
     assert name_cell["y"] >= tenant_cell["y"] + tenant_cell["height"]  # the row stacks as a card
     page.get_by_role("heading", name="All adapters").evaluate(
         "heading => window.scrollTo(0, heading.getBoundingClientRect().top + window.scrollY - 72)")
-    screenshot(page, "narrow-adapters")
+    screenshot(page, "narrow-adapters", screenshot_dir)
     page.evaluate("window.scrollTo(0, 0)")
 
     for route, title in PAGES.items():
@@ -127,7 +130,7 @@ def test_narrow_window_collapses_the_menu_and_never_scrolls_sideways(narrow_page
         width = page.evaluate("document.documentElement.scrollWidth")
         assert width <= NARROW["width"], f"{route} is {width} px wide at {NARROW['width']} px"
     menu.click()
-    screenshot(page, "narrow-menu")
+    screenshot(page, "narrow-menu", screenshot_dir)
     page.keyboard.press("Escape")
     expect(nav).to_be_hidden()
     expect(menu).to_be_focused()

@@ -26,6 +26,9 @@ from loraplex.registry.registry_config import DATABASE_URL_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 SCREENSHOT_DIR = REPO / "docs" / "screenshots"
+"""Where `--update-screenshots` writes the README's screenshots; without it the tests write
+theirs to a temporary folder."""
+UPDATE_SCREENSHOTS = "--update-screenshots"
 CHROMIUM = os.environ.get("LORAPLEX_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -174,10 +177,10 @@ def go_to(page: Any, title: str) -> None:
     expect(page.get_by_role("heading", level=1, name=title, exact=True)).to_be_visible()
 
 
-def screenshot(page: Any, name: str) -> Path:
-    """Save the viewport as docs/screenshots/<name>.png (shown in the README)."""
-    SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
-    path = SCREENSHOT_DIR / f"{name}.png"
+def screenshot(page: Any, name: str, folder: Path) -> Path:
+    """Save the viewport as `folder`/<name>.png (the `screenshot_dir` fixture's folder)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.png"
     page.screenshot(path=str(path), animations="disabled", caret="hide")
     return path
 

@@ -63,7 +63,10 @@ export function formatDuration(seconds) {
   return `${s} s`;
 }
 
+/** How many characters of an adapter's digest are shown (as `loraplex adapter list` does). */
+export const DIGEST_CHARS = 16;
+
 /** The first characters of a hex digest, for telling adapters apart. */
-export function shortHash(hex, length = 12) {
+export function shortHash(hex, length = DIGEST_CHARS) {
   return hex ? hex.slice(0, length) : "—";
 }

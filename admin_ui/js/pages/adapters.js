@@ -12,6 +12,11 @@ import { toast } from "../components/toast.js";
 
 export const title = "Adapters";
 
+/** What an adapter's digest is (the admin API's description of it, in short). */
+export const IDENTITY = "the adapter's identity, the sha256 of its tensors and their scaling: "
+  + "the same in the CLI (loraplex adapter list) and on the Engine page. Uploads of the same "
+  + "tensors share it, and one copy in the engine.";
+
 /** Which file an upload error without `param` concerns. */
 function fileOfError(error) {
   if (error.status === 413) return "adapter_model";
@@ -69,7 +74,9 @@ function uploadForm(onUploaded) {
       const adapter = await api.adapters.upload(body, setProgress).promise;
       bar.value = 100;
       barText.textContent = "Uploaded";
+      const chosenTenant = tenant.input.value;
       form.reset();
+      tenant.input.value = chosenTenant;  // the next upload is most likely for the same tenant
       toast(`Adapter ${adapter.tenant}/${adapter.name} uploaded (rank ${adapter.rank}).`, "success");
       onUploaded(adapter);
     } catch (error) {
@@ -98,11 +105,11 @@ function adapterTable(adapters, onDelete) {
           a.target_modules.map((m) => h("span", { class: "tag" }, m.replace(/_proj$/, "")))),
       },
       { label: "Size", numeric: true, className: "nowrap", cell: (a) => formatBytes(a.size_bytes) },
-      { label: "sha256", cell: (a) => h("code", { title: a.sha256 }, shortHash(a.sha256, 10)) },
+      { label: "Digest", cell: (a) => h("code", { title: `${a.digest}: ${IDENTITY}` }, shortHash(a.digest)) },
       { label: "Created", className: "nowrap", cell: (a) => formatDay(a.created_at) },
       { label: "Requests", numeric: true, cell: (a) => formatNumber(a.num_requests_served) },
       {
-        label: "On GPU", cell: (a) => (a.is_resident
+        label: "On device", cell: (a) => (a.is_resident
           ? h("span", { class: "badge badge-ok" }, "resident")
           : h("span", { class: "badge badge-off" }, a.is_loaded ? "in host memory" : "not loaded")),
       },
@@ -151,7 +158,8 @@ export function render(container) {
         h("h2", { id: "adapters-list-title" }, "All adapters"),
         h("div", { class: "toolbar" }, filter.root,
           h("button", { type: "button", class: "button button-secondary", onclick: () => refresh() }, "Refresh"))),
-      listTarget));
+      listTarget,
+      h("p", { class: "muted note", id: "digest-note" }, `Digest: ${IDENTITY} On device: in one of the engine's adapter slots (on the GPU, or in memory when the engine runs on the CPU).`)));
 
   api.tenants.list().then((tenants) => {
     const names = tenants.map((t) => ({ value: t.name, label: t.name }));

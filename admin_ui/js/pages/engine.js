@@ -72,8 +72,8 @@ function residentTable(state) {
     rowKey: (a) => a.digest,
     empty: "No adapter is in a device slot now. Adapters load on first use.",
     columns: [
-      { label: "Digest", cell: (a) => h("code", { title: a.digest }, shortHash(a.digest, 16)) },
-      { label: "Adapters (tenant/name)", cell: (a) => (a.names.length ? a.names.join(", ") : h("span", { class: "muted" }, "unknown")) },
+      { label: "Digest", cell: (a) => h("code", { title: a.digest }, shortHash(a.digest)) },
+      { label: "Adapters (tenant/name)", cell: (a) => (a.names.length ? a.names.join(", ") : h("span", { class: "muted" }, "none now (deleted)")) },
     ],
   });
 }

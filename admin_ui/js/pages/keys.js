@@ -11,6 +11,8 @@ import { toast } from "../components/toast.js";
 
 export const title = "API keys";
 
+export const LAST_USED_NOTE = "Last used is recorded at most once a minute per key, so it can be up to a minute behind.";
+
 async function copyText(input) {
   if (navigator.clipboard && window.isSecureContext) {
     await navigator.clipboard.writeText(input.value);
@@ -155,7 +157,8 @@ export function render(container) {
     h("section", { class: "card", "aria-labelledby": "keys-list-title" },
       h("div", { class: "card-head" }, h("h2", { id: "keys-list-title" }, "Keys"),
         h("div", { class: "toolbar" }, filter.root, showRevoked.root)),
-      listTarget));
+      listTarget,
+      h("p", { class: "muted note", id: "last-used-note" }, LAST_USED_NOTE)));
 
   api.tenants.list().then((tenants) => {
     const names = tenants.map((t) => ({ value: t.name, label: t.name }));

@@ -124,6 +124,8 @@ export function render(container) {
 
   container.append(
     pageHead("System prompts", "Named system prompts of each tenant, with their length in tokens of the base model's tokenizer."),
+    h("p", { class: "alert alert-warning", id: "prompts-note" }, "System prompts are stored but not used yet: requests do not get "
+      + "them, and the engine does not share their KV cache. A later version puts them to work."),
     card("Add a system prompt", add.form),
     h("section", { class: "card", "aria-labelledby": "prompts-list-title" },
       h("div", { class: "card-head" }, h("h2", { id: "prompts-list-title" }, "All system prompts"),

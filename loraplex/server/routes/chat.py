@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request, Response
 
+from loraplex.server.admission import AdmissionDep
 from loraplex.server.auth import TenantDep
 from loraplex.server.deps import ServicesDep
 from loraplex.server.generation import (
@@ -43,7 +44,8 @@ router = APIRouter(prefix="/v1", tags=["OpenAI API"])
 @router.post("/chat/completions", response_model=ChatCompletion, summary="Answer a conversation",
              responses={**INFERENCE_ERRORS, 200: STREAM_RESPONSE})
 async def create_chat_completion(body: ChatCompletionRequest, principal: TenantDep,
-                                 services: ServicesDep, request: Request) -> ChatCompletion | Response:
+                                 services: ServicesDep, request: Request,
+                                 admission: AdmissionDep) -> ChatCompletion | Response:
     """The assistant's next message after `messages`, rendered with the model's chat template,
     from the base model or one of your adapters (`model`). With `stream: true` the answer
     comes as server-sent events; leaving the stream stops the generation."""
@@ -51,14 +53,14 @@ async def create_chat_completion(body: ChatCompletionRequest, principal: TenantD
     adapter = await resolve_model(services, principal.tenant, body.model)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
                 for m in body.messages]
-    prompt_ids = truncated(body, await services.codec.encode_chat(messages))
+    prompt_ids = truncated(body, await services.codec.encode_chat(messages, principal.tenant))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = sampling_params(services, body, len(prompt_ids), max_tokens=max_tokens,
                              default_max_tokens=None, logprobs=logprobs, prompt_param="messages",
                              prompt_logprobs=body.prompt_logprobs)
     job = Job(request_id_of(request.scope), principal.tenant, body.model, adapter, prompt_ids, params,
-              arrival)
+              arrival, admission)
     last = await run_job(request, services, job, stream=bool(body.stream),
                          events=lambda first, outputs: _events(services, job, body, first, outputs))
     if isinstance(last, Response):

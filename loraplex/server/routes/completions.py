@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request, Response
 
 from loraplex import __version__
 from loraplex.errors import InvalidRequestError
+from loraplex.server.admission import AdmissionDep
 from loraplex.server.auth import TenantDep
 from loraplex.server.deps import ServicesDep
 from loraplex.server.generation import (
@@ -53,14 +54,15 @@ STREAM_RESPONSE = {
 @router.post("/completions", response_model=Completion, summary="Complete a prompt",
              responses={**INFERENCE_ERRORS, 200: STREAM_RESPONSE})
 async def create_completion(body: CompletionRequest, principal: TenantDep, services: ServicesDep,
-                            request: Request) -> Completion | Response:
+                            request: Request, admission: AdmissionDep) -> Completion | Response:
     """Generate text after `prompt` with the base model or one of your adapters (`model`).
     With `stream: true` the answer comes as server-sent events; leaving the stream stops the
     generation. `echo` with `logprobs` scores the prompt's own tokens (with `max_tokens: 0`,
     nothing else), as likelihood evaluations do."""
     arrival = time.monotonic()
     adapter = await resolve_model(services, principal.tenant, body.model)
-    prompt_ids = truncated(body, await _prompt_token_ids(services, body.prompt, body.add_special_tokens))
+    prompt_ids = truncated(body, await _prompt_token_ids(services, body.prompt, principal.tenant,
+                                                         body.add_special_tokens))
     echo_logprobs = body.logprobs if body.echo else None
     asked = [n for n in (echo_logprobs, body.prompt_logprobs) if n is not None]
     params = sampling_params(services, body, len(prompt_ids), max_tokens=body.max_tokens,
@@ -68,7 +70,7 @@ async def create_completion(body: CompletionRequest, principal: TenantDep, servi
                              prompt_param="prompt", prompt_logprobs=max(asked, default=None),
                              scores_prompt=bool(body.echo))
     job = Job(request_id_of(request.scope), principal.tenant, body.model, adapter, prompt_ids, params,
-              arrival)
+              arrival, admission)
     last = await run_job(request, services, job, stream=bool(body.stream),
                          events=lambda first, outputs: _events(services, job, body, first, outputs))
     if isinstance(last, Response):
@@ -113,10 +115,10 @@ async def _echo(services: Services, body: CompletionRequest, output: RequestOutp
     return Echo(text, list(prompt_ids), list(output.prompt_logprobs or [None] * len(prompt_ids)))
 
 
-async def _prompt_token_ids(services: Services, prompt: str | list[int], add_special_tokens: bool | None
-                            ) -> list[int]:
+async def _prompt_token_ids(services: Services, prompt: str | list[int], tenant: str,
+                            add_special_tokens: bool | None) -> list[int]:
     if isinstance(prompt, str):
-        return await services.codec.encode(prompt, add_special_tokens=add_special_tokens is not False)
+        return await services.codec.encode(prompt, tenant, add_special_tokens=add_special_tokens is not False)
     vocab = services.llm.model_config.vocab_size
     if not all(0 <= token < vocab for token in prompt):
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")

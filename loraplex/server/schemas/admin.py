@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from loraplex.registry.records import (
     AdapterRecord,
@@ -16,21 +16,27 @@ from loraplex.registry.records import (
     TenantRecord,
     UsageRecord,
 )
+from loraplex.server.schemas.client_body import ClientBody
 
 NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 Name = Annotated[str, Field(pattern=NAME_PATTERN, description="1 to 64 of A-Z a-z 0-9 . _ -")]
+IDENTITY = ("The sha256 of its canonical tensors (each tensor's name, dtype, shape and bytes, in name "
+            "order) and of the scaling of each module: the same digest in the admin API, the UI, the "
+            "CLI and the engine. Uploads with the same tensors and scaling are one adapter to the "
+            "engine (one copy, one device slot), whatever their files' bytes or names.")
 Limit = Annotated[int | None, Field(ge=1, lt=2**31, description="A positive integer; null means "
                                     "unlimited.")]
 
 
-class Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Body(ClientBody):
+    """A request body: unknown fields and text that is not valid Unicode are refused."""
 
 
 # Tenants ---------------------------------------------------------------------------------------
 class TenantCreate(Body):
     name: Name
-    weight: float = Field(1.0, gt=0, le=1e6, description="Share of the engine under contention.")
+    weight: float = Field(1.0, gt=0, le=1e6, description="Share of the engine under contention. Stored; "
+                          "the engine does not use it yet (it serves requests first come, first served).")
     max_concurrent_requests: Limit = None
     max_requests_per_minute: Limit = None
     max_tokens_per_minute: Limit = None
@@ -39,7 +45,7 @@ class TenantCreate(Body):
 class TenantUpdate(Body):
     """Fields left out keep their value; a limit set to null becomes unlimited."""
 
-    weight: float | None = Field(None, gt=0, le=1e6)
+    weight: float | None = Field(None, gt=0, le=1e6, description="Stored; not used by the engine yet.")
     max_concurrent_requests: Limit = None
     max_requests_per_minute: Limit = None
     max_tokens_per_minute: Limit = None
@@ -77,7 +83,8 @@ class ApiKey(BaseModel):
     tenant: str | None
     prefix: str = Field(description="The first characters of the key, to tell keys apart.")
     created_at: datetime
-    last_used_at: datetime | None
+    last_used_at: datetime | None = Field(description="When the key was last used, as recorded: at most "
+                                          "once a minute per key, so up to a minute behind.")
     revoked_at: datetime | None
     is_revoked: bool
 
@@ -97,9 +104,7 @@ class CreatedApiKey(BaseModel):
 class Adapter(BaseModel):
     tenant: str
     name: str
-    digest: str = Field(description="Identity: sha256 of the adapter's canonical tensors.")
-    sha256: str = Field(description="sha256 of adapter_model.safetensors as uploaded.")
-    config_sha256: str
+    digest: str = Field(description=f"The adapter's identity. {IDENTITY}")
     base_model: str
     rank: int
     alpha: float
@@ -113,7 +118,6 @@ class Adapter(BaseModel):
     @classmethod
     def of(cls, record: AdapterRecord, loaded: set[str], resident: set[str]) -> Adapter:
         return cls(tenant=record.tenant, name=record.name, digest=record.digest,
-                   sha256=record.weights_sha256, config_sha256=record.config_sha256,
                    base_model=record.base_model, rank=record.rank, alpha=record.alpha,
                    target_modules=list(record.target_modules), size_bytes=record.size_bytes,
                    created_at=record.created_at, num_requests_served=record.num_requests_served,
@@ -178,8 +182,9 @@ class UsageReport(BaseModel):
 
 # Engine ----------------------------------------------------------------------------------------
 class ResidentAdapter(BaseModel):
-    digest: str
-    names: list[str] = Field(description="`tenant/name` of adapters with this digest seen lately.")
+    digest: str = Field(description=f"The adapter's identity. {IDENTITY}")
+    names: list[str] = Field(description="`tenant/name` of every adapter in the registry with this "
+                             "digest now (several names can share one copy; none if all were deleted).")
 
 
 class TenantRequests(BaseModel):

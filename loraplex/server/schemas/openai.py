@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from loraplex.server.schemas.client_body import ClientBody
 from loraplex.types import MAX_LOGPROBS, MAX_STOP_SEQUENCES
 
 MAX_STOP_LENGTH = 256
@@ -33,8 +34,8 @@ def vllm_neutral() -> Any:
                  "is accepted.")
 
 
-class Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Request(ClientBody):
+    """A request body: unknown fields and text that is not valid Unicode are refused."""
 
 
 class StreamOptions(Request):

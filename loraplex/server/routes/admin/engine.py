@@ -6,6 +6,7 @@ import time
 from dataclasses import asdict
 
 from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
 
 from loraplex.server.auth import AdminDep
 from loraplex.server.deps import ServicesDep
@@ -23,6 +24,7 @@ async def get_engine_state(admin: AdminDep, services: ServicesDep) -> EngineStat
     engine's options, memory plan and captured graphs."""
     snapshot = await services.monitor.refresh()
     stats, llm = snapshot.stats, services.llm
+    names = await run_in_threadpool(services.registry.adapters.names_by_digest, stats.adapters_in_slots)
     by_tenant = {t: TenantRequests(running=stats.running_by_tenant.get(t, 0),
                                    waiting=stats.waiting_by_tenant.get(t, 0))
                  for t in sorted(set(stats.running_by_tenant) | set(stats.waiting_by_tenant))}
@@ -35,8 +37,8 @@ async def get_engine_state(admin: AdminDep, services: ServicesDep) -> EngineStat
         kv_blocks_used=stats.num_kv_blocks_used, kv_blocks_total=stats.num_kv_blocks,
         kv_cache_usage=stats.kv_cache_usage, num_preemptions=stats.num_preemptions,
         num_adapter_slots=stats.num_lora_slots,
-        adapters_resident=[ResidentAdapter(digest=d, names=services.adapters.names_of(d))
-                           for d in stats.adapters_in_slots],
+        adapters_resident=[ResidentAdapter(digest=digest, names=list(names[digest]))
+                           for digest in stats.adapters_in_slots],
         num_adapters_on_host=len(stats.adapters_on_host), host_tier_bytes=stats.host_tier_bytes,
         max_host_tier_bytes=stats.max_host_tier_bytes, num_adapter_host_loads=stats.num_adapter_host_loads,
         num_adapter_slot_loads=stats.num_adapter_slot_loads,

@@ -34,8 +34,9 @@ def create_key(body: KeyCreate, admin: AdminDep, registry: RegistryDep) -> Creat
              responses=error_responses(401, 403, 404))
 def revoke_key(key_id: Annotated[int, Path(ge=1, lt=2**31)], admin: AdminDep,
                services: ServicesDep) -> ApiKey:
-    """Takes effect at once on this server (within a second on others). Revoking a revoked key
-    changes nothing."""
+    """Takes effect at once on this server, even for requests already reading the key; other
+    servers on the same registry refuse it within their registry cache time (1 s by default).
+    Requests already admitted finish. Revoking a revoked key changes nothing."""
     record = services.registry.keys.revoke(key_id, actor=admin.key_id)
     services.principals.forget()
     return ApiKey.of(record)

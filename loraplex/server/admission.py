@@ -1,0 +1,46 @@
+"""The admission of a generation request, as a dependency: once the key names a tenant, the
+request counts against the server's and the tenant's limits (or is refused with 429/503) before
+anything else is done for it: before its body is validated, its model looked up or its prompt
+tokenized. So a request refused later (a bad parameter, a prompt that cannot fit, an unknown
+adapter) still took a slot and a request of the tenant's minute. The admission ends when the
+response has been sent (a stream included), if the job did not end it first."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import Depends
+from starlette.concurrency import run_in_threadpool
+
+from loraplex.registry.records import TenantRecord
+from loraplex.server.auth import TenantDep
+from loraplex.server.deps import ServicesDep
+from loraplex.server.http_errors import RateLimitError, ServiceUnavailableError
+from loraplex.server.limits import Admission
+from loraplex.server.services import Services
+
+
+async def tenant_record(services: Services, name: str) -> TenantRecord:
+    principals = services.principals
+    return principals.cached_tenant(name) or await run_in_threadpool(principals.tenant, name)
+
+
+async def admit_request(principal: TenantDep, services: ServicesDep) -> AsyncIterator[Admission]:
+    tenant = await tenant_record(services, principal.tenant)
+    try:
+        admission = services.limiter.admit(tenant)
+    except RateLimitError:
+        services.metrics.reject("rate_limit")
+        raise
+    except ServiceUnavailableError:
+        services.metrics.reject("overloaded")
+        raise
+    try:
+        yield admission
+    finally:
+        admission.release()
+
+
+AdmissionDep = Annotated[Admission, Depends(admit_request, scope="request")]
+"""The request's admission (it also authenticates: a tenant's key)."""

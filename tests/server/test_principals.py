@@ -1,0 +1,70 @@
+"""The registry cache on the request path: a change made through this server holds at once,
+even against a read of the registry that was already in flight when the change was made."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from loraplex.registry import Registry, RegistryConfig
+from loraplex.registry.registry_errors import AuthenticationError
+from loraplex.server.cache import TTLCache
+from loraplex.server.principals import Principals
+
+
+class _SlowKeys:
+    """The registry's key service, with `authenticate` held after its database read until the
+    test lets it return: a read in flight."""
+
+    def __init__(self, keys) -> None:
+        self._keys = keys
+        self.has_read = threading.Event()
+        self.may_return = threading.Event()
+
+    def authenticate(self, presented: str):
+        principal = self._keys.authenticate(presented)
+        self.has_read.set()
+        assert self.may_return.wait(10)
+        return principal
+
+
+class _SlowRegistry:
+    def __init__(self, registry: Registry) -> None:
+        self.keys = _SlowKeys(registry.keys)
+        self.tenants = registry.tenants
+
+
+@pytest.fixture
+def registry(tmp_path: Path):
+    with Registry.open(RegistryConfig(data_dir=tmp_path / "data")) as opened:
+        opened.tenants.create("acme")
+        yield opened
+
+
+def test_a_key_read_before_its_revocation_is_not_cached_after_it(registry: Registry) -> None:
+    created = registry.keys.create(tenant="acme")
+    slow = _SlowRegistry(registry)
+    principals = Principals(slow, ttl_s=60)  # type: ignore[arg-type]
+    reader = threading.Thread(target=principals.authenticate, args=(created.secret,))
+    reader.start()
+    assert slow.keys.has_read.wait(10)  # it read the key while it was valid ...
+    registry.keys.revoke(created.key.id)  # ... and the admin API revokes it now
+    principals.forget()
+    slow.keys.may_return.set()
+    reader.join()
+    assert principals.cached(created.secret) is None
+    with pytest.raises(AuthenticationError, match="revoked"):
+        principals.authenticate(created.secret)
+
+
+def test_the_cache_keeps_only_values_read_since_the_last_forget() -> None:
+    cache: TTLCache[str, int] = TTLCache(ttl_s=60)
+    read_at = cache.generation
+    cache.forget(lambda key: key == "other")  # any change made meanwhile: the value may be stale
+    assert cache.put("k", 1, read_at) == 1 and cache.get("k") is None
+    cache.put("k", 2, cache.generation)
+    assert cache.get("k") == 2
+    cache.forget(lambda key: key == "k")
+    assert cache.get("k") is None
