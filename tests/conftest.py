@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.ui.ui_support import UPDATE_SCREENSHOTS
+from tests.options import UPDATE_SCREENSHOTS
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKOUT_STATE = pytest.StashKey["str | None"]()

@@ -11,7 +11,6 @@ captured, so that no request pays for any of it."""
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import re
@@ -49,10 +48,11 @@ from loraplex.engine.stats import EngineStats
 from loraplex.engine.tenants import DEFAULT_TENANT, TenantTable
 from loraplex.engine_config import EngineConfig
 from loraplex.errors import InvalidRequestError, UnknownAdapterError
+from loraplex.json_limits import loads_bounded
 from loraplex.kernels import Ops, select_ops
 from loraplex.model.llama import LlamaForCausalLM
 from loraplex.model.loader import load_model
-from loraplex.model.model_config import ModelConfig
+from loraplex.model.model_config import MAX_CONFIG_DEPTH, ModelConfig
 from loraplex.model.tokenizer import load_tokenizer
 from loraplex.types import FinishReason, RequestOutput, SamplingParams
 
@@ -417,7 +417,7 @@ class LLMEngine:
             yield eos
         generation = Path(self.config.model) / "generation_config.json"  # absent for a given model
         if generation.is_file():
-            value = json.loads(generation.read_text()).get("eos_token_id")
+            value = loads_bounded(generation.read_bytes(), MAX_CONFIG_DEPTH).get("eos_token_id")
             yield from value if isinstance(value, list) else [] if value is None else [value]
 
     def stats(self) -> EngineStats:

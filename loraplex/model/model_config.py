@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from loraplex.adapter_format import BaseModelShape
 from loraplex.errors import ModelLoadError
+from loraplex.json_limits import loads_bounded
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -16,6 +16,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+MAX_CONFIG_DEPTH = 32
+"""Nesting a model's config.json may have (real ones have 3 or 4 levels)."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ class ModelConfig:
         if not path.is_file():
             raise ModelLoadError(f"{folder} has no config.json; is it a Hugging Face model folder?")
         try:
-            data = json.loads(path.read_text())
+            data = loads_bounded(path.read_bytes(), MAX_CONFIG_DEPTH)
         except ValueError as exc:
             raise ModelLoadError(f"{path} is not valid JSON: {exc}") from None
         return cls.from_dict(data)

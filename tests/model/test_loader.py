@@ -98,3 +98,12 @@ def test_context_is_capped_and_long_prompts_refused(tmp_path):
     assert TINY["max_position_embeddings"] == 512
     with pytest.raises(ModelLoadError, match="max_model_len 1000 exceeds this model's 512"):
         LLM(tmp_path, device="cpu", max_model_len=1000)
+
+
+def test_a_config_nested_thousands_deep_is_refused_in_one_line(tmp_path):
+    from loraplex.errors import ModelLoadError
+    from loraplex.model.model_config import ModelConfig
+
+    (tmp_path / "config.json").write_text('{"a": ' * 5000 + "1" + "}" * 5000)
+    with pytest.raises(ModelLoadError, match="is not valid JSON: .*nested"):
+        ModelConfig.load(tmp_path)

@@ -28,7 +28,6 @@ REPO = Path(__file__).resolve().parents[2]
 SCREENSHOT_DIR = REPO / "docs" / "screenshots"
 """Where `--update-screenshots` writes the README's screenshots; without it the tests write
 theirs to a temporary folder."""
-UPDATE_SCREENSHOTS = "--update-screenshots"
 CHROMIUM = os.environ.get("LORAPLEX_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
