@@ -74,6 +74,8 @@ def random_adapter(
         if pin:
             a[group], b[group] = a[group].pin_memory(), b[group].pin_memory()
         ranks[group] = torch.full((config.num_layers, len(modules)), rank, dtype=torch.int32)
+        if pin:
+            ranks[group] = ranks[group].pin_memory()
     return HostAdapter(digest=f"synthetic-{name}", rank=rank, a=a, b=b, ranks=ranks)
 
 

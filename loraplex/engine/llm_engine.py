@@ -118,6 +118,11 @@ class LLMEngine:
             config.scheduler.max_num_batched_tokens, max_blocks_per_seq=-(-self.max_model_len // block_size),
             use_cuda_graphs=use_graphs)
         self.graphs: CaptureReport | None = self.runner.graphs.capture_all() if use_graphs else None
+        if self.device.type == "cuda":  # compiles kernels now, not on the first requests' time
+            started = time.perf_counter()
+            num_steps = self.runner.warm_up(config.scheduler.max_num_batched_tokens)
+            logger.info("warmed up %d prefill step shapes in %.1f s", num_steps,
+                        time.perf_counter() - started)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device.type == "cuda")
         self._in_flight: InFlight | None = None

@@ -89,6 +89,7 @@ def make_host_adapter(
     if pin:
         a = {g: t.pin_memory() for g, t in a.items()}
         b = {g: t.pin_memory() for g, t in b.items()}
+        ranks = {g: t.pin_memory() for g, t in ranks.items()}  # a pageable copy would block the host
     return HostAdapter(adapter.digest, rank, a, b, ranks)
 
 

@@ -197,6 +197,26 @@ class ModelRunner:
             result.prompt_logprobs = prompt_logprobs.collect(step.prompt_logprobs, step.request_ids)
         return result
 
+    # Start-up ------------------------------------------------------------------------------
+    def warm_up(self, max_num_batched_tokens: int) -> int:
+        """Run dummy prefill steps (they store nothing) of the shapes that pick kernel variants
+        (one sequence or many, lengths that divide by 16 or not), with and without adapters,
+        greedy and sampling, so that the first requests find every kernel compiled. Returns
+        the number of steps run."""
+        budget = max_num_batched_tokens
+        shapes = {(1, budget), (min(32, budget // 16), 16), (3, min(17, budget // 3)), (2, budget // 2 - 1),
+                  (min(16, budget // 64), 64)}
+        shapes = {(n, t) for n, t in shapes if n >= 1 and t >= 2 and n <= self.inputs.max_seqs}
+        with torch.inference_mode():
+            for num_seqs, tokens_per_seq in sorted(shapes):
+                for has_lora in (False, True):
+                    for is_greedy in (False, True):
+                        shape = self.inputs.fill_dummy(num_seqs, tokens_per_seq, adapter_slot=int(has_lora),
+                                                       is_greedy=is_greedy, has_lora=has_lora)
+                        self.inputs.upload()
+                        self.forward(shape)
+        return 4 * len(shapes)
+
     # Memory --------------------------------------------------------------------------------
     def measure_peak_bytes(self, num_seqs: int, tokens_per_seq: int) -> int:
         """Device memory a step of that shape takes beyond what is allocated now (a dummy step,

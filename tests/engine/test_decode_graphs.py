@@ -6,6 +6,7 @@ device)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from loraplex import LLM, SamplingParams
 from loraplex.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
@@ -60,3 +61,17 @@ def test_static_decode_path_matches_plain_path(tiny_llama, num_requests, async_s
     assert max(real for _, real in llm.decode_sizes) == num_requests
     assert any(real < size for size, real in llm.decode_sizes)
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+def test_warm_up_and_memory_steps_store_nothing(tiny_llama):
+    """The dummy steps run at start-up (kernel warm-up; on CUDA also the memory measurement)
+    write no KV, whatever the cache held."""
+    model, _ = tiny_llama
+    llm = LLM(model, device="cpu", block_size=4, max_num_batched_tokens=64, max_num_seqs=8)
+    runner = llm.engine.runner
+    runner.kv_cache.normal_()
+    before = runner.kv_cache.clone()
+    assert runner.warm_up(64) >= 16
+    assert torch.equal(runner.kv_cache, before)
+    out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=3))
+    assert len(out[0].token_ids) == 3
