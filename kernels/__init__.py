@@ -29,6 +29,7 @@ class Ops:
     lora_expand: Callable
     sample: Callable
     argmax: Callable
+    score_tokens: Callable
 
 
 def reference_ops() -> Ops:
@@ -47,6 +48,7 @@ def reference_ops() -> Ops:
         lora_expand=r.lora_expand,
         sample=r.sample,
         argmax=r.argmax,
+        score_tokens=r.score_tokens,
     )
 
 

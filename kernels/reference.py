@@ -232,6 +232,18 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def score_tokens(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logits [rows, vocab] float32, targets [rows] int -> float32 [rows, 4]:
+    log_softmax(logits)[target], the target's rank (1 + the tokens scored higher), the row's
+    top log-probability and the first index of it."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)  # [rows]
+    chosen = logits.gather(1, targets.view(-1, 1).long()).view(-1)
+    top, index = logits.max(dim=-1)
+    rank = (logits > chosen[:, None]).sum(dim=-1) + 1
+    return torch.stack([chosen - lse, rank.float(), top - lse, index.float()], dim=1)
+
+
 def sampling_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exponential(1) noise [batch, vocab] drawn from each row's (seed, offset) alone, so a
     request's draws do not depend on what else is in the batch or on recomputation."""

@@ -290,12 +290,15 @@ def decode_config(m: int, n: int, k: int) -> SkinnyConfig | None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K], weight [N, K], bias [N] or None -> x @ weight.T + bias [M, N] in out_dtype
-    (default x's dtype): the skinny kernel where decode_config picks it, cuBLAS elsewhere
-    (whose 16-bit result is then cast: only the skinny path keeps float32 logits unrounded)."""
+    (default x's dtype): the skinny kernel where decode_config picks it, cuBLAS elsewhere. A
+    float32 out_dtype of 16-bit inputs is the float32 accumulator itself, never a rounded
+    16-bit result widened (logits near 6 are 0.03 apart in bf16)."""
     m, k = x.shape
     config = decode_config(m, weight.shape[0], k) if x.is_cuda and k == weight.shape[1] else None
     if config is not None and weight.is_contiguous() and x.stride(-1) == 1:
         return skinny_linear(x, weight, bias, config, out_dtype=out_dtype)
+    if out_dtype == torch.float32 and x.dtype != torch.float32 and x.is_cuda and bias is None:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)  # cuBLAS, float32 output
     out = F.linear(x, weight, bias)
     return out if out_dtype is None else out.to(out_dtype)
 

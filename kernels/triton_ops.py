@@ -12,6 +12,7 @@ from loraplex.kernels.norm import fused_add_rms_norm, rms_norm
 from loraplex.kernels.prefill_attention import paged_attention
 from loraplex.kernels.rotary import rotary_store_kv
 from loraplex.kernels.sampling import sample
+from loraplex.kernels.scoring import score_tokens
 from loraplex.kernels.skinny_gemm import linear
 
 
@@ -29,4 +30,5 @@ def triton_ops() -> Ops:
         lora_expand=lora_expand,
         sample=sample,
         argmax=argmax,
+        score_tokens=score_tokens,
     )

@@ -33,6 +33,7 @@ from loraplex.engine.lora_weights import HostAdapter, LoraSlotBuffers, adapter_b
 from loraplex.engine.model_runner import LaunchedStep, ModelRunner
 from loraplex.engine.plan import StepPlan, StepResult
 from loraplex.engine.policy import FcfsPolicy
+from loraplex.engine.prompt_logprobs import SLICE_BYTES
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.sizing import (
@@ -147,7 +148,8 @@ class LLMEngine:
             LoraSlotBuffers(model, 1, config.lora.max_lora_rank, self.dtype, self.device), ops,
             config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
             max_blocks_per_seq=-(-self.max_model_len // config.cache.block_size))
-        activations = scratch.measure_peak_bytes(1, config.scheduler.max_num_batched_tokens)
+        # The logits of a slice of scored prompt positions (prompt logprobs) come on top.
+        activations = scratch.measure_peak_bytes(1, config.scheduler.max_num_batched_tokens) + SLICE_BYTES
         scratch.measure_peak_bytes(3, 17)  # compiles the kernels for uneven prompts too
         graphs = 0
         if use_graphs:

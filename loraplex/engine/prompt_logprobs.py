@@ -5,9 +5,10 @@ tokens before it, its rank, and the top k alternatives.
 The hidden state at position j predicts token j + 1, so a step that computes positions
 [start, start + n) of a prompt of P tokens scores prompt tokens start + 1 .. min(start + n, P - 1)
 (position P - 1 predicts the first generated token: that is sampling's business). Only those
-rows go through the lm_head, in slices that bound the float32 logits' memory; the log-softmax,
-the chosen token's value and rank and the top k are computed on the device in float32, and
-everything the host needs travels in one copy per step."""
+rows go through the lm_head, in slices that bound the float32 logits' memory; the chosen
+token's log-probability, its rank and the top token come from one pass over each slice's
+logits (the op set's score_tokens), in float32, and everything the host needs travels in one
+copy per step."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ import torch
 
 from loraplex.types import TokenLogprob
 
-MAX_SLICE_ELEMENTS = 1 << 25
-"""Logits computed at once: rows x vocabulary <= this (128 MiB of float32), e.g. 256 rows of a
-128k vocabulary."""
+MAX_SLICE_ELEMENTS = 1 << 27
+"""Logits computed at once: rows x vocabulary <= this (512 MiB of float32), e.g. 1,046 rows of
+a 128k vocabulary: enough rows for the lm_head's GEMM to run near the device's peak."""
+SLICE_BYTES = MAX_SLICE_ELEMENTS * 4
+"""Memory one slice's logits take, set aside when the engine sizes its KV cache."""
 
 
 @dataclass(frozen=True)
@@ -89,25 +92,21 @@ def compute(model, hidden: torch.Tensor, selection: PromptSelection,
     for begin in range(0, num_scored, step):
         end = min(begin + step, num_scored)
         logits = model.compute_logits(hidden[rows[begin:end]])  # [m, vocab] float32
-        _score(logits, targets[begin:end], k, out[begin:end])
+        _score(model.ops, logits, targets[begin:end], k, out[begin:end])
     return QueuedPromptLogprobs(selection, to_host(out))
 
 
-def _score(logits: torch.Tensor, targets: torch.Tensor, k: int, out: torch.Tensor) -> None:
-    """log_softmax(logits)[target], its rank and the top k, written into out [m, 2 + 2k].
-    The log-softmax is `logits - logsumexp(logits)` taken row by row, never materialised:
-    one pass fewer over the [m, vocab] logits."""
-    logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [m, 1]
-    chosen = logits.gather(1, targets.view(-1, 1))  # [m, 1]
-    out[:, 0] = (chosen - lse).view(-1)
-    out[:, 1] = (logits > chosen).sum(dim=-1) + 1
+def _score(ops, logits: torch.Tensor, targets: torch.Tensor, k: int, out: torch.Tensor) -> None:
+    """log_softmax(logits)[target], its rank and the top k, written into out [m, 2 + 2k]: the
+    op set's score_tokens (one pass over the logits) gives the first three and the top one."""
+    scores = ops.score_tokens(logits, targets)  # [m, 4]: logprob, rank, top logprob, top id
+    out[:, :2] = scores[:, :2]
     if k == 1:
-        top_values, top_ids = logits.max(dim=-1, keepdim=True)
+        out[:, 2:4] = scores[:, 2:4]
     elif k > 1:
+        lse = logits.gather(1, targets.view(-1, 1)).view(-1) - scores[:, 0]  # [m]
         top_values, top_ids = logits.topk(k, dim=-1)
-    if k:
-        out[:, 2:2 + k] = top_values - lse
+        out[:, 2:2 + k] = top_values - lse[:, None]
         out[:, 2 + k:] = top_ids
 
 

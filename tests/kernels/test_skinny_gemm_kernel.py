@@ -351,3 +351,18 @@ def test_bf16_linear_dispatch_at_decode_sizes(m):
         assert out.dtype == torch.bfloat16 and rel_error(out, expected) < 1e-2
         logits = skinny_gemm.linear(x, w, out_dtype=torch.float32)
         assert logits.dtype == torch.float32 and rel_error(logits, expected) < 1e-2
+
+
+@gpu
+@skip_without_cuda
+@pytest.mark.parametrize("m", [65, 300])
+def test_float32_logits_past_the_skinny_sizes_are_not_rounded(m):
+    """Past the skinny kernel's rows (cuBLAS), float32 logits of bf16 inputs are the float32
+    accumulator, not bf16 results widened: prompt scoring reads them."""
+    n, k = LLAMA_SHAPES["lm_head"]
+    x, w, _ = _bf16_inputs(m, n, k, seed=m)
+    logits = skinny_gemm.linear(x, w, out_dtype=torch.float32)
+    exact = x.double() @ w.double().t()
+    assert logits.dtype == torch.float32
+    assert (logits.double() - exact).abs().max() < 1e-3
+    assert not torch.equal(logits, logits.bfloat16().float())  # not bf16 values
