@@ -11,6 +11,7 @@ exact sizes, and the decode graphs capture it at padded batch sizes."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -199,23 +200,25 @@ class ModelRunner:
 
     # Start-up ------------------------------------------------------------------------------
     def warm_up(self, max_num_batched_tokens: int) -> int:
-        """Run dummy prefill steps (they store nothing) of the shapes that pick kernel variants
-        (one sequence or many, lengths that divide by 16 or not), with and without adapters,
-        greedy and sampling, so that the first requests find every kernel compiled. Returns
-        the number of steps run."""
-        budget = max_num_batched_tokens
-        shapes = {(1, budget), (min(32, budget // 16), 16), (3, min(17, budget // 3)), (2, budget // 2 - 1),
-                  (min(16, budget // 64), 64)}
-        shapes = {(n, t) for n, t in shapes if n >= 1 and t >= 2 and n <= self.inputs.max_seqs}
+        """Run dummy prefill steps (they store nothing) so that the first requests find every
+        kernel variant compiled: kernels pick variants by the step's size (the LoRA shrink
+        splits its input dim by how many token tiles there are), so steps of 16, 32, ... up to
+        `max_num_batched_tokens` tokens, with adapters; one sequence, many, and uneven
+        lengths; and without adapters, greedy and sampling. Returns the steps run."""
+        sizes = [1 << i for i in range(4, max_num_batched_tokens.bit_length())
+                 if 1 << i < max_num_batched_tokens] + [max_num_batched_tokens]
+        shapes = [(num_seqs, size // num_seqs) for size, num_seqs in zip(sizes, itertools.cycle((1, 16, 3)))
+                  if size // num_seqs >= 2 and num_seqs <= self.inputs.max_seqs]
+        variants = [(shape, True, False) for shape in shapes]
+        variants += [(shape, has_lora, is_greedy) for shape in ((3, 17), shapes[-1])
+                     for has_lora in (False, True) for is_greedy in (False, True)]
         with torch.inference_mode():
-            for num_seqs, tokens_per_seq in sorted(shapes):
-                for has_lora in (False, True):
-                    for is_greedy in (False, True):
-                        shape = self.inputs.fill_dummy(num_seqs, tokens_per_seq, adapter_slot=int(has_lora),
-                                                       is_greedy=is_greedy, has_lora=has_lora)
-                        self.inputs.upload()
-                        self.forward(shape)
-        return 4 * len(shapes)
+            for (num_seqs, tokens_per_seq), has_lora, is_greedy in variants:
+                shape = self.inputs.fill_dummy(num_seqs, tokens_per_seq, adapter_slot=int(has_lora),
+                                               is_greedy=is_greedy, has_lora=has_lora)
+                self.inputs.upload()
+                self.forward(shape)
+        return len(variants)
 
     # Memory --------------------------------------------------------------------------------
     def measure_peak_bytes(self, num_seqs: int, tokens_per_seq: int) -> int:
