@@ -201,16 +201,19 @@ class ModelRunner:
     # Start-up ------------------------------------------------------------------------------
     def warm_up(self, max_num_batched_tokens: int) -> int:
         """Run dummy prefill steps (they store nothing) so that the first requests find every
-        kernel variant compiled: kernels pick variants by the step's size (the LoRA shrink
-        splits its input dim by how many token tiles there are), so steps of 16, 32, ... up to
-        `max_num_batched_tokens` tokens, with adapters; one sequence, many, and uneven
-        lengths; and without adapters, greedy and sampling. Returns the steps run."""
+        kernel variant compiled. Kernels pick variants by the step's size: Triton specializes
+        integer arguments on whether they divide by 16, and the LoRA shrink splits its input
+        dim by how many token tiles there are. So: steps of 16, 32, ... up to
+        `max_num_batched_tokens` tokens and one token fewer, with adapters, in one sequence,
+        many and uneven ones; and without adapters, greedy and sampling. Returns the steps
+        run."""
         sizes = [1 << i for i in range(4, max_num_batched_tokens.bit_length())
                  if 1 << i < max_num_batched_tokens] + [max_num_batched_tokens]
-        shapes = [(num_seqs, size // num_seqs) for size, num_seqs in zip(sizes, itertools.cycle((1, 16, 3)))
-                  if size // num_seqs >= 2 and num_seqs <= self.inputs.max_seqs]
+        shapes = [(num_seqs, size // num_seqs) for size, num_seqs in zip(sizes, itertools.cycle((1, 16, 3)))]
+        shapes += [(1, size - 1) for size in sizes if size > 16]
+        shapes = [(n, t) for n, t in shapes if t >= 2 and n <= self.inputs.max_seqs]
         variants = [(shape, True, False) for shape in shapes]
-        variants += [(shape, has_lora, is_greedy) for shape in ((3, 17), shapes[-1])
+        variants += [(shape, has_lora, is_greedy) for shape in ((3, 17), (1, max_num_batched_tokens))
                      for has_lora in (False, True) for is_greedy in (False, True)]
         with torch.inference_mode():
             for (num_seqs, tokens_per_seq), has_lora, is_greedy in variants:
