@@ -63,7 +63,9 @@ def run(config: DecodeBenchConfig) -> dict[str, Any]:
         engine.add_adapter(name, host)
     startup = _startup_report(engine, build_s)
     print(json.dumps(startup), flush=True)
+    compiles = _count_compiles()
     warm_up = _warm_up_rows(engine, config, model_config, list(adapters))
+    warm_up["kernel_compiles"] = list(compiles)  # during the first batches: none expected
     rows = []
     for batch in config.batch_sizes:
         for with_adapters in (False, True):
@@ -76,6 +78,23 @@ def run(config: DecodeBenchConfig) -> dict[str, Any]:
         "torch": torch.__version__, "setup_s": round(setup_s, 1), "startup": startup,
         "first_batches": warm_up, "weight_bytes": _weight_bytes(model), "rows": rows,
     }
+
+
+def _count_compiles() -> list[str]:
+    """A list that Triton's JIT appends the name of every kernel variant it compiles from now
+    on (left empty where this Triton has no such hook)."""
+    compiled: list[str] = []
+    try:
+        import triton
+
+        def hook(*args: Any, **kwargs: Any) -> bool:
+            compiled.append(getattr(kwargs.get("fn"), "name", "") or str(kwargs.get("repr"))[:200])
+            return False  # compile as usual
+
+        triton.knobs.runtime.jit_cache_hook = hook
+    except (ImportError, AttributeError):
+        pass
+    return compiled
 
 
 def _startup_report(engine: LLMEngine, build_s: float) -> dict[str, Any]:
