@@ -221,6 +221,8 @@ class ModelRunner:
                                                is_greedy=is_greedy, has_lora=has_lora)
                 self.inputs.upload()
                 self.forward(shape)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # or the first requests would queue behind it
         return len(variants)
 
     # Memory --------------------------------------------------------------------------------
