@@ -73,7 +73,7 @@ class AsyncEngine:
     # Requests -----------------------------------------------------------------------------
     async def generate(
         self, request_id: str, *, prompt_token_ids: list[int], params: SamplingParams,
-        adapter: str | None = None, tenant: str | None = None,
+        adapter: str | None = None, tenant: str | None = None, sample_of: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes. Invalid requests raise before the
         first output. Leaving the loop early (or being cancelled) aborts the request."""
@@ -82,7 +82,7 @@ class AsyncEngine:
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(request_id, params=params, adapter=adapter, prompt_token_ids=prompt_token_ids,
-                               tenant=tenant)
+                               tenant=tenant, sample_of=sample_of)
             self._streams[request_id] = (loop, stream)
 
         await self.call(add)

@@ -214,11 +214,13 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt: str | None = None, params: SamplingParams | None = None,
         adapter: str | None = None, prompt_token_ids: list[int] | None = None,
-        tenant: str | None = None,
+        tenant: str | None = None, sample_of: str | None = None,
     ) -> Request:
         """Queue a request. Exactly one of `prompt` (text) and `prompt_token_ids` is given;
         `adapter` names an added adapter (or, with an adapter loader, gives a digest) or is None
-        for the base model; `tenant` is DEFAULT_TENANT when not given."""
+        for the base model; `tenant` is DEFAULT_TENANT when not given. `sample_of` names a queued
+        request of the same prompt and adapter that this one is another sample of: it shares
+        that request's prompt KV blocks rather than computing them again."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         params = params or SamplingParams()
@@ -230,12 +232,23 @@ class LLMEngine:
             arrival=self._arrivals, tenant=tenant or DEFAULT_TENANT, adapter=digest, adapter_name=adapter,
             max_num_tokens=min(len(token_ids) + params.max_tokens, self.max_model_len),
         )
+        if sample_of is not None:
+            request.prompt_donor = self._prompt_donor(request, sample_of)
         self._arrivals += 1
         self._requests[request_id] = request
         if self.tokenizer is not None:
             self._detokenizers[request_id] = Detokenizer(self.tokenizer, token_ids, params.stop)
         self.scheduler.add(request)
         return request
+
+    def _prompt_donor(self, request: Request, sample_of: str) -> Request | None:
+        donor = self._requests.get(sample_of)
+        if (donor is None or donor.prompt_token_ids != request.prompt_token_ids
+                or donor.adapter != request.adapter):
+            raise InvalidRequestError(f"sample_of: {sample_of!r} is no queued request of the same prompt "
+                                      "and adapter", param="sample_of")
+        # A sample that scores its prompt computes it all: its log-probabilities come from there.
+        return None if request.params.prompt_logprobs is not None else donor
 
     def _prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
         if (prompt is None) == (prompt_token_ids is None):

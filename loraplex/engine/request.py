@@ -42,6 +42,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    prompt_donor: Request | None = None
+    """Another sample of the same prompt (same tokens and adapter) whose full prompt blocks this
+    one takes references to instead of computing them (OpenAI's `n`)."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     """One entry per prompt token scored so far (None for the first), when asked."""

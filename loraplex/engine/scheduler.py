@@ -105,6 +105,8 @@ class Scheduler:
                 return
             if request.num_pending:  # preempted with a token still in flight
                 continue
+            if not self._share_prompt(request):  # its donor has not computed the shared blocks yet
+                continue
             slot = 0
             if request.adapter is not None:
                 if no_slots or (no_host_room and not self.adapters.slot_of(request.adapter)):
@@ -127,6 +129,25 @@ class Scheduler:
             self._start(request, slot, plan)
             scheduled[request.request_id] = num_new
             budget -= num_new
+
+    def _share_prompt(self, request: Request) -> bool:
+        """For a sample of a prompt that another sample (its donor) computes: take references to
+        the donor's blocks that hold nothing but prompt (the last prompt token is computed by
+        each sample: it samples from it). False while the donor has yet to compute them."""
+        donor = request.prompt_donor
+        if donor is None or request.block_ids:
+            return True
+        shared = (request.num_prompt_tokens - 1) // self.blocks.block_size
+        if donor.is_finished or shared == 0:
+            request.prompt_donor = None  # alone from now on
+            return True
+        needed = shared * self.blocks.block_size
+        if donor.status is RequestStatus.WAITING or donor.num_computed_tokens < needed:
+            return False
+        request.block_ids = donor.block_ids[:shared]
+        self.blocks.share(request.block_ids)
+        request.num_computed_tokens = needed
+        return True
 
     def _prefetch(self, upcoming: Iterator[Request]) -> None:
         """Start host loads of the adapters of the next requests in line, while there is room."""
