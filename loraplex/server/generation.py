@@ -5,11 +5,12 @@ and at the end the accounting (limits released, usage recorded, metrics) however
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import Request, Response
 
@@ -50,6 +51,8 @@ class Job:
     """time.monotonic() when the request arrived."""
     admission: Admission
     """Its place under the server's and the tenant's limits: released when the job ends."""
+    n: int = 1
+    """Choices (samples) of the prompt: engine requests that share the prompt's KV blocks."""
 
 
 async def resolve_model(services: Services, tenant: str, model: str) -> AdapterRecord | None:
@@ -113,62 +116,128 @@ def sampling_params(
     )
 
 
-async def generate(services: Services, job: Job) -> AsyncIterator[RequestOutput]:
-    """The request's outputs (cumulative, as the engine gives them). Raises before the first
-    output if it is refused (429 past the tenant's tokens per minute, unknown adapter, invalid
-    for the engine). Closing the iterator early aborts the engine request."""
+Choice = tuple[int, RequestOutput]
+"""A choice's index and its latest output (cumulative, as the engine gives them)."""
+
+
+def sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The parameters of choice `index`: a given seed advances by the index (choices of one
+    seeded request differ and are each reproducible); only the first scores the prompt."""
+    if index == 0:
+        return params
+    return replace(params, seed=None if params.seed is None else (params.seed + index) % 2**63,
+                   prompt_logprobs=None)
+
+
+async def generate(services: Services, job: Job) -> AsyncIterator[Choice]:
+    """The job's outputs, choice by choice as they come. Raises before the first output if it
+    is refused (429 past the tenant's tokens per minute, unknown adapter, invalid for the
+    engine). Closing the iterator early aborts every choice's engine request."""
     num_prompt = len(job.prompt_token_ids)
     admission = job.admission
     try:
-        admission.reserve(num_prompt + job.params.max_tokens)
+        admission.reserve(num_prompt + job.n * job.params.max_tokens)
     except RateLimitError:
         services.metrics.reject("rate_limit")
         raise
     metrics = services.metrics
     metrics.request_max_tokens.observe(job.params.max_tokens)
-    last: RequestOutput | None = None
-    previous_at = job.arrival
+    last: dict[int, RequestOutput] = {}
+    previous_at: dict[int, float] = {}
     try:
-        async with aclosing(services.engine.generate(
-                job.request_id, prompt_token_ids=job.prompt_token_ids, params=job.params,
-                adapter=job.adapter.digest if job.adapter else None, tenant=job.tenant)) as outputs:
-            async for output in outputs:
+        async with aclosing(_choices(services, job)) as choices:
+            async for index, output in choices:
                 now = time.monotonic()
-                (metrics.time_to_first_token if last is None else metrics.inter_token_latency).observe(
-                    now - previous_at)
-                previous_at, last = now, output
+                if not last:
+                    metrics.time_to_first_token.observe(now - job.arrival)
+                elif index in previous_at:
+                    metrics.inter_token_latency.observe(now - previous_at[index])
+                previous_at[index], last[index] = now, output
                 metrics.generation_tokens.inc(len(output.new_token_ids))
                 if output.finish_reason == "error":  # the detail stays in the log
                     logger.error("request %s failed in the engine: %s", job.request_id, output.error)
                     raise EngineRequestError(f"the engine failed on this request (request id "
                                              f"{job.request_id})")
-                yield output
+                yield index, output
     finally:
-        num_completion = len(last.token_ids) if last is not None else 0
+        num_completion = sum(len(output.token_ids) for output in last.values())
         admission.release(num_prompt + num_completion)
-        if last is not None:
+        if last:
             services.usage.record(job.tenant, job.adapter.name if job.adapter else None, num_prompt,
                                   num_completion)
-            if last.finished and last.finish_reason in ("stop", "length"):
-                metrics.finished(job.tenant, last.finish_reason, num_prompt, num_completion)
+            done = len(last) == job.n and all(o.finished for o in last.values())
+            if done and all(o.finish_reason in ("stop", "length") for o in last.values()):
+                for output in last.values():
+                    metrics.finished(job.tenant, output.finish_reason, num_prompt, len(output.token_ids))
                 metrics.e2e_latency.observe(time.monotonic() - job.arrival)
-            elif not last.finished:
+            elif not done:
                 metrics.aborted.inc()
 
 
+async def _choices(services: Services, job: Job) -> AsyncIterator[Choice]:
+    """Every choice's engine stream, merged as outputs arrive. Choice 0 is the engine request
+    `job.request_id`; choice i the request `<id>.i`, a sample of the first (sharing its prompt
+    blocks)."""
+    adapter = job.adapter.digest if job.adapter else None
+
+    def stream(index: int, sample_of: str | None = None) -> AsyncIterator[RequestOutput]:
+        request_id = job.request_id if index == 0 else f"{job.request_id}.{index}"
+        return services.engine.generate(
+            request_id, prompt_token_ids=job.prompt_token_ids, params=sample_params(job.params, index),
+            adapter=adapter, tenant=job.tenant, sample_of=sample_of)
+
+    if job.n == 1:
+        async with aclosing(stream(0)) as outputs:
+            async for output in outputs:
+                yield 0, output
+        return
+    merged: asyncio.Queue[Choice | BaseException | None] = asyncio.Queue()
+
+    async def pump(index: int, outputs: AsyncIterator[RequestOutput], first: RequestOutput | None) -> None:
+        try:
+            async with aclosing(outputs):
+                if first is not None:
+                    await merged.put((index, first))
+                async for output in outputs:
+                    await merged.put((index, output))
+            await merged.put(None)
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            await merged.put(exc)
+
+    # The first choice's request is queued (and its refusals raised) before its samples'.
+    streams = [stream(0)]
+    pumps: list[asyncio.Task] = []
+    try:
+        first = await anext(streams[0])
+        donor = None if first.finished else job.request_id  # a finished request shares nothing
+        streams += [stream(i, donor) for i in range(1, job.n)]
+        pumps = [asyncio.create_task(pump(i, s, first if i == 0 else None)) for i, s in enumerate(streams)]
+        for _ in range(job.n):
+            while (item := await merged.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        if not pumps:
+            await streams[0].aclose()
+
+
 async def run_job(request: Request, services: Services, job: Job, *, stream: bool,
-                  events: Callable[[RequestOutput, AsyncIterator[RequestOutput]], AsyncIterator[str]]
-                  ) -> RequestOutput | Response:
+                  events: Callable[[Choice, AsyncIterator[Choice]], AsyncIterator[str]]
+                  ) -> list[RequestOutput] | Response:
     """Run the job for an HTTP request: with `stream`, a server-sent event response of
-    `events(first output, the rest)`, sent once the first output exists (so a refusal is still
-    an HTTP error); else the finished output. A client that leaves first stops the job (and gets
-    a 499 that nobody reads)."""
+    `events(first choice output, the rest)`, sent once the first output exists (so a refusal is
+    still an HTTP error); else each choice's finished output, by index. A client that leaves
+    first stops the job (and gets a 499 that nobody reads)."""
     outputs = generate(services, job)
     try:
         first = await until_disconnect(request, first_output(outputs))
         if stream:
             return EventStreamResponse(events(first, outputs), outputs.aclose)
-        return await until_disconnect(request, last_output(first, outputs))
+        return await until_disconnect(request, last_outputs(job.n, first, outputs))
     except ClientDisconnected:
         return Response(status_code=499)
     finally:
@@ -176,21 +245,21 @@ async def run_job(request: Request, services: Services, job: Job, *, stream: boo
             await outputs.aclose()
 
 
-async def first_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    output = await anext(outputs, None)
-    if output is None:  # the engine never ends a request without an output
+async def first_output(outputs: AsyncIterator[Choice]) -> Choice:
+    choice = await anext(outputs, None)
+    if choice is None:  # the engine never ends a request without an output
         raise EngineRequestError("the engine ended the request without output")
-    return output
+    return choice
 
 
-async def last_output(first: RequestOutput, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    last = first
-    while not last.finished:
-        output = await anext(outputs, None)
-        if output is None:
-            break
-        last = output
-    return last
+async def last_outputs(n: int, first: Choice, outputs: AsyncIterator[Choice]) -> list[RequestOutput]:
+    """Each choice's final output, by index."""
+    last = dict([first])
+    async for index, output in outputs:
+        last[index] = output
+    if len(last) < n:
+        raise EngineRequestError("the engine ended a choice without output")
+    return [last[i] for i in range(n)]
 
 
 def token_logprobs(output: RequestOutput, newest_only: bool) -> list[TokenLogprob]:
@@ -201,8 +270,9 @@ def token_logprobs(output: RequestOutput, newest_only: bool) -> list[TokenLogpro
     return list((output.logprobs or [])[start:end])
 
 
-def usage_of(output: RequestOutput) -> Usage:
-    prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
+def usage_of(outputs: list[RequestOutput]) -> Usage:
+    """The usage of a job's choices: the prompt once, every choice's completion."""
+    prompt, completion = len(outputs[0].prompt_token_ids), sum(len(o.token_ids) for o in outputs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 

@@ -218,6 +218,36 @@ def test_vllm_extensions_with_their_meaning(server: Server) -> None:
                                      max_tokens=30).choices[0].text == whole.choices[0].text
 
 
+def test_n_choices_are_samples_each_as_a_request_of_its_own_seed(server: Server) -> None:
+    """n choices: choice i is the sample a single request with seed + i gives; the usage counts
+    the prompt once and every choice's completion."""
+    client = server.openai("acme")
+    kwargs = dict(model="style", prompt="tell me a tale", max_tokens=8, temperature=0.9,
+                  extra_body={"ignore_eos": True})
+    many = client.completions.create(n=3, seed=40, **kwargs)
+    single = [client.completions.create(seed=40 + i, **kwargs) for i in range(3)]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.text for c in many.choices] == [s.choices[0].text for s in single]
+    assert len({c.text for c in many.choices}) > 1  # samples, not copies
+    assert many.usage.prompt_tokens == single[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == 3 * 8
+    chat = dict(model="style", messages=[{"role": "user", "content": "a tale"}], max_tokens=6,
+                temperature=0.9, seed=7, n=2, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**chat)
+    assert [c.index for c in whole.choices] == [0, 1] and whole.usage.completion_tokens == 12
+    texts = {0: "", 1: ""}
+    roles, finished, usage = set(), set(), None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **chat):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            roles.update([choice.index] if choice.delta.role else [])
+            texts[choice.index] += choice.delta.content or ""
+            finished.update([choice.index] if choice.finish_reason else [])
+    assert roles == finished == {0, 1}
+    assert [texts[0], texts[1]] == [c.message.content for c in whole.choices]
+    assert usage.completion_tokens == 12 and usage.prompt_tokens == whole.usage.prompt_tokens
+
+
 def test_tenants_cannot_see_or_use_each_others_adapters(server: Server) -> None:
     globex = server.openai("globex")
     for call in (lambda: globex.models.retrieve("style"),
@@ -259,7 +289,8 @@ BAD_PARAMETERS = [
     ({"temperature": -0.5}, "temperature", "invalid_value"),
     ({"top_p": 0}, "top_p", "invalid_value"),
     ({"top_p": 1.5}, "top_p", "invalid_value"),
-    ({"n": 2}, "n", "invalid_value"),
+    ({"n": 17}, "n", "invalid_value"),
+    ({"n": 0}, "n", "invalid_value"),
     ({"stop": ["a"] * 17}, "stop", "invalid_value"),
     ({"logprobs": 21}, "logprobs", "invalid_value"),
     ({"echo": 3}, "echo", "invalid_value"),

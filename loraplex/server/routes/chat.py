@@ -11,6 +11,7 @@ from loraplex.server.admission import AdmissionDep
 from loraplex.server.auth import TenantDep
 from loraplex.server.deps import ServicesDep
 from loraplex.server.generation import (
+    Choice,
     Job,
     prompt_logprobs_of,
     resolve_model,
@@ -60,48 +61,54 @@ async def create_chat_completion(body: ChatCompletionRequest, principal: TenantD
                              default_max_tokens=None, logprobs=logprobs, prompt_param="messages",
                              prompt_logprobs=body.prompt_logprobs)
     job = Job(request_id_of(request.scope), principal.tenant, body.model, adapter, prompt_ids, params,
-              arrival, admission)
-    last = await run_job(request, services, job, stream=bool(body.stream),
-                         events=lambda first, outputs: _events(services, job, body, first, outputs))
-    if isinstance(last, Response):
-        return last
+              arrival, admission, n=body.n or 1)
+    outputs = await run_job(request, services, job, stream=bool(body.stream),
+                            events=lambda first, rest: _events(services, job, body, first, rest))
+    if isinstance(outputs, Response):
+        return outputs
+    choices = [ChatChoice(index=i, message=AssistantMessage(content=output.text),
+                          finish_reason=output.finish_reason,
+                          logprobs=await _logprobs(services, output, body, newest_only=False))
+               for i, output in enumerate(outputs)]
     return ChatCompletion(
         id=f"chatcmpl-{job.request_id}", created=int(time.time()), model=job.model,
-        system_fingerprint=FINGERPRINT,
-        choices=[ChatChoice(message=AssistantMessage(content=last.text), finish_reason=last.finish_reason,
-                            logprobs=await _logprobs(services, last, body, newest_only=False))],
-        usage=usage_of(last),
+        system_fingerprint=FINGERPRINT, choices=choices, usage=usage_of(outputs),
         prompt_logprobs=None if body.prompt_logprobs is None else await prompt_logprobs_of(
-            services, last, body.prompt_logprobs),
+            services, outputs[0], body.prompt_logprobs),
     )
 
 
-async def _events(services: Services, job: Job, body: ChatCompletionRequest, first: RequestOutput,
-                  outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+async def _events(services: Services, job: Job, body: ChatCompletionRequest, first: Choice,
+                  rest: AsyncIterator[Choice]) -> AsyncIterator[str]:
     base = {"id": f"chatcmpl-{job.request_id}", "object": "chat.completion.chunk",
             "created": int(time.time()), "model": job.model, "system_fingerprint": FINGERPRINT}
-    num_prompt = len(first.prompt_token_ids)
+    num_prompt = len(first[1].prompt_token_ids)
+    latest: dict[int, RequestOutput] = {}  # each choice's latest output: the usage so far counts all
 
-    def chunk(delta: dict, usage: Usage, finish_reason: str | None = None,
+    def chunk(index: int, delta: dict, finish_reason: str | None = None,
               logprobs: ChatLogprobs | None = None) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs.model_dump() if logprobs else None,
+        choice = {"index": index, "delta": delta, "logprobs": logprobs.model_dump() if logprobs else None,
                   "finish_reason": finish_reason}
+        usage = usage_of(list(latest.values())) if latest else Usage(
+            prompt_tokens=num_prompt, completion_tokens=0, total_tokens=num_prompt)
         usage_field = {"usage": usage.model_dump() if body.continuous_usage else None}
         return sse(base | {"choices": [choice]} | (usage_field if body.include_usage else {}))
 
-    yield chunk({"role": "assistant", "content": ""}, Usage(prompt_tokens=num_prompt, completion_tokens=0,
-                                                            total_tokens=num_prompt))
-    output: RequestOutput | None = first
+    for index in range(job.n):
+        yield chunk(index, {"role": "assistant", "content": ""})
     try:
-        while output is not None:
+        choice: Choice | None = first
+        while choice is not None:
+            index, output = choice
+            latest[index] = output
             if output.new_text or body.logprobs:
                 logprobs = await _logprobs(services, output, body, newest_only=True)
-                yield chunk({"content": output.new_text}, usage_of(output), logprobs=logprobs)
+                yield chunk(index, {"content": output.new_text}, logprobs=logprobs)
             if output.finished:
-                yield chunk({}, usage_of(output), output.finish_reason)
-            last, output = output, (None if output.finished else await anext(outputs, None))
+                yield chunk(index, {}, output.finish_reason)
+            choice = await anext(rest, None)
         if body.include_usage:
-            yield sse(base | {"choices": [], "usage": usage_of(last).model_dump()})
+            yield sse(base | {"choices": [], "usage": usage_of(list(latest.values())).model_dump()})
     except Exception as exc:  # after the stream began: an error event, then the end
         yield sse(stream_error(exc, job.request_id))
     yield DONE

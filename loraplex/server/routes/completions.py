@@ -14,6 +14,7 @@ from loraplex.server.admission import AdmissionDep
 from loraplex.server.auth import TenantDep
 from loraplex.server.deps import ServicesDep
 from loraplex.server.generation import (
+    Choice,
     Job,
     prompt_logprobs_of,
     resolve_model,
@@ -70,26 +71,27 @@ async def create_completion(body: CompletionRequest, principal: TenantDep, servi
                              prompt_param="prompt", prompt_logprobs=max(asked, default=None),
                              scores_prompt=bool(body.echo))
     job = Job(request_id_of(request.scope), principal.tenant, body.model, adapter, prompt_ids, params,
-              arrival, admission)
-    last = await run_job(request, services, job, stream=bool(body.stream),
-                         events=lambda first, outputs: _events(services, job, body, first, outputs))
-    if isinstance(last, Response):
-        return last
-    echo = await _echo(services, body, last)
-    logprobs = None
-    if body.logprobs is not None:
-        logprobs = await _logprobs(services, echo.token_ids + last.token_ids, echo.entries + token_logprobs(
-            last, newest_only=False), body.logprobs, offset=0)
+              arrival, admission, n=body.n or 1)
+    outputs = await run_job(request, services, job, stream=bool(body.stream),
+                            events=lambda first, rest: _events(services, job, body, first, rest))
+    if isinstance(outputs, Response):
+        return outputs
+    echo = await _echo(services, body, outputs[0])  # the first choice scored the prompt
     prompt_logprobs = None
     if body.prompt_logprobs is not None:
-        prompt_logprobs = await prompt_logprobs_of(services, last, body.prompt_logprobs)
-    return Completion(
-        id=f"cmpl-{job.request_id}", created=int(time.time()), model=job.model,
-        system_fingerprint=FINGERPRINT,
-        choices=[CompletionChoice(text=echo.text + last.text, finish_reason=last.finish_reason,
-                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)],
-        usage=usage_of(last),
-    )
+        prompt_logprobs = await prompt_logprobs_of(services, outputs[0], body.prompt_logprobs)
+    choices = []
+    for index, output in enumerate(outputs):
+        logprobs = None
+        if body.logprobs is not None:
+            entries = echo.entries + token_logprobs(output, newest_only=False)
+            logprobs = await _logprobs(services, echo.token_ids + output.token_ids, entries, body.logprobs,
+                                       offset=0)
+        choices.append(CompletionChoice(index=index, text=echo.text + output.text,
+                                        finish_reason=output.finish_reason, logprobs=logprobs,
+                                        prompt_logprobs=prompt_logprobs))
+    return Completion(id=f"cmpl-{job.request_id}", created=int(time.time()), model=job.model,
+                      system_fingerprint=FINGERPRINT, choices=choices, usage=usage_of(outputs))
 
 
 @dataclass(frozen=True)
@@ -125,31 +127,35 @@ async def _prompt_token_ids(services: Services, prompt: str | list[int], tenant:
     return list(prompt)
 
 
-async def _events(services: Services, job: Job, body: CompletionRequest, first: RequestOutput,
-                  outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+async def _events(services: Services, job: Job, body: CompletionRequest, first: Choice,
+                  rest: AsyncIterator[Choice]) -> AsyncIterator[str]:
     base = {"id": f"cmpl-{job.request_id}", "object": "text_completion", "created": int(time.time()),
             "model": job.model, "system_fingerprint": FINGERPRINT}
-    output: RequestOutput | None = first
-    echo = await _echo(services, body, first)  # goes before the first chunk's text
-    echo_length = len(echo.text)
+    echo = await _echo(services, body, first[1])  # goes before each choice's first text
+    echoed: set[int] = set()
+    latest: dict[int, RequestOutput] = {}  # each choice's latest output: the usage so far counts all
     try:
-        while output is not None:
-            if output.new_text or output.finished or body.logprobs is not None or echo.text:
+        choice: Choice | None = first
+        while choice is not None:
+            index, output = choice
+            latest[index] = output
+            prefix = Echo() if index in echoed else echo
+            if output.new_text or output.finished or body.logprobs is not None or prefix.text:
                 logprobs = None
                 if body.logprobs is not None:
-                    offset = (0 if echo.text else echo_length) + len(output.text) - len(output.new_text)
-                    logprobs = await _logprobs(services, echo.token_ids + output.new_token_ids,
-                                               echo.entries + token_logprobs(output, newest_only=True),
+                    offset = (0 if prefix.text else len(echo.text)) + len(output.text) - len(output.new_text)
+                    logprobs = await _logprobs(services, prefix.token_ids + output.new_token_ids,
+                                               prefix.entries + token_logprobs(output, newest_only=True),
                                                body.logprobs, offset=offset)
-                choice = {"index": 0, "text": echo.text + output.new_text, "finish_reason":
-                          output.finish_reason if output.finished else None,
-                          "logprobs": logprobs.model_dump() if logprobs else None}
-                usage = {"usage": usage_of(output).model_dump() if body.continuous_usage else None}
-                yield sse(base | {"choices": [choice]} | (usage if body.include_usage else {}))
-                echo = Echo()
-            last, output = output, (None if output.finished else await anext(outputs, None))
+                item = {"index": index, "text": prefix.text + output.new_text, "finish_reason":
+                        output.finish_reason if output.finished else None,
+                        "logprobs": logprobs.model_dump() if logprobs else None}
+                usage = usage_of(list(latest.values())).model_dump() if body.continuous_usage else None
+                yield sse(base | {"choices": [item]} | ({"usage": usage} if body.include_usage else {}))
+                echoed.add(index)
+            choice = await anext(rest, None)
         if body.include_usage:
-            yield sse(base | {"choices": [], "usage": usage_of(last).model_dump()})
+            yield sse(base | {"choices": [], "usage": usage_of(list(latest.values())).model_dump()})
     except Exception as exc:  # after the stream began: an error event, then the end
         yield sse(stream_error(exc, job.request_id))
     yield DONE

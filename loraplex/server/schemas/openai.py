@@ -1,7 +1,7 @@
 """OpenAI API request and response bodies (the subset loraplex serves). Requests are strict:
 an unknown field is a 400 naming it (as OpenAI answers), known fields that do not change the
 output (user, metadata, store, ...) are accepted and ignored, and known features loraplex does
-not implement (tools, n > 1, penalties, ...) are refused by name rather than ignored. vLLM's
+not implement (tools, penalties, ...) are refused by name rather than ignored. vLLM's
 request extensions that the field's clients send are taken with vLLM's meaning where loraplex
 implements them, accepted at their neutral value only where it does not (docs/api.md lists
 them)."""
@@ -18,6 +18,8 @@ from loraplex.types import MAX_LOGPROBS, MAX_STOP_SEQUENCES
 
 MAX_STOP_LENGTH = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_N = 16
+"""Most choices (`n`) one request may ask for."""
 
 Ignored = Annotated[Any, Field(default=None, description="Accepted and ignored.")]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
@@ -55,7 +57,7 @@ class StreamOptions(Request):
 
 class SamplingFields(Request):
     """What completions and chat share. Features loraplex lacks are refused unless they are
-    given their neutral value (n=1, penalties 0, an empty logit_bias, ...)."""
+    given their neutral value (penalties 0, an empty logit_bias, ...)."""
 
     model: str = Field(description="The base model's id, or the name of one of your adapters.",
                        min_length=1, max_length=256)
@@ -86,7 +88,9 @@ class SamplingFields(Request):
     skip_special_tokens: Literal[True] | None = vllm_neutral()
     spaces_between_special_tokens: Literal[True] | None = vllm_neutral()
     priority: Literal[0] | None = vllm_neutral()
-    n: Literal[1] | None = Field(None, description="Only 1 is supported.")
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = Field(
+        None, description=f"Choices to generate, at most {MAX_N}: samples of one prompt, whose KV they "
+                          "share. A `seed` gives choice i the seed `seed + i`.")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES)] | None = Field(
