@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
+from tests.options import UPDATE_SCREENSHOTS
 from tests.ui.ui_support import (
     DESKTOP,
     FAILED,
     NARROW,
     SCREENSHOT_DIR,
-    UPDATE_SCREENSHOTS,
     LiveServer,
     launch_chromium,
     open_page,

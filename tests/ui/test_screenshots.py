@@ -18,10 +18,10 @@ from playwright.sync_api import expect
 
 from loraplex.demo import DEMO_PROMPT
 from loraplex.registry import Registry, RegistryConfig
+from tests.options import UPDATE_SCREENSHOTS
 from tests.ui.ui_support import (
     REPO,
     SCREENSHOT_DIR,
-    UPDATE_SCREENSHOTS,
     LiveServer,
     copy_adapter,
     go_to,
