@@ -109,14 +109,22 @@ class StepInputs:
             sizes[f.dtype] = start + lengths[f.axis]
         # Two host sets, used in turn: with steps overlapped, the host fills step N+1's while
         # the device may not yet have copied step N's. `_copied[i]` marks when it has read set i.
-        self._host_sets = [{dtype: _zeros(n, dtype, "cpu", pin) for dtype, n in sizes.items()}
-                           for _ in range(2)]
-        self._host_blocks = [_zeros((max_seqs, max_blocks_per_seq), torch.int32, "cpu", pin)
-                             for _ in range(2)]
+        # On CPU the device is the host and steps do not overlap: one set, read in place.
+        self._on_host = device.type == "cpu"
+        num_sets = 1 if self._on_host else 2
+        host_sets = [{dtype: _zeros(n, dtype, "cpu", pin) for dtype, n in sizes.items()}
+                     for _ in range(num_sets)]
+        host_blocks = [_zeros((max_seqs, max_blocks_per_seq), torch.int32, "cpu", pin)
+                       for _ in range(num_sets)]
+        self._host_sets = [host_sets[i % num_sets] for i in range(2)]
+        self._host_blocks = [host_blocks[i % num_sets] for i in range(2)]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
-        self._device = {dtype: _zeros(n, dtype, device, False) for dtype, n in sizes.items()}
-        self.block_tables = _zeros((max_seqs, max_blocks_per_seq), torch.int32, device, False)
+        if self._on_host:
+            self._device, self.block_tables = host_sets[0], host_blocks[0]
+        else:
+            self._device = {dtype: _zeros(n, dtype, device, False) for dtype, n in sizes.items()}
+            self.block_tables = _zeros((max_seqs, max_blocks_per_seq), torch.int32, device, False)
         self._views = [{name: host[dtype].numpy()[lo:hi] for name, (dtype, lo, hi) in spans.items()}
                        for host in self._host_sets]
         self._pads = {f.name: max_seqs if f.pad == "spare row" else f.pad for f in FIELDS}
@@ -186,7 +194,9 @@ class StepInputs:
         return FilledStep(shape, rows, samples, n, start, num_new, query_start)
 
     def upload(self) -> None:
-        """Copy the filled host buffers to the device (queued on CUDA)."""
+        """Copy the filled host buffers to the device (queued on CUDA; nothing to do on CPU)."""
+        if self._on_host:
+            return
         host = self._host_sets[self._turn]
         for dtype, device_buffer in self._device.items():
             device_buffer.copy_(host[dtype], non_blocking=True)
