@@ -215,6 +215,15 @@ PromptLogprobs = list[dict[str, PromptLogprob] | None]
 own token and the top alternatives."""
 
 
+class _Envelope(BaseModel):
+    """What every completion response and chunk carries besides its choices."""
+
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
@@ -223,12 +232,8 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None
 
 
-class Completion(BaseModel):
-    id: str
+class Completion(_Envelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -259,12 +264,8 @@ class ChatChoice(BaseModel):
     finish_reason: FinishReason
 
 
-class ChatCompletion(BaseModel):
-    id: str
+class ChatCompletion(_Envelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None
@@ -282,12 +283,8 @@ class ChatChunkChoice(BaseModel):
     finish_reason: FinishReason | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
