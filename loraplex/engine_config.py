@@ -32,6 +32,9 @@ class CacheConfig:
     adapter slots, and the KV cache in what is left."""
     cpu_kv_cache_bytes: int = 1 << 30
     """KV cache and adapter slots on CPU, in bytes (when num_kv_blocks is not set)."""
+    swap_space: float = 4.0
+    """Host memory, in GiB, that preempted requests' KV is swapped to (pinned on CUDA); when it
+    is full, or 0, a preempted request's KV is dropped and recomputed when it resumes."""
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
@@ -39,6 +42,7 @@ class CacheConfig:
         _check(self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks", "must be positive")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
         _check(self.cpu_kv_cache_bytes > 0, "cpu_kv_cache_bytes", "must be positive")
+        _check(0 <= self.swap_space <= 1 << 20, "swap_space", "must be a number of GiB >= 0")
 
 
 @dataclass(frozen=True)
@@ -47,14 +51,20 @@ class SchedulerConfig:
     """Most requests running at once (also the largest batch captured as a CUDA graph)."""
     max_num_batched_tokens: int = 2048
     """Token budget of one step: decodes first, then prompt chunks up to this many tokens."""
-    scheduling_policy: Literal["fcfs"] = "fcfs"
-    """Order of admission and choice of preemption victims: "fcfs", first come, first served."""
+    scheduling_policy: Literal["vtc", "fcfs"] = "vtc"
+    """Order of admission and choice of preemption victims: "vtc", fair between tenants by
+    virtual token counters (service = prompt tokens + 2 x generated tokens, over the tenant's
+    weight); "fcfs", first come, first served."""
+    fairness_bound: float = 4096.0
+    """With "vtc": how far (in weighted tokens of service) a waiting tenant may fall behind the
+    most-served running tenant before one of that tenant's requests is preempted for it."""
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs > 0, "max_num_seqs", "must be positive")
         _check(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be positive")
-        _check(self.scheduling_policy == "fcfs", "scheduling_policy",
-               f"must be fcfs, not {self.scheduling_policy!r}")
+        _check(self.scheduling_policy in ("vtc", "fcfs"), "scheduling_policy",
+               f"must be vtc or fcfs, not {self.scheduling_policy!r}")
+        _check(self.fairness_bound >= 0, "fairness_bound", "must be >= 0")
 
 
 @dataclass(frozen=True)

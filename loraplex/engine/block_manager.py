@@ -54,3 +54,37 @@ class BlockManager:
             self._refs[block] = refs
             if refs == 0:
                 self._free.append(block)
+
+
+class HostBlockPool:
+    """Host blocks for swapped-out KV (the pool's tensor lives in the model runner). A holder
+    takes blocks and gives them back; no sharing. Blocks come in contiguous runs where it can,
+    so a swap is few large copies: fresh blocks are handed out in order, freed ones lowest
+    first. Pure Python; costs nothing per block never used."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._next = 0  # blocks from here on were never handed out
+        self._free: list[int] = []  # handed out once and returned, ascending
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.num_blocks - self._next + len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def allocate(self, count: int) -> list[int] | None:
+        """`count` blocks, or None (and nothing taken) if too few are free."""
+        if count > self.num_free_blocks:
+            return None
+        fresh = min(count, self.num_blocks - self._next) if len(self._free) < count else 0
+        blocks = list(range(self._next, self._next + fresh))
+        self._next += fresh
+        taken, self._free = self._free[:count - fresh], self._free[count - fresh:]
+        return taken + blocks
+
+    def free(self, blocks: list[int]) -> None:
+        if blocks:
+            self._free = sorted(self._free + blocks)

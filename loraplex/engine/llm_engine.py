@@ -25,14 +25,15 @@ import torch
 
 from loraplex.adapter_format import LoraAdapter
 from loraplex.engine.adapter_cache import AdapterCache, AdapterLoader
-from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.block_manager import BlockManager, HostBlockPool
 from loraplex.engine.cuda_graphs import CaptureReport
 from loraplex.engine.detokenizer import Detokenizer
+from loraplex.engine.kv_swap import KvSwapper, SwapStats
 from loraplex.engine.local_adapters import LocalAdapters
 from loraplex.engine.lora_weights import HostAdapter, LoraSlotBuffers, adapter_bytes, make_host_adapter
 from loraplex.engine.model_runner import LaunchedStep, ModelRunner
 from loraplex.engine.plan import StepPlan, StepResult
-from loraplex.engine.policy import FcfsPolicy
+from loraplex.engine.policy import FcfsPolicy, SchedulingPolicy, VtcPolicy
 from loraplex.engine.prompt_logprobs import SLICE_BYTES
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.scheduler import Scheduler
@@ -103,6 +104,8 @@ class LLMEngine:
         self.kv_cache = make_kv_cache(self.memory, self.model_config, block_size, self.dtype, self.device)
         self.max_model_len = min(self.max_model_len, self.memory.num_kv_blocks * block_size)
         self.blocks = BlockManager(self.memory.num_kv_blocks, block_size)
+        block_bytes = self.kv_cache[0].numel() * self.kv_cache.element_size()
+        num_host_blocks = KvSwapper.host_blocks_for(config.cache.swap_space, block_bytes)
         self.local_adapters = LocalAdapters(self.model_config.shape, max_rank)
         self._external_loader = False
         max_adapter = adapter_bytes(self.model_config, max_rank, self.dtype)
@@ -113,11 +116,12 @@ class LLMEngine:
             max_host_bytes=(config.lora.max_cpu_loras or 2 * self.memory.num_lora_slots) * max_adapter,
             max_adapter_bytes=max_adapter)
         self.tenants = TenantTable()
-        self.scheduler = Scheduler(config.scheduler, self.blocks, self.adapters, FcfsPolicy(self.tenants))
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.adapters, self._policy(),
+                                   HostBlockPool(num_host_blocks) if num_host_blocks else None)
         self.runner = ModelRunner(
             self.model, self.kv_cache, self.lora, ops, config.scheduler.max_num_seqs,
             config.scheduler.max_num_batched_tokens, max_blocks_per_seq=-(-self.max_model_len // block_size),
-            use_cuda_graphs=use_graphs)
+            use_cuda_graphs=use_graphs, num_host_blocks=num_host_blocks)
         self.graphs: CaptureReport | None = self.runner.graphs.capture_all() if use_graphs else None
         if self.device.type == "cuda":  # compiles kernels now, not on the first requests' time
             started = time.perf_counter()
@@ -135,6 +139,12 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+
+    def _policy(self) -> SchedulingPolicy:
+        config = self.config.scheduler
+        if config.scheduling_policy == "fcfs":
+            return FcfsPolicy(self.tenants)
+        return VtcPolicy(self.tenants, config.fairness_bound)
 
     def _plan_memory(self, ops: Ops, use_graphs: bool) -> MemoryPlan:
         config, model = self.config, self.model_config
@@ -281,6 +291,16 @@ class LLMEngine:
             self._drop_orphans()
         return True
 
+    def preempt(self, request_id: str) -> bool:
+        """Preempt a running request at the next step, as the scheduling policy would: its KV is
+        swapped to the host pool (or dropped, to be recomputed) and it waits to resume. False if
+        the request is unknown."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        self.scheduler.preempt(request)
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._in_flight is not None
 
@@ -312,7 +332,7 @@ class LLMEngine:
     def launch(self, plan: StepPlan, failed: list[RequestOutput]) -> InFlight | None:
         """Queue a planned step on the device and count its work as done. If the model fails,
         the step's requests fail (their outputs go to `failed`) and the engine serves on."""
-        if plan.is_empty and not plan.forgotten_ids:
+        if not plan.has_work:
             return None
         try:
             launched = self.runner.launch(plan)
@@ -320,7 +340,7 @@ class LLMEngine:
             logger.exception("engine step failed")
             failed += self._fail(plan.request_ids, exc)
             return None
-        if plan.is_empty:  # only records to update (requests to forget)
+        if plan.is_empty:  # only records to update or blocks to copy
             return None
         sampling = self.scheduler.advance(plan)
         self.num_prompt_tokens += plan.num_tokens - len(sampling)
@@ -442,7 +462,10 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """Live engine state for metrics, the admin API and benchmarks."""
-        scheduler, adapters = self.scheduler, self.adapters
+        scheduler, adapters, host = self.scheduler, self.adapters, self.scheduler.host_blocks
+        waiting = list(scheduler.policy.waiting())
+        swapper = self.runner.swapper
+        swaps = swapper.stats() if swapper is not None else SwapStats(0, 0, 0.0, 0.0)
         return EngineStats(
             num_running=len(scheduler.running), num_waiting=scheduler.num_waiting,
             num_kv_blocks=self.blocks.num_blocks, num_kv_blocks_used=self.blocks.num_used_blocks,
@@ -452,7 +475,14 @@ class LLMEngine:
             num_adapter_host_loads=adapters.num_host_loads, num_adapter_slot_loads=adapters.num_slot_loads,
             num_generated_tokens=self.num_generated_tokens, num_prompt_tokens=self.num_prompt_tokens,
             running_by_tenant=dict(Counter(r.tenant for r in scheduler.running)),
-            waiting_by_tenant=dict(Counter(r.tenant for r in self.scheduler.policy.waiting())),
+            waiting_by_tenant=dict(Counter(r.tenant for r in waiting)),
+            swapped_by_tenant=dict(Counter(r.tenant for r in waiting if r.is_swapped)),
+            tenant_service=scheduler.policy.counters(), tenant_weights=self.tenants.weights,
+            preemptions={f"{cause}:{mode}": n for (cause, mode), n in scheduler.preemptions.items()},
+            num_host_pool_blocks=host.num_blocks if host else 0,
+            num_host_pool_blocks_used=host.num_used_blocks if host else 0,
+            swap_bytes_out=swaps.bytes_out, swap_bytes_in=swaps.bytes_in,
+            swap_seconds_out=swaps.seconds_out, swap_seconds_in=swaps.seconds_in,
         )
 
     def close(self) -> None:

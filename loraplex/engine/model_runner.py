@@ -21,6 +21,7 @@ import torch
 from loraplex.engine import prompt_logprobs
 from loraplex.engine.cuda_graphs import DecodeGraphs
 from loraplex.engine.input_batch import InputBatch
+from loraplex.engine.kv_swap import KvSwapper
 from loraplex.engine.lora_weights import LoraSlotBuffers
 from loraplex.engine.plan import StepPlan, StepResult
 from loraplex.engine.step_inputs import PENDING, FilledStep, StepInputs, StepShape
@@ -60,9 +61,11 @@ class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, kv_cache: torch.Tensor, lora: LoraSlotBuffers, ops: Ops,
         max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
-        use_cuda_graphs: bool = False,
+        use_cuda_graphs: bool = False, num_host_blocks: int = 0,
     ) -> None:
+        """`num_host_blocks`: the host pool that preempted requests' KV is swapped to."""
         self.model, self.kv_cache, self.lora, self.ops = model, kv_cache, lora, ops
+        self.swapper = KvSwapper(kv_cache, num_host_blocks) if num_host_blocks else None
         self.device = kv_cache.device
         self.batch = InputBatch(max_num_seqs, max_blocks_per_seq)
         self.inputs = StepInputs(max(max_num_batched_tokens, max_num_seqs), max_num_seqs,
@@ -82,6 +85,8 @@ class ModelRunner:
         """Apply the plan, fill its inputs and queue the model and the sampler; returns at once
         on CUDA. (The phases are public so that benchmarks can time them apart.)"""
         self.apply(plan)
+        if self.swapper is not None:
+            self.swapper.before_step(plan.swap_out, plan.swap_in)
         if plan.is_empty:
             return LaunchedStep()
         filled = self.prepare(plan)

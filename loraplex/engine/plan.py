@@ -12,8 +12,9 @@ from loraplex.types import SamplingParams, TokenLogprob
 @dataclass(frozen=True)
 class NewSequence:
     """A request the runner has not seen since it was (re)admitted: everything it needs to
-    keep the request's state. A request resumed after preemption comes again as new, its
-    cache recomputed from all its tokens."""
+    keep the request's state. A request resumed after preemption comes again as new: its
+    cache recomputed from all its tokens, or (swapped) copied back into `block_ids` with
+    `num_computed_tokens` kept."""
 
     request_id: str
     token_ids: list[int]
@@ -41,6 +42,12 @@ class StepPlan:
     forgotten_ids: list[str] = field(default_factory=list)
     """Requests the runner must drop (finished, aborted or preempted since the last plan)."""
     num_preempted: int = 0
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    """(device block, host block) pairs to copy to the host pool before this step writes any
+    block (the device blocks are free for reuse from this step on)."""
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    """(host block, device block) pairs to copy back; the requests they belong to run from the
+    next step on, so the copies overlap this step."""
 
     @property
     def num_tokens(self) -> int:
@@ -48,7 +55,13 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
+        """Nothing to compute (there may still be records to update or blocks to copy)."""
         return not self.request_ids
+
+    @property
+    def has_work(self) -> bool:
+        """Anything for the runner: tokens to compute, records to update or blocks to copy."""
+        return bool(self.request_ids or self.forgotten_ids or self.new or self.swap_out or self.swap_in)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Iterator, Sequence
 
 from loraplex.engine.request import Request
@@ -41,6 +42,28 @@ class SchedulingPolicy(ABC):
     @abstractmethod
     def num_waiting(self) -> int: ...
 
+    def charge(self, request: Request, prompt_tokens: int, output_tokens: int) -> None:
+        """A step computed `prompt_tokens` of `request`'s prompt for the first time and sampled
+        `output_tokens` for it (the service its tenant received)."""
+        return None  # a policy that counts no service ignores it
+
+    def started(self, request: Request) -> None:
+        """`request` was admitted and runs."""
+        return None
+
+    def stopped(self, request: Request) -> None:
+        """`request` stopped running: finished, aborted, failed or preempted."""
+        return None
+
+    def fairness_victim(self, running: Sequence[Request], blocked: Request) -> Request | None:
+        """A running request to preempt so that `blocked` (waiting, first in the policy's order,
+        and kept out by a lack of running places or KV blocks) can run; None to let it wait."""
+        return None
+
+    def counters(self) -> dict[str, float]:
+        """Each tenant's service as the policy counts it (empty if it counts none)."""
+        return {}
+
 
 class FcfsPolicy(SchedulingPolicy):
     """First come, first served: admission by arrival (a preempted request keeps its place, so
@@ -72,3 +95,104 @@ class FcfsPolicy(SchedulingPolicy):
 
 def _arrival(request: Request) -> int:
     return request.arrival
+
+
+PROMPT_PRICE, OUTPUT_PRICE = 1.0, 2.0
+"""Service of one prompt token computed and of one token generated (VTC's prices)."""
+
+
+class VtcPolicy(SchedulingPolicy):
+    """Virtual token counters (Sheng et al., "Fairness in Serving Large Language Models", OSDI
+    2024), weighted and preemptive.
+
+    Each tenant's counter is its service, prompt tokens computed + 2 x tokens generated, each
+    divided by the tenant's weight at the time. Admission takes the backlogged tenant with the
+    lowest counter, its requests first come, first served; a tenant that becomes active (a
+    request arrives while it has nothing waiting or running) is lifted to the lowest counter
+    among the active tenants, so idle time is not banked. Victims come from the running tenant
+    with the highest counter, its request with the least work done first; and when a backlogged
+    tenant's counter falls more than `bound` behind that tenant's, one of its requests is
+    preempted although nothing ran short.
+
+    The bound: with every tenant backlogged, VTC keeps the service of any two within 2U of
+    each other, U = max(prompt price x longest prompt, output price x most tokens in the running
+    batch) (the paper's Theorem 4.4, for a scheduler that does not preempt); preempting at a gap
+    of `bound` tightens that to about bound + the service of one step."""
+
+    def __init__(self, tenants: TenantTable, bound: float) -> None:
+        super().__init__(tenants)
+        self.bound = bound
+        self._queues: dict[str, list[Request]] = {}  # backlogged tenants' requests, by arrival
+        self._counters: dict[str, float] = {}
+        self._running: Counter[str] = Counter()
+
+    def add(self, request: Request) -> None:
+        tenant = request.tenant
+        queue = self._queues.get(tenant)
+        if queue is None:
+            if not self._running[tenant]:  # becomes active: lift to the lowest active counter
+                active = [self._counters[t] for t in self._active() if t != tenant]
+                own = self._counters.get(tenant, 0.0)
+                self._counters[tenant] = max([own, min(active)] if active else [own])
+            queue = self._queues[tenant] = []
+        bisect.insort(queue, request, key=_arrival)
+
+    def remove(self, request: Request) -> None:
+        queue = self._queues.get(request.tenant)
+        if queue is None:
+            return
+        index = bisect.bisect_left(queue, request.arrival, key=_arrival)
+        if index < len(queue) and queue[index] is request:
+            del queue[index]
+        if not queue:
+            del self._queues[request.tenant]
+
+    def waiting(self) -> Iterator[Request]:
+        """The lowest counter first, counting what each request admitted before it will cost
+        (its prompt), so that one step admits across tenants as the counters will stand."""
+        queues = {tenant: list(queue) for tenant, queue in self._queues.items()}
+        projected = {tenant: self._counters[tenant] for tenant in queues}
+        heads = dict.fromkeys(queues, 0)
+        while projected:
+            tenant = min(projected, key=lambda t: (projected[t], queues[t][heads[t]].arrival))
+            request = queues[tenant][heads[tenant]]
+            heads[tenant] += 1
+            if heads[tenant] == len(queues[tenant]):
+                del projected[tenant]
+            else:
+                prompt = max(0, request.num_prompt_tokens - request.num_prompt_charged)
+                projected[tenant] += (PROMPT_PRICE * prompt + OUTPUT_PRICE) / self.tenants.weight(tenant)
+            yield request
+
+    def choose_victim(self, running: Sequence[Request]) -> Request:
+        most_served = max({r.tenant for r in running}, key=lambda t: self._counters.get(t, 0.0))
+        return min((r for r in running if r.tenant == most_served),
+                   key=lambda r: (r.num_computed_tokens, -r.arrival))
+
+    def fairness_victim(self, running: Sequence[Request], blocked: Request) -> Request | None:
+        victim = self.choose_victim(running)
+        gap = self._counters.get(victim.tenant, 0.0) - self._counters.get(blocked.tenant, 0.0)
+        return victim if gap > self.bound else None
+
+    def charge(self, request: Request, prompt_tokens: int, output_tokens: int) -> None:
+        service = PROMPT_PRICE * prompt_tokens + OUTPUT_PRICE * output_tokens
+        tenant = request.tenant
+        self._counters[tenant] = self._counters.get(tenant, 0.0) + service / self.tenants.weight(tenant)
+
+    def started(self, request: Request) -> None:
+        self._running[request.tenant] += 1
+
+    def stopped(self, request: Request) -> None:
+        self._running[request.tenant] -= 1
+        if not self._running[request.tenant]:
+            del self._running[request.tenant]
+
+    def counters(self) -> dict[str, float]:
+        return dict(self._counters)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(map(len, self._queues.values()))
+
+    def _active(self) -> set[str]:
+        return set(self._queues) | set(self._running)

@@ -42,6 +42,13 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    host_block_ids: list[int] = field(default_factory=list)
+    """Host-pool blocks holding a copy of this request's KV (swapped out, or kept after a
+    swap-in so that the next swap-out copies only what was written since)."""
+    num_host_tokens: int = 0
+    """Tokens whose K/V the host copy holds."""
+    num_prompt_charged: int = 0
+    """Prompt tokens counted as service to the tenant (recomputing them is not counted again)."""
     prompt_donor: Request | None = None
     """Another sample of the same prompt (same tokens and adapter) whose full prompt blocks this
     one takes references to instead of computing them (OpenAI's `n`)."""
@@ -84,6 +91,11 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_swapped(self) -> bool:
+        """Waiting with its computed tokens' K/V in the host pool (none on the device)."""
+        return self.status is RequestStatus.WAITING and self.num_computed_tokens > 0 and not self.block_ids
 
     @property
     def is_finished(self) -> bool:

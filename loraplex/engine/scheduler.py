@@ -1,7 +1,14 @@
 """Continuous batching to a per-step token budget. Running decodes first, then the rest of
 prompts already being prefilled, then chunks of waiting prompts; requests join and leave at
-every step. The scheduling policy orders the waiting queue and picks who is preempted when KV
-blocks run out (the victim's cache is dropped and recomputed when it resumes). Pure Python.
+every step. The scheduling policy orders the waiting queue and picks who is preempted: when KV
+blocks run out, and when it judges that a waiting request should displace a running one. Pure
+Python.
+
+A victim's KV is swapped out to the host pool when the pool has room (else dropped, and
+recomputed when it resumes). A swapped request resumes by copying it back: it is admitted in
+one step, its copy runs beside that step, and it computes from the next. Its host copy stays
+valid while it runs, so a second swap-out copies only the blocks written since; the pool takes
+such copies back when it needs room.
 
 A waiting request runs only once its adapter is in a device slot; until then it holds no
 running place, and requests behind it may go first. How far they may: a request is overtaken
@@ -17,10 +24,11 @@ records each token when it reaches the host."""
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Iterator
 
 from loraplex.engine.adapter_cache import AdapterCache, Wait
-from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.block_manager import BlockManager, HostBlockPool
 from loraplex.engine.plan import NewSequence, StepPlan
 from loraplex.engine.policy import SchedulingPolicy
 from loraplex.engine.request import Request, RequestStatus
@@ -30,14 +38,20 @@ from loraplex.types import FinishReason
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, adapters: AdapterCache,
-                 policy: SchedulingPolicy) -> None:
+                 policy: SchedulingPolicy, host_blocks: HostBlockPool | None = None) -> None:
+        """`host_blocks`: the host pool that victims are swapped to (None: always recompute)."""
         self.config, self.blocks, self.adapters, self.policy = config, blocks, adapters, policy
+        self.host_blocks = host_blocks
         self.running: list[Request] = []
         self.adapter_waits: dict[str, Wait] = {}
         """Requests that the last plan left waiting for their adapter, and why (behind a request
         that waits for a slot or host room, a request waits for the same)."""
         self._forgotten: list[str] = []
         self.num_preemptions = 0
+        self.preemptions: Counter[tuple[str, str]] = Counter()
+        """(cause: "kv" or "fairness", mode: "swap" or "recompute") -> preemptions."""
+        self.num_blocks_swapped_out = self.num_blocks_swapped_in = 0
+        self._asked: list[Request] = []  # to preempt at the next step
 
     @property
     def num_waiting(self) -> int:
@@ -60,6 +74,11 @@ class Scheduler:
         scheduled: dict[str, int] = {}
         budget = self.config.max_num_batched_tokens
         preempted: set[str] = set()
+        for request in self._asked:
+            if request.status is RequestStatus.RUNNING:
+                self._preempt(request, plan, "asked")
+                preempted.add(request.request_id)
+        self._asked = []
         active = [r for r in self.running if r.has_tokens_to_compute]
         decodes = [r for r in active if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in active if r.num_tokens - r.num_computed_tokens > 1]
@@ -73,9 +92,25 @@ class Scheduler:
                 scheduled[request.request_id] = num_new
                 budget -= num_new
         if not preempted:
-            self._admit_waiting(budget, plan, scheduled)
+            blocked = self._admit_waiting(budget, plan, scheduled)
+            if blocked is not None:
+                self._make_room(blocked, plan, scheduled)
         self._fill(plan, scheduled)
         return plan
+
+    def preempt(self, request: Request) -> None:
+        """Preempt `request` at the next step if it still runs then (as the policy would)."""
+        self._asked.append(request)
+
+    def _make_room(self, blocked: Request, plan: StepPlan, scheduled: dict[str, int]) -> None:
+        """`blocked` found no running place or KV blocks: let the policy preempt a request
+        that ran before this step for it (it is admitted from the next step on)."""
+        new = {seq.request_id for seq in plan.new}
+        candidates = [r for r in self.running if r.request_id not in new]
+        victim = self.policy.fairness_victim(candidates, blocked) if candidates else None
+        if victim is not None and victim.tenant != blocked.tenant:
+            scheduled.pop(victim.request_id, None)
+            self._preempt(victim, plan, "fairness")
 
     def _reserve_running(
         self, request: Request, num_new: int, plan: StepPlan, scheduled: dict[str, int],
@@ -86,23 +121,25 @@ class Scheduler:
         while not self._reserve(request, num_new, plan):
             victim = self.policy.choose_victim(self.running)
             scheduled.pop(victim.request_id, None)
-            self._preempt(victim, plan)
+            self._preempt(victim, plan, "kv")
             preempted.add(victim.request_id)
             if victim is request:
                 return False
         return True
 
-    def _admit_waiting(self, budget: int, plan: StepPlan, scheduled: dict[str, int]) -> None:
+    def _admit_waiting(self, budget: int, plan: StepPlan, scheduled: dict[str, int]) -> Request | None:
         """Admit waiting requests in the policy's order while the budget, the running places
-        and the KV cache allow; then start host loads for the adapters of those next in line."""
+        and the KV cache allow; then start host loads for the adapters of those next in line.
+        Returns the first request kept out for want of a running place or KV blocks."""
         no_slots = no_host_room = False  # someone ahead waits for a slot / for host room
         self.adapter_waits = waits = {}
         waiting = self.policy.waiting()
         for request in waiting:
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            full = len(self.running) >= self.config.max_num_seqs
+            if budget == 0 or full:
                 if not no_host_room:
                     self._prefetch(itertools.chain([request], waiting))
-                return
+                return request if full else None
             if request.num_pending:  # preempted with a token still in flight
                 continue
             if not self._share_prompt(request):  # its donor has not computed the shared blocks yet
@@ -121,21 +158,27 @@ class Scheduler:
                     no_host_room |= acquired is Wait.NO_HOST_ROOM and bool(self.running)
                     continue
                 slot = acquired
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            swapped = request.is_swapped
+            num_new = 0 if swapped else min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._reserve(request, num_new, plan):
                 if slot:
                     self.adapters.release(request.adapter)
-                return
+                return request
+            if swapped:  # copied back beside this step; it computes from the next
+                plan.swap_in += zip(request.host_block_ids, request.block_ids)
+                self.num_blocks_swapped_in += len(request.block_ids)
             self._start(request, slot, plan)
-            scheduled[request.request_id] = num_new
-            budget -= num_new
+            if not swapped:
+                scheduled[request.request_id] = num_new
+                budget -= num_new
+        return None
 
     def _share_prompt(self, request: Request) -> bool:
         """For a sample of a prompt that another sample (its donor) computes: take references to
         the donor's blocks that hold nothing but prompt (the last prompt token is computed by
         each sample: it samples from it). False while the donor has yet to compute them."""
         donor = request.prompt_donor
-        if donor is None or request.block_ids:
+        if donor is None or request.block_ids or request.num_computed_tokens:
             return True
         shared = (request.num_prompt_tokens - 1) // self.blocks.block_size
         if donor.is_finished or shared == 0:
@@ -157,6 +200,7 @@ class Scheduler:
 
     def _start(self, request: Request, slot: int, plan: StepPlan) -> None:
         self.policy.remove(request)
+        self.policy.started(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         plan.new.append(NewSequence(
@@ -195,9 +239,13 @@ class Scheduler:
         for request_id, num_new, samples in zip(plan.request_ids, plan.num_scheduled_tokens, plan.samples):
             request = by_id[request_id]
             request.num_computed_tokens += num_new
+            prompt = max(0, min(request.num_computed_tokens, request.num_prompt_tokens)
+                         - request.num_prompt_charged)
+            request.num_prompt_charged += prompt
             if samples:
                 request.num_pending += 1
                 sampling.append(request)
+            self.policy.charge(request, prompt, int(samples))
         return sampling
 
     @staticmethod
@@ -212,24 +260,31 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            self.policy.stopped(request)
             self._release(request)
             self._forgotten.append(request.request_id)
         else:
             self.policy.remove(request)
             self.blocks.free(request.block_ids)
             request.block_ids = []
+        self._drop_host_copy(request)
         if request.adapter is not None:
             self.adapters.unneed(request.adapter)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
-    def _preempt(self, request: Request, plan: StepPlan) -> None:
+    def _preempt(self, request: Request, plan: StepPlan, cause: str) -> None:
         self.running.remove(request)
+        self.policy.stopped(request)
+        swapped = self._swap_out(request, plan)
         self._release(request)
         plan.forgotten_ids.append(request.request_id)
         plan.new_block_ids.pop(request.request_id, None)
         plan.num_preempted += 1
-        request.num_computed_tokens = 0
+        if not swapped:
+            request.num_computed_tokens = 0
+            self._drop_host_copy(request)
+        self.preemptions[cause, "swap" if swapped else "recompute"] += 1
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -240,3 +295,38 @@ class Scheduler:
         request.block_ids = []
         if request.adapter is not None:
             self.adapters.release(request.adapter)
+
+    # Swapping ------------------------------------------------------------------------------
+    def _swap_out(self, request: Request, plan: StepPlan) -> bool:
+        """Queue the copy of a victim's computed KV to the host pool: only the blocks its host
+        copy does not hold yet. False (nothing queued) if the pool has no room."""
+        num_blocks = -(-request.num_computed_tokens // self.blocks.block_size)
+        if self.host_blocks is None or num_blocks == 0:
+            return False
+        more = num_blocks - len(request.host_block_ids)
+        if more > 0:
+            blocks = self._allocate_host(more)
+            if blocks is None:
+                return False
+            request.host_block_ids += blocks
+        valid = min(request.num_host_tokens, request.num_computed_tokens) // self.blocks.block_size
+        plan.swap_out += zip(request.block_ids[valid:num_blocks], request.host_block_ids[valid:num_blocks])
+        self.num_blocks_swapped_out += num_blocks - valid
+        request.num_host_tokens = request.num_computed_tokens
+        request.prompt_donor = None  # its own blocks from now on
+        return True
+
+    def _allocate_host(self, count: int) -> list[int] | None:
+        """Host blocks, taking back the copies that running requests keep if need be."""
+        blocks = self.host_blocks.allocate(count)
+        keepers = (r for r in self.running if r.host_block_ids)
+        while blocks is None and (keeper := next(keepers, None)) is not None:
+            self._drop_host_copy(keeper)
+            blocks = self.host_blocks.allocate(count)
+        return blocks
+
+    def _drop_host_copy(self, request: Request) -> None:
+        if request.host_block_ids:
+            self.host_blocks.free(request.host_block_ids)
+            request.host_block_ids = []
+        request.num_host_tokens = 0

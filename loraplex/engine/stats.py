@@ -28,6 +28,25 @@ class EngineStats:
     num_prompt_tokens: int
     running_by_tenant: dict[str, int]
     waiting_by_tenant: dict[str, int]
+    """Requests waiting per tenant, the swapped ones included."""
+    swapped_by_tenant: dict[str, int]
+    """Waiting requests whose KV is in the host pool."""
+    tenant_service: dict[str, float]
+    """Each tenant's service as the scheduling policy counts it ("vtc": prompt tokens + 2 x
+    generated tokens, over the weight; empty for "fcfs")."""
+    tenant_weights: dict[str, float]
+    """Weights set for tenants (the others weigh 1)."""
+    preemptions: dict[str, int]
+    """Preemptions by "cause:mode": cause kv (blocks ran short), fairness (the policy made room
+    for a waiting tenant) or asked; mode swap or recompute (the host pool had no room, or was
+    off)."""
+    num_host_pool_blocks: int
+    num_host_pool_blocks_used: int
+    swap_bytes_out: int
+    swap_bytes_in: int
+    swap_seconds_out: float
+    swap_seconds_in: float
+    """Time the swap copies took (on their own CUDA stream, beside the steps)."""
 
     @property
     def kv_cache_usage(self) -> float:

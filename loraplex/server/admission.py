@@ -28,6 +28,7 @@ async def tenant_record(services: Services, name: str) -> TenantRecord:
 
 async def admit_request(principal: TenantDep, services: ServicesDep) -> AsyncIterator[Admission]:
     tenant = await tenant_record(services, principal.tenant)
+    services.tenant_weights.sync(tenant)
     try:
         admission = services.limiter.admit(tenant)
     except RateLimitError:

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from loraplex.engine.stats import EngineStats
 from loraplex.server.monitor import EngineMonitor
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -123,3 +124,49 @@ class _EngineCollector(Collector):
             family = CounterMetricFamily(name, documentation, labels=["model_name"])
             family.add_metric(labels, value)
             yield family
+        yield from _per_tenant(labels, stats)
+        yield from _swapping(labels, stats)
+
+
+def _per_tenant(labels: list[str], stats: EngineStats) -> Iterator:
+    tenants = sorted(set(stats.running_by_tenant) | set(stats.waiting_by_tenant) | set(stats.tenant_service))
+    gauges = {
+        "loraplex:tenant_requests_running": ("Requests of the tenant in the running batch.",
+                                             stats.running_by_tenant),
+        "loraplex:tenant_requests_waiting": ("Requests of the tenant waiting, the swapped ones "
+                                             "included.", stats.waiting_by_tenant),
+        "loraplex:tenant_requests_swapped": ("Waiting requests of the tenant whose KV is in the "
+                                             "host pool.", stats.swapped_by_tenant),
+        "loraplex:tenant_service": ("The tenant's virtual token counter: prompt tokens + 2 x "
+                                    "generated tokens, over its weight.", stats.tenant_service),
+    }
+    for name, (documentation, values) in gauges.items():
+        family = GaugeMetricFamily(name, documentation, labels=["model_name", "tenant"])
+        for tenant in tenants:
+            family.add_metric([*labels, tenant], values.get(tenant, 0))
+        yield family
+
+
+def _swapping(labels: list[str], stats: EngineStats) -> Iterator:
+    preemptions = CounterMetricFamily("loraplex:preemptions", "Preemptions by cause (kv, fairness, "
+                                      "asked) and mode (swap, recompute).",
+                                      labels=["model_name", "cause", "mode"])
+    for kind, count in sorted(stats.preemptions.items()):
+        preemptions.add_metric([*labels, *kind.split(":")], count)
+    yield preemptions
+    for name, documentation, out, back in (
+            ("loraplex:kv_swap_bytes", "KV bytes copied to (out) and from (in) the host pool.",
+             stats.swap_bytes_out, stats.swap_bytes_in),
+            ("loraplex:kv_swap_seconds", "Time the KV swap copies took.",
+             stats.swap_seconds_out, stats.swap_seconds_in)):
+        family = CounterMetricFamily(name, documentation, labels=["model_name", "direction"])
+        family.add_metric([*labels, "out"], out)
+        family.add_metric([*labels, "in"], back)
+        yield family
+    for name, documentation, value in (
+            ("loraplex:kv_host_pool_blocks_used", "Host pool blocks holding swapped KV.",
+             stats.num_host_pool_blocks_used),
+            ("loraplex:kv_host_pool_blocks", "Host pool blocks (swap_space).", stats.num_host_pool_blocks)):
+        family = GaugeMetricFamily(name, documentation, labels=["model_name"])
+        family.add_metric(labels, value)
+        yield family

@@ -19,6 +19,7 @@ from loraplex.server.metrics import Metrics
 from loraplex.server.monitor import EngineMonitor
 from loraplex.server.principals import Principals
 from loraplex.server.server_config import ServerConfig
+from loraplex.server.tenant_weights import TenantWeights
 from loraplex.server.usage_recorder import UsageRecorder
 
 
@@ -38,6 +39,7 @@ class Services:
     monitor: EngineMonitor
     metrics: Metrics
     upload_slots: asyncio.Semaphore
+    tenant_weights: TenantWeights
     started_at: float = field(default_factory=time.time)
     is_stopping: bool = False
 
@@ -58,7 +60,10 @@ class Services:
             limiter=limiter, usage=UsageRecorder(registry), monitor=monitor,
             metrics=Metrics(config.model_id, monitor, lambda: limiter.num_in_flight),
             upload_slots=asyncio.Semaphore(config.max_concurrent_uploads),
+            tenant_weights=TenantWeights(engine),
         )
+        for tenant in registry.tenants.list():
+            services.tenant_weights.sync(tenant)
         monitor.start()
         return services
 

@@ -69,6 +69,20 @@ def test_tenants(cli) -> None:
     _fails_with(cli("tenant", "create", "x", "--weight", "0"), "weight must be")
 
 
+def test_tenant_set_changes_weight_and_limits(cli, registry_config: RegistryConfig) -> None:
+    cli("tenant", "create", "acme", "--weight", "2")
+    code, out, _ = cli("tenant", "set", "acme", "--weight", "4", "--max-concurrent-requests", "8")
+    assert code == 0 and out.startswith("tenant acme: weight 4, max_concurrent_requests 8,")
+    code, out, _ = cli("tenant", "set", "acme", "--max-concurrent-requests", "none")
+    assert code == 0 and "weight 4, max_concurrent_requests unlimited" in out
+    with Registry.open(registry_config) as registry:
+        tenant = registry.tenants.get("acme")
+    assert (tenant.weight, tenant.max_concurrent_requests) == (4.0, None)
+    _fails_with(cli("tenant", "set", "acme"), "give --weight or a limit to change")
+    _fails_with(cli("tenant", "set", "acme", "--weight", "-1"), "weight must be")
+    _fails_with(cli("tenant", "set", "nobody", "--weight", "2"), "nobody")
+
+
 def test_keys(cli, registry_config: RegistryConfig) -> None:
     cli("tenant", "create", "acme")
     code, out, err = cli("key", "create", "--tenant", "acme")

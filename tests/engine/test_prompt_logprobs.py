@@ -109,21 +109,24 @@ def test_chunked_prefill_matches_transformers_peft(case, async_scheduling):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_preempted_requests_score_each_prompt_token_once(case, async_scheduling, monkeypatch):
+@pytest.mark.parametrize("swap_space", [0, 0.01], ids=["recompute", "swap"])
+def test_preempted_requests_score_each_prompt_token_once(case, async_scheduling, swap_space, monkeypatch):
     """18 blocks of 4 tokens for 150 prompt tokens: requests are preempted part-way through
-    their prompt, after some of it was scored, and recompute it from the start."""
+    their prompt, after some of it was scored, and recompute it from the start or swap it."""
     from loraplex.engine.scheduler import Scheduler
 
     scored_when_preempted = []
     preempt = Scheduler._preempt
 
-    def recording_preempt(self, request, plan):
+    def recording_preempt(self, request, plan, cause):
         scored_when_preempted.append(len(request.prompt_logprobs))
-        preempt(self, request, plan)
+        preempt(self, request, plan, cause)
 
     monkeypatch.setattr(Scheduler, "_preempt", recording_preempt)
     llm, outputs = _run(case, max_num_batched_tokens=16, block_size=4, num_kv_blocks=18,
-                        async_scheduling=async_scheduling)
+                        async_scheduling=async_scheduling, swap_space=swap_space)
+    mode = "swap" if swap_space else "recompute"
+    assert {m for _, m in llm.engine.scheduler.preemptions} == {mode}
     assert any(n > 1 for n in scored_when_preempted), scored_when_preempted
     _check(case, outputs)
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from loraplex import LLM, SamplingParams
-from loraplex.engine.policy import FcfsPolicy, SchedulingPolicy
+from loraplex.engine.policy import FcfsPolicy, SchedulingPolicy, VtcPolicy
 from loraplex.engine.request import Request
 from loraplex.engine.tenants import DEFAULT_TENANT
 from loraplex.errors import InvalidRequestError
@@ -80,8 +80,9 @@ def test_offline_requests_carry_their_tenant(llm):
         llm.generate(prompt_token_ids=[[5], [6]], tenants=["acme"])
 
 
-def test_fcfs_is_the_default_policy_and_ignores_weights(llm):
-    assert isinstance(llm.engine.scheduler.policy, FcfsPolicy)
+def test_fcfs_ignores_tenants_and_weights(llm):
+    assert isinstance(llm.engine.scheduler.policy, VtcPolicy)  # the default
+    llm.engine.scheduler.policy = FcfsPolicy(llm.engine.tenants)
     llm.set_tenant_weight("heavy", 8.0)
     order = _admission_order(llm, [("a", "light"), ("b", "heavy"), ("c", "light"), ("d", "heavy")])
     assert order == ["a", "b", "c", "d"]

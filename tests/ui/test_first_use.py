@@ -122,12 +122,9 @@ def test_what_does_not_act_yet_says_so(admin_page, server: LiveServer):
     expect(page.get_by_role("columnheader", name="On device")).to_be_visible()
     expect(page.get_by_text("On GPU")).to_have_count(0)
     go_to(page, "Tenants")
-    expect(page.locator("#weights-note")).to_have_text(
-        "Limits act now: requests past them are refused (429). Weights do not act yet: the engine serves "
-        "requests first come, first served, whatever the weights; fair sharing by weight comes with a "
-        "later version.")
+    expect(page.locator("#weights-note")).to_contain_text("a change applies from the engine's next step")
     page.get_by_role("button", name="Edit tenant demo").click()
-    expect(page.get_by_role("dialog").get_by_text("it has no effect now")).to_be_visible()
+    expect(page.get_by_role("dialog").get_by_text("Applies from the engine's next step")).to_be_visible()
     page.keyboard.press("Escape")
     go_to(page, "System prompts")
     expect(page.locator("#prompts-note")).to_have_text(

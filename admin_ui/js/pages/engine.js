@@ -1,5 +1,5 @@
-// Engine: requests running and waiting, KV blocks, adapters in device slots and in the host
-// tier, the generation rate, and the engine's options and start-up (memory plan, CUDA graphs),
+// Engine: requests running, waiting and swapped, per tenant with its share of the service over
+// time, KV blocks, preemptions and swapping, adapters in device slots and in the host tier, the generation rate, and the engine's options and start-up (memory plan, CUDA graphs),
 // polled from GET /admin/api/engine while the page is open and visible.
 
 import { api } from "../api.js";
@@ -39,8 +39,56 @@ const STATS = [
     key: "adapter-loads", label: "Adapter loads", value: (s) => formatNumber(s.num_adapter_slot_loads),
     sub: (s) => `into slots; ${formatNumber(s.num_adapter_host_loads)} read into the host tier`,
   },
-  { key: "preemptions", label: "Preemptions", value: (s) => formatNumber(s.num_preemptions), sub: () => "since start" },
+  {
+    key: "preemptions", label: "Preemptions", value: (s) => formatNumber(s.num_preemptions),
+    sub: (s) => `since start: ${formatNumber(byMode(s.preemptions, "swap"))} swapped, `
+      + `${formatNumber(byMode(s.preemptions, "recompute"))} recomputed`,
+  },
+  {
+    key: "swapped", label: "Requests swapped out",
+    value: (s) => formatNumber(Object.values(s.requests_by_tenant).reduce((n, t) => n + t.swapped, 0)),
+    sub: (s) => `host pool ${formatNumber(s.host_pool_blocks_used)} of ${formatNumber(s.host_pool_blocks)} blocks; `
+      + `${formatBytes(s.swap_bytes_out)} out, ${formatBytes(s.swap_bytes_in)} in since start`,
+    meter: (s) => (s.host_pool_blocks ? s.host_pool_blocks_used / s.host_pool_blocks : 0),
+  },
 ];
+
+function byMode(preemptions, mode) {
+  return Object.entries(preemptions).filter(([kind]) => kind.endsWith(`:${mode}`)).reduce((n, [, c]) => n + c, 0);
+}
+
+function tenantTable(state) {
+  const rows = Object.entries(state.requests_by_tenant).map(([name, t]) => ({ name, ...t }));
+  return table({
+    caption: "Requests and service per tenant (service: prompt tokens + 2 x generated tokens, over the weight)",
+    rows, rowKey: (t) => t.name,
+    empty: "No tenant has requests in the engine yet.",
+    columns: [
+      { label: "Tenant", cell: (t) => t.name },
+      { label: "Weight", cell: (t) => String(t.weight) },
+      { label: "Running", cell: (t) => formatNumber(t.running) },
+      { label: "Waiting", cell: (t) => formatNumber(t.waiting) },
+      { label: "Swapped", cell: (t) => formatNumber(t.swapped) },
+      { label: "Service", cell: (t) => formatNumber(Math.round(t.service)) },
+    ],
+  });
+}
+
+/** Each tenant's share of the weighted service given between consecutive samples, in percent:
+ * equal shares under contention are what fair scheduling aims at. */
+function shareSeries(history) {
+  const tenants = [...new Set(history.flatMap((s) => Object.keys(s.state.requests_by_tenant)))].sort();
+  const service = (sample, tenant) => sample.state.requests_by_tenant[tenant]?.service ?? 0;
+  return tenants.map((tenant) => ({
+    name: tenant,
+    values: history.map((sample, i) => {
+      if (i === 0) return 0;
+      const gained = (t) => Math.max(0, service(sample, t) - service(history[i - 1], t));
+      const total = tenants.reduce((sum, t) => sum + gained(t), 0);
+      return total ? (100 * gained(tenant)) / total : 0;
+    }),
+  }));
+}
 
 function statTiles() {
   const tiles = {};
@@ -110,6 +158,8 @@ export function render(container) {
   const rateChart = h("div", {});
   const requestChart = h("div", {});
   const resident = h("div", {});
+  const shareChart = h("div", {});
+  const tenants = h("div", {});
   const options = h("div", {});
   const liveDot = h("span", { class: "live-dot", "aria-hidden": "true" });
   const liveText = h("span", {}, `Live, every ${POLL_MS / 1000} s`);
@@ -137,6 +187,11 @@ export function render(container) {
       ],
       isInteger: true,
     }));
+    replace(shareChart, lineChart({
+      title: "Share of weighted service per tenant (%), last two minutes",
+      labels, series: shareSeries(history), yFormat: (v) => `${Math.round(v)}%`,
+    }));
+    replace(tenants, tenantTable(state));
     replace(resident, residentTable(state));
     replace(options, optionsTable(state));
   }
@@ -175,6 +230,8 @@ export function render(container) {
     h("div", { class: "chart-grid" },
       h("section", { class: "card", "aria-labelledby": "rate-title" }, h("h2", { id: "rate-title" }, "Generation rate"), rateChart),
       h("section", { class: "card", "aria-labelledby": "requests-title" }, h("h2", { id: "requests-title" }, "Requests"), requestChart)),
+    h("section", { class: "card", "aria-labelledby": "tenants-title" },
+      h("h2", { id: "tenants-title" }, "Tenants"), shareChart, tenants),
     h("section", { class: "card", "aria-labelledby": "resident-title" },
       h("h2", { id: "resident-title" }, "Adapters in device slots"), resident),
     h("section", { class: "card", "aria-labelledby": "options-title" },

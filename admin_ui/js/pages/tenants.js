@@ -22,7 +22,8 @@ function settingsFields(tenant = null) {
   return {
     weight: field({
       label: "Weight", name: "weight", type: "number", required: true, value: tenant ? tenant.weight : "1",
-      hint: "Stored for fair sharing under contention, which the engine does not do yet: it has no effect now.",
+      hint: "The tenant's share of the engine under contention, relative to the others' (1 by default). "
+        + "Applies from the engine's next step.",
       attrs: { min: "0", step: "any", inputmode: "decimal" },
     }),
     max_concurrent_requests: limit("max_concurrent_requests", "Max concurrent requests"),
@@ -161,9 +162,10 @@ export function render(container) {
 
   container.append(
     pageHead("Tenants", "Each tenant has its own API keys, adapters and limits, and a weight for fair sharing."),
-    h("p", { class: "alert alert-warning", id: "weights-note" }, "Limits act now: requests past them are refused (429). "
-      + "Weights do not act yet: the engine serves requests first come, first served, whatever the weights; "
-      + "fair sharing by weight comes with a later version."),
+    h("p", { class: "muted", id: "weights-note" }, "Limits refuse requests past them (429). Weights share the "
+      + "engine under contention: a tenant of weight 2 gets twice the service (prompt tokens + 2 x generated "
+      + "tokens) of a tenant of weight 1 while both wait; a change applies from the engine's next step. "
+      + "The Engine page shows each tenant's share."),
     card("Create a tenant", createForm(() => refresh())),
     h("section", { class: "card", "aria-labelledby": "tenants-list-title" },
       h("div", { class: "card-head" }, h("h2", { id: "tenants-list-title" }, "All tenants"),

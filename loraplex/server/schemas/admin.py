@@ -35,8 +35,9 @@ class Body(ClientBody):
 # Tenants ---------------------------------------------------------------------------------------
 class TenantCreate(Body):
     name: Name
-    weight: float = Field(1.0, gt=0, le=1e6, description="Share of the engine under contention. Stored; "
-                          "the engine does not use it yet (it serves requests first come, first served).")
+    weight: float = Field(1.0, gt=0, le=1e6, description="Share of the engine under contention, "
+                          "relative to other tenants' (service: prompt tokens + 2 x generated tokens, "
+                          "over the weight).")
     max_concurrent_requests: Limit = None
     max_requests_per_minute: Limit = None
     max_tokens_per_minute: Limit = None
@@ -45,7 +46,8 @@ class TenantCreate(Body):
 class TenantUpdate(Body):
     """Fields left out keep their value; a limit set to null becomes unlimited."""
 
-    weight: float | None = Field(None, gt=0, le=1e6, description="Stored; not used by the engine yet.")
+    weight: float | None = Field(None, gt=0, le=1e6, description="Share of the engine under "
+                                 "contention; applies from the engine's next step.")
     max_concurrent_requests: Limit = None
     max_requests_per_minute: Limit = None
     max_tokens_per_minute: Limit = None
@@ -189,7 +191,11 @@ class ResidentAdapter(BaseModel):
 
 class TenantRequests(BaseModel):
     running: int
-    waiting: int
+    waiting: int = Field(description="Waiting requests, the swapped ones included.")
+    swapped: int = Field(description="Waiting requests whose KV is in the host pool.")
+    weight: float
+    service: float = Field(description="The tenant's virtual token counter: prompt tokens + 2 x "
+                           "generated tokens, over its weight (with the vtc policy).")
 
 
 class EngineState(BaseModel):
@@ -202,11 +208,20 @@ class EngineState(BaseModel):
     num_requests_waiting: int
     num_requests_in_flight: int = Field(description="Admitted by the server and not finished.")
     requests_by_tenant: dict[str, TenantRequests] = Field(
-        description="Requests running and waiting in the engine, per tenant that has any.")
+        description="Requests running, waiting and swapped in the engine, weight and service, per "
+        "tenant that has requests or service.")
     kv_blocks_used: int
     kv_blocks_total: int
     kv_cache_usage: float
     num_preemptions: int
+    preemptions: dict[str, int] = Field(description='By "cause:mode": cause kv (blocks ran short), '
+                                        "fairness or asked; mode swap or recompute.")
+    host_pool_blocks: int = Field(description="KV blocks the host pool (swap_space) holds.")
+    host_pool_blocks_used: int
+    swap_bytes_out: int
+    swap_bytes_in: int
+    swap_seconds_out: float
+    swap_seconds_in: float
     num_adapter_slots: int
     adapters_resident: list[ResidentAdapter] = Field(description="Adapters in device slots.")
     num_adapters_on_host: int = Field(description="Adapters in the engine's host tier.")

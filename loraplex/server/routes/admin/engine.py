@@ -19,15 +19,20 @@ router = APIRouter(tags=["Admin: engine"])
 @router.get("/engine", response_model=EngineState, summary="Engine state now",
             responses=error_responses(401, 403, 503))
 async def get_engine_state(admin: AdminDep, services: ServicesDep) -> EngineState:
-    """Requests running and waiting (per tenant), KV blocks, adapters in device slots and in
+    """Requests running, waiting and swapped (per tenant, with its weight and service), KV
+    blocks, preemptions and swapping, adapters in device slots and in
     the host tier, the generation rate (tokens per second over the last few seconds), and the
     engine's options, memory plan and captured graphs."""
     snapshot = await services.monitor.refresh()
     stats, llm = snapshot.stats, services.llm
     names = await run_in_threadpool(services.registry.adapters.names_by_digest, stats.adapters_in_slots)
+    tenants = set(stats.running_by_tenant) | set(stats.waiting_by_tenant) | set(stats.tenant_service)
     by_tenant = {t: TenantRequests(running=stats.running_by_tenant.get(t, 0),
-                                   waiting=stats.waiting_by_tenant.get(t, 0))
-                 for t in sorted(set(stats.running_by_tenant) | set(stats.waiting_by_tenant))}
+                                   waiting=stats.waiting_by_tenant.get(t, 0),
+                                   swapped=stats.swapped_by_tenant.get(t, 0),
+                                   weight=stats.tenant_weights.get(t, 1.0),
+                                   service=stats.tenant_service.get(t, 0.0))
+                 for t in sorted(tenants)}
     return EngineState(
         model=services.config.model_id, device=str(llm.device), dtype=str(llm.dtype).removeprefix("torch."),
         max_model_len=llm.max_model_len, is_alive=services.engine.is_alive,
@@ -36,6 +41,10 @@ async def get_engine_state(admin: AdminDep, services: ServicesDep) -> EngineStat
         requests_by_tenant=by_tenant,
         kv_blocks_used=stats.num_kv_blocks_used, kv_blocks_total=stats.num_kv_blocks,
         kv_cache_usage=stats.kv_cache_usage, num_preemptions=stats.num_preemptions,
+        preemptions=stats.preemptions, host_pool_blocks=stats.num_host_pool_blocks,
+        host_pool_blocks_used=stats.num_host_pool_blocks_used, swap_bytes_out=stats.swap_bytes_out,
+        swap_bytes_in=stats.swap_bytes_in, swap_seconds_out=stats.swap_seconds_out,
+        swap_seconds_in=stats.swap_seconds_in,
         num_adapter_slots=stats.num_lora_slots,
         adapters_resident=[ResidentAdapter(digest=digest, names=list(names[digest]))
                            for digest in stats.adapters_in_slots],

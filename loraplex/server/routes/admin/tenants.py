@@ -48,6 +48,7 @@ def update_tenant(name: NameParam, body: TenantUpdate, admin: AdminDep, services
     weight = body.weight if body.weight is not None else UNCHANGED
     record = services.registry.tenants.update(name, weight=weight, actor=admin.key_id, **changes)
     services.principals.forget()
+    services.tenant_weights.sync(record)
     return Tenant.of(record, services.limiter.in_flight(name))
 
 

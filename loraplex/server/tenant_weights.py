@@ -1,0 +1,23 @@
+"""The engine's tenant weights, kept in step with the registry's: every tenant's at start-up,
+a tenant's own when an admin changes it here, and at each request when the tenant's record (a
+cached read, refreshed within the registry cache's time to live) shows another weight, which
+is how a change made through another replica arrives."""
+
+from __future__ import annotations
+
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.registry.records import TenantRecord
+
+
+class TenantWeights:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._sent: dict[str, float] = {}
+
+    def sync(self, tenant: TenantRecord) -> None:
+        """Pass the tenant's weight to the engine if it is not the one last passed (it applies
+        from the engine's next step)."""
+        name, weight = tenant.name, tenant.weight
+        if self._sent.get(name) != weight:
+            self._sent[name] = weight
+            self._engine.submit(lambda engine: engine.set_tenant_weight(name, weight))
