@@ -340,3 +340,35 @@ def test_each_request_reaches_the_engine_with_its_tenant_and_adapter_digest(sqli
         state = http.get("/admin/api/engine").json()["requests_by_tenant"]["acme"]
         assert state["running"] + state["waiting"] == 1
         stream.join()
+
+
+def test_tenant_weights_reach_the_engine_and_fairness_shows_in_metrics(sqlite_server: Server,
+                                                                       engine) -> None:
+    """A weight changed through the admin API is in the engine's tenant table before the next
+    request; one changed elsewhere (the CLI, another replica) arrives with the tenant's next
+    request after the registry cache's time to live. /metrics and the admin engine API show
+    each tenant's service, requests and swapping."""
+    server = sqlite_server
+    with server.http() as http:
+        http.patch("/admin/api/tenants/acme", json={"weight": 3}).raise_for_status()
+        _wait_until(lambda: engine.tenants.weight("acme") == 3.0, 5, "the new weight in the engine")
+        server.registry.tenants.update("acme", weight=5)  # as another process would
+        time.sleep(0.3)  # past the test server's registry cache time to live
+        before = http.get("/admin/api/engine").json()["requests_by_tenant"]
+        prompt = [5, 6, 7, 8]  # the same work for both tenants: 4 prompt tokens, 3 generated
+        server.openai("acme").completions.create(model=MODEL_ID, prompt=prompt, max_tokens=3,
+                                                 extra_body={"ignore_eos": True})
+        assert engine.tenants.weight("acme") == 5.0
+        server.openai("globex").completions.create(model=MODEL_ID, prompt=prompt, max_tokens=3,
+                                                   extra_body={"ignore_eos": True})
+        after = http.get("/admin/api/engine").json()["requests_by_tenant"]
+    gained = {t: after[t]["service"] - before.get(t, {"service": 0.0})["service"] for t in ("acme", "globex")}
+    assert after["acme"]["weight"] == 5.0
+    assert gained["globex"] == pytest.approx(4 + 2 * 3) and gained["acme"] == pytest.approx((4 + 2 * 3) / 5)
+    _wait_until(lambda: server.metric("loraplex:tenant_service", tenant="globex")
+                == pytest.approx(after["globex"]["service"]), 5, "the service in /metrics")
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("loraplex:tenant_requests_running", "loraplex:tenant_requests_waiting",
+                 "loraplex:tenant_requests_swapped", "loraplex:kv_swap_bytes_total",
+                 "loraplex:kv_swap_seconds_total", "loraplex:kv_host_pool_blocks"):
+        assert name in text, name
