@@ -7,6 +7,7 @@
 #   decode    loraplex bench decode: start-up, first batches, cold adapters, throughput
 #   logprobs  loraplex bench prompt-logprobs: scoring prompts against plain prefill
 #   kernels   loraplex bench kernels for attention (decode and prefill)
+#   fairness  loraplex bench fairness: light tenants beside a flooding one, VTC + swapping vs FCFS
 # Logs and results go to $OUT (the device tool's folder that comes back), else
 # bench/results/gpu-pass/.
 set -uo pipefail
@@ -41,6 +42,9 @@ for stage in "$@"; do
         kernels)
             python3 -m loraplex.benchmarks kernels --only "bench_decode|bench_prefill" --tag attention-tiles \
                 --out "$OUT" 2>&1 | tee "$OUT/kernels.log" | tail -30
+            ;;
+        fairness)
+            python3 -m loraplex.benchmarks fairness --out "$OUT" 2>&1 | tee "$OUT/fairness.log" | tail -30
             ;;
         *)
             echo "unknown stage $stage" >&2

@@ -19,6 +19,7 @@ SCRIPTS = {
     "engine-overhead": ("engine_overhead", "the engine's own CPU time per step (CPU is fine)"),
     "load": ("server_load", "many streaming clients against `loraplex serve` on the demo"),
     "precision": ("precision_study", "where a bf16 engine loses accuracy (CPU emulation)"),
+    "fairness": ("fairness", "light tenants beside a flooding one: VTC with KV swapping against FCFS"),
 }
 """Benchmarks with their own command line: name -> (module, summary)."""
 

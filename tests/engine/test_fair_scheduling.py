@@ -75,7 +75,7 @@ class Simulation:
             if request.num_tokens >= request.max_num_tokens:
                 self.scheduler.finish(request, "length")
                 del self.unfinished[request.request_id]
-        for request_id, num_new, samples in zip(plan.request_ids, plan.num_scheduled_tokens, plan.samples):
+        for request_id, samples in zip(plan.request_ids, plan.samples):
             request = by_id[request_id]
             prompt = request.num_prompt_charged - before[request_id]
             self.service[request.tenant] += (prompt + 2 * samples) / self.tenants.weight(request.tenant)

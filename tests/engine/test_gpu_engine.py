@@ -65,3 +65,22 @@ def test_overlapped_steps_give_the_same_tokens_on_gpu(tiny_llama):
     for a, b in zip(overlapped, one_at_a_time):
         assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=1e-5)
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_swapping_on_gpu_gives_the_tokens_of_no_preemption(tiny_llama, async_scheduling):
+    """Too few KV blocks for the batch (float32, graphs on): requests are swapped out to the
+    pinned host pool and back on the swap stream, ordered by events against overlapped steps,
+    and give the tokens they give with room for all; nothing is recomputed, nothing leaks."""
+    model, adapters = tiny_llama
+    _, roomy = _generate(model, adapters, "cuda", "float32", async_scheduling=async_scheduling)
+    llm, tight = _generate(model, adapters, "cuda", "float32", async_scheduling=async_scheduling,
+                           num_kv_blocks=12, swap_space=0.01)
+    engine = llm.engine
+    assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
+    modes = {mode for _, mode in engine.scheduler.preemptions}
+    assert modes == {"swap"}, engine.scheduler.preemptions
+    stats = engine.stats()
+    assert stats.swap_bytes_out > 0 and stats.swap_bytes_in > 0
+    assert engine.scheduler.host_blocks.num_used_blocks == 0
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks

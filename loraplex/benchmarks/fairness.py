@@ -1,0 +1,250 @@
+"""`loraplex bench fairness`: one tenant floods, three send their share; light tenants' latency
+under VTC with KV swapping against running alone and against FCFS, throughput against FCFS,
+swap bandwidth both ways, and the cost of resuming a long swapped request against recomputing it.
+
+Llama-3-8B shape with random weights (bf16 on CUDA), 4 tenants each with its own rank-16 adapter
+on all seven projections, Poisson arrivals; the heavy tenant sends `heavy_factor` times what each
+light one sends, enough together to overload the engine and make it preempt. Each policy sees
+the same arrivals (same seed) on the same engine (the policy is swapped between runs); a run
+stops taking arrivals after `duration_s` and ends `drain_s` later (requests still waiting then
+count with the time they had waited). Run from the repository root; JSON under bench/results/."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from loraplex.benchmarks import synthetic
+from loraplex.benchmarks.results import RESULTS, write
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.policy import FcfsPolicy, VtcPolicy
+from loraplex.engine_config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+from loraplex.kernels import select_ops
+from loraplex.types import SamplingParams
+
+TENANTS = ("heavy", "light-1", "light-2", "light-3")
+
+
+@dataclass(frozen=True)
+class FairnessBenchConfig:
+    light_rate: float = 1.0
+    """Requests a second from each light tenant."""
+    heavy_factor: float = 4.0
+    prompt_len: tuple[int, int] = (512, 2048)
+    """Prompt lengths, uniform in [low, high]."""
+    output_len: tuple[int, int] = (64, 256)
+    duration_s: float = 30.0
+    drain_s: float = 15.0
+    max_num_seqs: int = 256
+    rank: int = 16
+    resume_tokens: int = 2000
+    device: str = "cuda"
+    model: dict[str, Any] | None = None
+    seed: int = 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="loraplex bench fairness", description=__doc__)
+    parser.add_argument("--light-rate", type=float, default=1.0)
+    parser.add_argument("--heavy-factor", type=float, default=4.0)
+    parser.add_argument("--duration-s", type=float, default=30.0)
+    parser.add_argument("--drain-s", type=float, default=15.0)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model-overrides", type=json.loads, default=None)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(512, 2048))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(64, 256))
+    parser.add_argument("--resume-tokens", type=int, default=2000)
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"results folder (default {RESULTS})")
+    args = parser.parse_args(argv)
+    config = FairnessBenchConfig(
+        light_rate=args.light_rate, heavy_factor=args.heavy_factor, duration_s=args.duration_s,
+        drain_s=args.drain_s, max_num_seqs=args.max_num_seqs, device=args.device,
+        model=args.model_overrides, prompt_len=tuple(args.prompt_len), output_len=tuple(args.output_len),
+        resume_tokens=args.resume_tokens)
+    result = run(config)
+    print(f"wrote {write(result, args.out, 'fairness')}")
+
+
+def run(config: FairnessBenchConfig) -> dict[str, Any]:
+    device = torch.device(config.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model_config = synthetic.model_config(config.model)
+    max_len = config.prompt_len[1] + config.output_len[1] + 16
+    model = synthetic.random_model(model_config, select_ops(device), dtype, device, max_len, seed=config.seed)
+    engine = LLMEngine(EngineConfig(
+        model="synthetic-llama-3-8b", device=config.device, dtype=str(dtype).removeprefix("torch."),
+        max_model_len=max_len, cache=CacheConfig(block_size=16, swap_space=16),
+        scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=8192),
+        lora=LoRAConfig(max_lora_rank=config.rank, max_loras=len(TENANTS))), model=model)
+    for i, tenant in enumerate(TENANTS):
+        engine.add_adapter(tenant, synthetic.random_adapter(model_config, config.rank, dtype, device, tenant,
+                                                            seed=100 + i, pin=device.type == "cuda"))
+    host_blocks = engine.scheduler.host_blocks.num_blocks
+    print(f"{engine.memory.num_kv_blocks} KV blocks, host pool {host_blocks} blocks", flush=True)
+    light_only = _arrivals(config, heavy=False)
+    everyone = _arrivals(config, heavy=True)
+    runs = {
+        "light tenants alone (vtc)": _run(engine, config, light_only, "vtc", model_config.vocab_size),
+        "fcfs": _run(engine, config, everyone, "fcfs", model_config.vocab_size),
+        "vtc": _run(engine, config, everyone, "vtc", model_config.vocab_size),
+    }
+    alone, fcfs, vtc = (runs[k]["light"] for k in ("light tenants alone (vtc)", "fcfs", "vtc"))
+    summary = {
+        "light p99 TTFT vs alone (vtc)": _ratio(vtc["ttft_p99_s"], alone["ttft_p99_s"]),
+        "light p99 TTFT vs alone (fcfs)": _ratio(fcfs["ttft_p99_s"], alone["ttft_p99_s"]),
+        "light p99 TBT vs alone (vtc)": _ratio(vtc["tbt_p99_s"], alone["tbt_p99_s"]),
+        "throughput vtc / fcfs": _ratio(runs["vtc"]["output_tokens_per_s"],
+                                        runs["fcfs"]["output_tokens_per_s"]),
+    }
+    result = {
+        "benchmark": "fairness", "config": asdict(config), "device": _device_name(device),
+        "torch": torch.__version__, "kv_blocks": engine.memory.num_kv_blocks, "runs": runs,
+        "summary": summary, "swap": _swap_costs(engine, config, model_config.vocab_size),
+    }
+    print(json.dumps(summary, indent=2), flush=True)
+    return result
+
+
+def _arrivals(config: FairnessBenchConfig, heavy: bool) -> list[tuple[float, str, int, int]]:
+    """(time, tenant, prompt tokens, output tokens), Poisson per tenant, seeded."""
+    rng = random.Random(config.seed)
+    arrivals = []
+    for tenant in TENANTS:
+        rate = config.light_rate * (config.heavy_factor if tenant == "heavy" else 1.0)
+        if tenant == "heavy" and not heavy:
+            continue
+        t = rng.expovariate(rate)
+        while t < config.duration_s:
+            arrivals.append((t, tenant, rng.randint(*config.prompt_len), rng.randint(*config.output_len)))
+            t += rng.expovariate(rate)
+    return sorted(arrivals)
+
+
+def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[tuple[float, str, int, int]],
+         policy: str, vocab: int) -> dict[str, Any]:
+    engine.scheduler.policy = (VtcPolicy(engine.tenants, engine.config.scheduler.fairness_bound)
+                               if policy == "vtc" else FcfsPolicy(engine.tenants))
+    before = engine.stats()
+    rng = np.random.default_rng(config.seed)
+    times: dict[str, list[float]] = {}
+    arrived: dict[str, float] = {}
+    tenant_of: dict[str, str] = {}
+    pending = list(arrivals)
+    started = time.perf_counter()
+    end = config.duration_s + config.drain_s
+    tokens = 0
+    while (now := time.perf_counter() - started) < end and (pending or engine.has_unfinished_requests()):
+        while pending and pending[0][0] <= now:
+            at, tenant, prompt_len, output_len = pending.pop(0)
+            request_id = f"{policy}-{len(arrived)}"
+            prompt = rng.integers(1000, vocab - 1000, prompt_len).tolist()
+            engine.add_request(request_id, prompt_token_ids=prompt,
+                               params=SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0),
+                               adapter=tenant, tenant=tenant)
+            arrived[request_id], tenant_of[request_id], times[request_id] = at, tenant, []
+        for output in engine.step():
+            times[output.request_id].append(time.perf_counter() - started)
+            tokens += 1
+    elapsed = time.perf_counter() - started
+    for request_id in list(engine._requests):
+        engine.abort(request_id)
+    engine.drain()
+    while engine.has_unfinished_requests():
+        engine.step()
+    after = engine.stats()
+    per_tenant = {}
+    for group, members in (("light", [t for t in TENANTS if t != "heavy"]), ("heavy", ["heavy"])):
+        ids = [r for r in arrived if tenant_of[r] in members]
+        if not ids:
+            continue
+        ttft = [(times[r][0] if times[r] else elapsed) - arrived[r] for r in ids]
+        tbt = [b - a for r in ids for a, b in zip(times[r], times[r][1:])]
+        per_tenant[group] = {
+            "requests": len(ids), "started": sum(bool(times[r]) for r in ids),
+            "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "tbt_p50_s": _pct(tbt, 50),
+            "tbt_p99_s": _pct(tbt, 99)}
+    minutes = elapsed / 60
+    swapped_out = after.swap_bytes_out - before.swap_bytes_out
+    swapped_in = after.swap_bytes_in - before.swap_bytes_in
+    seconds_out = after.swap_seconds_out - before.swap_seconds_out
+    seconds_in = after.swap_seconds_in - before.swap_seconds_in
+    row = {
+        "policy": policy, "elapsed_s": round(elapsed, 1), "output_tokens": tokens,
+        "output_tokens_per_s": round(tokens / elapsed, 1), **per_tenant,
+        "preemptions_per_minute": {k: round((n - before.preemptions.get(k, 0)) / minutes, 1)
+                                   for k, n in after.preemptions.items() if n - before.preemptions.get(k, 0)},
+        "swap_out_gb": round(swapped_out / 1e9, 2), "swap_in_gb": round(swapped_in / 1e9, 2),
+        "swap_out_gb_per_s": round(swapped_out / seconds_out / 1e9, 1) if seconds_out else None,
+        "swap_in_gb_per_s": round(swapped_in / seconds_in / 1e9, 1) if seconds_in else None,
+        "swap_out_s_share_of_run": round(seconds_out / elapsed, 4),
+        "tenant_service": after.tenant_service,
+    }
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def _swap_costs(engine: LLMEngine, config: FairnessBenchConfig, vocab: int) -> dict[str, Any]:
+    """Resuming a `resume_tokens`-token request: its blocks copied back from the host pool,
+    against its prompt computed again (the time to its first token alone); and pinned copies of
+    1 GiB each way, the ceiling the swaps are held to."""
+    swapper, device = engine.runner.swapper, engine.device
+    num_blocks = -(-config.resume_tokens // engine.blocks.block_size)
+    pairs = [(i, i) for i in range(num_blocks)]
+    for _ in range(3):
+        swapper.before_step(pairs, [])
+        swapper.before_step([], pairs)
+        swapper.before_step([], [])
+    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    start = time.perf_counter()
+    swapper.before_step([], pairs)
+    swapper.before_step([], [])
+    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    swap_in_s = time.perf_counter() - start
+    params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+    prompt = np.random.default_rng(1).integers(1000, vocab - 1000, config.resume_tokens).tolist()
+    for i in range(3):
+        started = time.perf_counter()
+        engine.add_request(f"resume-{i}", prompt_token_ids=prompt, params=params, adapter="light-1")
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.drain()
+        recompute_s = time.perf_counter() - started
+    ceiling = {}
+    if device.type == "cuda":
+        gib = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+        host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+        for name, dst, src in (("device_to_host", host, gib), ("host_to_device", gib, host)):
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+            ceiling[name + "_gb_per_s"] = round((1 << 30) / (time.perf_counter() - start) / 1e9, 1)
+    block_bytes = swapper.block_bytes
+    return {
+        "resume_tokens": config.resume_tokens, "swap_in_s": round(swap_in_s, 5),
+        "swap_in_gb_per_s": round(num_blocks * block_bytes / swap_in_s / 1e9, 1),
+        "recompute_s": round(recompute_s, 5), "swap_in / recompute": round(swap_in_s / recompute_s, 3),
+        "pinned_copy_ceiling": ceiling,
+    }
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 4) if values else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
