@@ -251,6 +251,8 @@ def _run_hf(model, config: DecodeBenchConfig, model_config: ModelConfig, batch: 
         total_s = time.perf_counter() - started
     engine_name = "transformers+peft" if adapter_names is not None else "transformers"
     step_s = (total_s - prefill_s) / (config.hf_new_tokens - 1)
+    if step_s <= 0:  # a busy host made the prefill alone take longer than it did with the steps
+        step_s = total_s / config.hf_new_tokens
     return _row(engine_name, batch, adapter_names is not None, step_s, prefill_s, config, model_config, None)
 
 
