@@ -35,7 +35,7 @@ TENANTS = ("heavy", "light-1", "light-2", "light-3")
 
 @dataclass(frozen=True)
 class FairnessBenchConfig:
-    light_rate: float = 1.0
+    light_rate: float = 3.0
     """Requests a second from each light tenant."""
     heavy_factor: float = 4.0
     prompt_len: tuple[int, int] = (512, 2048)
@@ -44,6 +44,8 @@ class FairnessBenchConfig:
     duration_s: float = 30.0
     drain_s: float = 15.0
     max_num_seqs: int = 256
+    num_kv_blocks: int = 4096
+    """KV blocks (16 tokens each): fewer than the running requests need, so that it preempts."""
     rank: int = 16
     resume_tokens: int = 2000
     device: str = "cuda"
@@ -53,7 +55,8 @@ class FairnessBenchConfig:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="loraplex bench fairness", description=__doc__)
-    parser.add_argument("--light-rate", type=float, default=1.0)
+    parser.add_argument("--light-rate", type=float, default=3.0)
+    parser.add_argument("--num-kv-blocks", type=int, default=4096)
     parser.add_argument("--heavy-factor", type=float, default=4.0)
     parser.add_argument("--duration-s", type=float, default=30.0)
     parser.add_argument("--drain-s", type=float, default=15.0)
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         light_rate=args.light_rate, heavy_factor=args.heavy_factor, duration_s=args.duration_s,
         drain_s=args.drain_s, max_num_seqs=args.max_num_seqs, device=args.device,
         model=args.model_overrides, prompt_len=tuple(args.prompt_len), output_len=tuple(args.output_len),
-        resume_tokens=args.resume_tokens)
+        resume_tokens=args.resume_tokens, num_kv_blocks=args.num_kv_blocks)
     result = run(config)
     print(f"wrote {write(result, args.out, 'fairness')}")
 
@@ -82,7 +85,8 @@ def run(config: FairnessBenchConfig) -> dict[str, Any]:
     model = synthetic.random_model(model_config, select_ops(device), dtype, device, max_len, seed=config.seed)
     engine = LLMEngine(EngineConfig(
         model="synthetic-llama-3-8b", device=config.device, dtype=str(dtype).removeprefix("torch."),
-        max_model_len=max_len, cache=CacheConfig(block_size=16, swap_space=16),
+        max_model_len=max_len,
+        cache=CacheConfig(block_size=16, swap_space=16, num_kv_blocks=config.num_kv_blocks),
         scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=8192),
         lora=LoRAConfig(max_lora_rank=config.rank, max_loras=len(TENANTS))), model=model)
     for i, tenant in enumerate(TENANTS):
