@@ -115,12 +115,13 @@ CANDIDATE_CONFIGS = [RelayConfig(*c) for c in (
 def relay_config(max_members: int, num_kv_heads: int, group: int, max_prefix: int,
                  head_dim: int, device: torch.device) -> RelayConfig:
     """Launch config from shapes alone: 64 q rows a program (more for a wider GQA group);
-    the prefix cut into enough splits that a full member list gives about one program per
-    SM, none shorter than MIN_TOKENS_PER_PREFIX_SPLIT tokens of the block table's capacity
-    (each split costs every member a float32 partial written and read)."""
+    the prefix cut into as many splits as keep a full member list at no more than one
+    program per SM, none shorter than MIN_TOKENS_PER_PREFIX_SPLIT tokens of the block
+    table's capacity. Splits are not free: each costs every member a float32 partial
+    (num_heads x head_dim) written and read, as much as 2 x group prefix tokens' KV."""
     block_m = max(64, next_pow2(group))
     programs = max(1, num_kv_heads * cdiv(max_members * next_pow2(group), block_m))
-    wanted = next_pow2(cdiv(num_sms(device), programs))
+    wanted = num_sms(device) // programs
     useful = max(1, max_prefix // MIN_TOKENS_PER_PREFIX_SPLIT)
     num_splits = max(1, min(wanted, useful, MAX_PREFIX_SPLITS))
     block_n = 64 if head_dim <= 128 else 32
