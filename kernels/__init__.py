@@ -24,6 +24,7 @@ class Ops:
     rotary_store_kv: Callable
     paged_attention: Callable
     paged_decode_attention: Callable
+    relay_decode_attention: Callable
     silu_and_mul: Callable
     lora_shrink: Callable
     lora_expand: Callable
@@ -43,6 +44,7 @@ def reference_ops() -> Ops:
         rotary_store_kv=r.rotary_store_kv,
         paged_attention=r.paged_attention,
         paged_decode_attention=r.paged_decode_attention,
+        relay_decode_attention=r.relay_decode_attention,
         silu_and_mul=r.silu_and_mul,
         lora_shrink=r.lora_shrink,
         lora_expand=r.lora_expand,

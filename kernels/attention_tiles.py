@@ -76,3 +76,35 @@ def attend_paged_tiles(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return m_i, l_i, acc
+
+
+@triton.jit
+def fold_partial(m_i, l_i, acc, o_part, lse_part):
+    """Fold a normalised partial output o_part [M, BLOCK_D] with its log-sum-exp lse_part [M]
+    (log2 units; -inf = no key, o_part then 0) into the rows' state; returns the new
+    (m_i, l_i, acc). The state's m_i must be finite (EMPTY_MAX to begin with). Once divided,
+    the result is the exact two-way merge o = w * o_part + (1 - w) * o_state with
+    w = sigmoid(lse_part - lse_state), in float32."""
+    m_new = tl.maximum(m_i, lse_part)
+    alpha = tl.exp2(m_i - m_new)
+    beta = tl.exp2(lse_part - m_new)  # 0 for an empty partial
+    return m_new, l_i * alpha + beta, acc * alpha[:, None] + o_part * beta[:, None]
+
+
+@triton.jit
+def find_segment(starts_ptr, pid, num_segments, TILE: tl.constexpr):
+    """The last segment i whose first tile `starts[i] // TILE + i` is at or before pid (binary
+    search; tile numbers grow with i). Segment i owns items starts[i]:starts[i + 1] (a
+    sequence's query tokens, a relay group's members) and tiles starts[i] // TILE + i + j for
+    j < cdiv(its items, TILE), so cdiv(total items, TILE) + num_segments programs cover any
+    split of the items, a grid fixed by shapes alone."""
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_segments - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first = tl.load(starts_ptr + mid) // TILE + mid
+        if first <= pid:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -26,7 +26,7 @@ from loraplex.kernels._common import (
     next_pow2,
     upcast_loads,
 )
-from loraplex.kernels.attention_tiles import LOG2E, attend_paged_tiles, empty_state
+from loraplex.kernels.attention_tiles import LOG2E, attend_paged_tiles, empty_state, find_segment
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -37,22 +37,6 @@ class PrefillConfig:
     block_n: int
     num_warps: int
     num_stages: int
-
-
-@triton.jit
-def _find_sequence(query_start_loc_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
-    """The last sequence i whose first query block `query_start_loc[i] // BLOCK_Q + i` is at
-    or before pid (binary search; block numbers grow with i)."""
-    lo = tl.full([], 0, tl.int32)
-    hi = tl.full([], 0, tl.int32) + num_seqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if first <= pid:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 @triton.jit
@@ -67,7 +51,7 @@ def _prefill_kernel(
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = _find_sequence(query_start_loc_ptr, pid, num_seqs, BLOCK_Q)
+    seq = find_segment(query_start_loc_ptr, pid, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     q_block = pid - (q_start // BLOCK_Q + seq)

@@ -164,6 +164,83 @@ def paged_decode_attention(
     return paged_attention(q, kv_layer, block_tables, query_start_loc, seq_lens, scale)
 
 
+def attend_ranges(
+    q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor, starts: torch.Tensor,
+    ends: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query per row, q [rows, num_heads, head_dim], over the tokens [starts[i], ends[i])
+    of block_tables[i] (no causal mask): (out [rows, num_heads, head_dim] float32,
+    lse [rows, num_heads] float32, natural log). A row with no token gives 0 and lse -inf."""
+    rows, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_layer.shape[3], kv_layer.shape[2]
+    group = num_heads // num_kv_heads
+    max_len = max(int(ends.max()) if rows else 0, 1)
+    key_pos = torch.arange(max_len, device=q.device)
+    seen = (key_pos >= starts.long()[:, None]) & (key_pos < ends.long()[:, None])  # [rows, len]
+    table = block_tables[:, :-(-max_len // block_size)]
+    past_end = torch.arange(table.shape[1], device=q.device) * block_size >= ends.long()[:, None]
+    k, v = gather_kv(kv_layer, table.masked_fill(past_end, 0), max_len)  # [rows, len, kv, d]
+    k = k.float().masked_fill(~seen[:, :, None, None], 0.0)  # unseen slots may hold NaN
+    v = v.float().masked_fill(~seen[:, :, None, None], 0.0)
+    qg = q.float().view(rows, num_kv_heads, group, head_dim)
+    scores = torch.einsum("rhgd,rlhd->rhgl", qg, k) * scale
+    scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [rows, kv_heads, group]
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    out = torch.einsum("rhgl,rlhd->rhgd", probs, v)
+    return out.reshape(rows, num_heads, head_dim), lse.reshape(rows, num_heads)
+
+
+def merge_attention_states(
+    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over two disjoint key sets from each one's normalised output o [..., head_dim]
+    and log-sum-exp lse [...] (natural log, -inf = no key, its o then 0), in float32:
+    o = sigmoid(lse_a - lse_b) * o_a + (1 - sigmoid(lse_a - lse_b)) * o_b and
+    lse = logaddexp(lse_a, lse_b). An empty side leaves the other exactly; both empty give 0."""
+    lse_a, lse_b = lse_a.float(), lse_b.float()
+    both_empty = torch.isneginf(lse_a) & torch.isneginf(lse_b)
+    w = torch.sigmoid(torch.where(both_empty, 0.0, lse_a - lse_b)).unsqueeze(-1)
+    out = w * o_a.float() + (1 - w) * o_b.float()
+    return out.masked_fill(both_empty.unsqueeze(-1), 0.0), torch.logaddexp(lse_a, lse_b)
+
+
+def relay_decode_attention(
+    q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    prefix_lens: torch.Tensor, members: torch.Tensor, group_starts: torch.Tensor, scale: float,
+    *, num_splits: int | None = None, num_prefix_splits: int | None = None,
+) -> torch.Tensor:
+    """Decode attention where relay groups share a prefix, as the relay decomposition: each
+    member's query over its group's prefix (tokens [0, prefix_len) of the group's first
+    member's table), its own part (tokens [prefix_len, seq_len) of its table), merged by
+    merge_attention_states. Arguments as kernels/relay_attention.py documents them: prefix_lens
+    [batch] int32 (0 = no group), members [max_members] int32 batch rows, group g owning
+    members[group_starts[g]:group_starts[g + 1]]. Equal to paged_decode_attention over each
+    sequence's whole table. Checks the group buffers' invariants (a host sync: the CPU path).
+    num_splits and num_prefix_splits are the kernels' tuning knobs; ignored here."""
+    batch = q.shape[0]
+    starts = group_starts.tolist()
+    prefix_row = torch.arange(batch, device=q.device)  # whose table holds a row's prefix
+    in_group = torch.zeros(batch, dtype=torch.bool, device=q.device)
+    for g in range(len(starts) - 1):
+        if not starts[g] <= starts[g + 1] <= members.numel():
+            raise ValueError(f"group_starts must be non-decreasing within members: {starts}")
+        rows = members[starts[g]:starts[g + 1]].long()
+        if len(rows) == 0:
+            continue
+        if in_group[rows].any() or (prefix_lens[rows] != prefix_lens[rows[0]]).any():
+            raise ValueError(f"group {g}: a row in two groups, or members of unequal prefix_lens")
+        in_group[rows] = True
+        prefix_row[rows] = rows[0]
+    if ((prefix_lens > 0) & ~in_group).any():
+        raise ValueError("a row with prefix_lens > 0 is in no group")
+    zeros = torch.zeros_like(prefix_lens)
+    o_p, lse_p = attend_ranges(q, kv_layer, block_tables[prefix_row], zeros, prefix_lens, scale)
+    o_o, lse_o = attend_ranges(q, kv_layer, block_tables, prefix_lens, seq_lens, scale)
+    out, _ = merge_attention_states(o_p, lse_p, o_o, lse_o)
+    return out.to(q.dtype)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [num_tokens, 2 * intermediate] (gate | up) -> silu(gate) * up [num_tokens, intermediate]."""
     gate, up = x.chunk(2, dim=-1)

@@ -10,6 +10,7 @@ from loraplex.kernels.decode_attention import paged_decode_attention
 from loraplex.kernels.lora import lora_expand, lora_shrink
 from loraplex.kernels.norm import fused_add_rms_norm, rms_norm
 from loraplex.kernels.prefill_attention import paged_attention
+from loraplex.kernels.relay_attention import relay_decode_attention
 from loraplex.kernels.rotary import rotary_store_kv
 from loraplex.kernels.sampling import sample
 from loraplex.kernels.scoring import score_tokens
@@ -25,6 +26,7 @@ def triton_ops() -> Ops:
         rotary_store_kv=rotary_store_kv,
         paged_attention=paged_attention,
         paged_decode_attention=paged_decode_attention,
+        relay_decode_attention=relay_decode_attention,
         silu_and_mul=silu_and_mul,
         lora_shrink=lora_shrink,
         lora_expand=lora_expand,

@@ -15,6 +15,8 @@ DEFAULT_OUT = RESULTS
 SCRIPTS = {
     "kernels": ("kernel_speed", "the Triton kernels at Llama-3-8B shapes against their ceilings"),
     "skinny-gemm": ("skinny_gemm_vs_cublas", "the skinny GEMM against cuBLAS at decode sizes"),
+    "relay-kernels": ("relay_kernels", "RelayAttention decode against plain paged decode: "
+                      "group size x prefix length x batch, and the crossover"),
     "decode-gaps": ("decode_gaps", "where a decode step's wall time goes beyond its kernels"),
     "engine-overhead": ("engine_overhead", "the engine's own CPU time per step (CPU is fine)"),
     "load": ("server_load", "many streaming clients against `loraplex serve` on the demo"),

@@ -19,6 +19,7 @@ from triton.compiler import ASTSource
 from loraplex.kernels import activation, lora, norm, rotary, sampling
 from loraplex.kernels import decode_attention as decode
 from loraplex.kernels import prefill_attention as prefill
+from loraplex.kernels import relay_attention as relay
 
 TARGET = GPUTarget("cuda", 90, 32)
 BF16, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
@@ -84,19 +85,36 @@ def _cases() -> Iterator[tuple]:
         **KV_STRIDES, stride_q_out_tok=4096, stride_q_out_head=128, num_heads=32,
         num_kv_heads=8, half=64, block_size=16), dict(BLOCK_H=32, BLOCK_KV_H=8, BLOCK_HALF=64), 4)
     base = decode.decode_config(64, 8, 2048, 128, _cpu())  # one split at batch 64
-    for splits in (1, 8):  # the H100 takes 8 splits at batch 8, context 8192
+    decode_args = dict(
+        q_ptr=BF16, kv_ptr=BF16, block_tables_ptr=I32, seq_lens_ptr=I32, out_ptr=BF16,
+        part_out_ptr=F32, part_lse_ptr=F32, kv_starts_ptr=I32, prefix_out_ptr=F32,
+        prefix_lse_ptr=F32, stride_q_seq=4096, stride_q_head=128, **KV_STRIDES, stride_bt_seq=512,
+        stride_out_seq=4096, stride_out_head=128, scale_log2=0.127, num_heads=32, group=4,
+        head_dim=128)
+    # plain; relay's own part with the prefix merged in its epilogue or in the reduction
+    for splits, is_relay, prefix_splits in ((1, False, 1), (8, False, 1), (1, True, 2), (4, True, 2)):
         cfg = decode.DecodeConfig(splits, base.block_n, base.num_warps, base.num_stages)
-        yield (f"decode {cfg}", decode._decode_split_kernel, dict(
-            q_ptr=BF16, kv_ptr=BF16, block_tables_ptr=I32, seq_lens_ptr=I32, out_ptr=BF16,
-            part_out_ptr=F32, part_lse_ptr=F32, stride_q_seq=4096, stride_q_head=128,
-            **KV_STRIDES, stride_bt_seq=512, stride_out_seq=4096, stride_out_head=128,
-            scale_log2=0.127, num_heads=32, group=4, head_dim=128),
-            dict(PAGE_SIZE=16, NUM_SPLITS=cfg.num_splits, BLOCK_H=16, BLOCK_N=cfg.block_n,
-                 BLOCK_D=128, UPCAST=False), cfg.num_warps, cfg.num_stages)
-    yield ("decode reduce", decode._decode_reduce_kernel, dict(
-        part_out_ptr=F32, part_lse_ptr=F32, seq_lens_ptr=I32, out_ptr=BF16, stride_out_seq=4096,
-        stride_out_head=128, num_heads=32, head_dim=128),
-        dict(NUM_SPLITS=8, BLOCK_S=8, BLOCK_N=64, BLOCK_D=128), 4)
+        name = f"decode{' relay' if is_relay else ''} {cfg}"
+        yield (name, decode._decode_split_kernel, decode_args,
+               dict(PAGE_SIZE=16, NUM_SPLITS=cfg.num_splits, BLOCK_H=16, BLOCK_N=cfg.block_n,
+                    BLOCK_D=128, UPCAST=False, RELAY=is_relay, PREFIX_SPLITS=prefix_splits),
+               cfg.num_warps, cfg.num_stages)
+    for is_relay in (False, True):
+        yield (f"decode reduce{' relay' if is_relay else ''}", decode._decode_reduce_kernel, dict(
+            part_out_ptr=F32, part_lse_ptr=F32, seq_lens_ptr=I32, out_ptr=BF16, kv_starts_ptr=I32,
+            prefix_out_ptr=F32, prefix_lse_ptr=F32, stride_out_seq=4096, stride_out_head=128,
+            num_heads=32, head_dim=128),
+            dict(NUM_SPLITS=8, BLOCK_S=8, BLOCK_N=64, BLOCK_D=128, RELAY=is_relay, PREFIX_SPLITS=2,
+                 BLOCK_PS=2), 4)
+    for cfg in relay.CANDIDATE_CONFIGS:
+        yield (f"relay prefix {cfg}", relay._relay_prefix_kernel, dict(
+            q_ptr=BF16, kv_ptr=BF16, block_tables_ptr=I32, prefix_lens_ptr=I32, members_ptr=I32,
+            group_starts_ptr=I32, part_out_ptr=F32, part_lse_ptr=F32, stride_q_seq=4096,
+            stride_q_head=128, **KV_STRIDES, stride_bt_seq=512, scale_log2=0.127, max_groups=64,
+            num_heads=32, group=4, head_dim=128),
+            dict(PAGE_SIZE=16, NUM_SPLITS=cfg.num_splits, MEMBERS_PER_TILE=cfg.block_m // 4,
+                 GROUP_P2=4, BLOCK_N=cfg.block_n, BLOCK_D=128, UPCAST=False),
+            cfg.num_warps, cfg.num_stages)
     cfg = prefill.prefill_config(4, 128)
     yield (f"prefill {cfg}", prefill._prefill_kernel, dict(
         q_ptr=BF16, kv_ptr=BF16, block_tables_ptr=I32, query_start_loc_ptr=I32, seq_lens_ptr=I32,
