@@ -16,6 +16,7 @@ SCRIPTS = {
     "kernels": ("kernel_speed", "the Triton kernels at Llama-3-8B shapes against their ceilings"),
     "skinny-gemm": ("skinny_gemm_vs_cublas", "the skinny GEMM against cuBLAS at decode sizes"),
     "decode-gaps": ("decode_gaps", "where a decode step's wall time goes beyond its kernels"),
+    "decode-families": ("families", "decode by adapter family: LoRA, DoRA, IA3, FLoRA, mixed"),
     "engine-overhead": ("engine_overhead", "the engine's own CPU time per step (CPU is fine)"),
     "load": ("server_load", "many streaming clients against `loraplex serve` on the demo"),
     "precision": ("precision_study", "where a bf16 engine loses accuracy (CPU emulation)"),
