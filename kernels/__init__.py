@@ -28,6 +28,9 @@ class Ops:
     silu_and_mul: Callable
     lora_shrink: Callable
     lora_expand: Callable
+    scale_rows: Callable
+    flora_stack: Callable
+    flora_combine: Callable
     sample: Callable
     argmax: Callable
     score_tokens: Callable
@@ -48,6 +51,9 @@ def reference_ops() -> Ops:
         silu_and_mul=r.silu_and_mul,
         lora_shrink=r.lora_shrink,
         lora_expand=r.lora_expand,
+        scale_rows=r.scale_rows,
+        flora_stack=r.flora_stack,
+        flora_combine=r.flora_combine,
         sample=r.sample,
         argmax=r.argmax,
         score_tokens=r.score_tokens,

@@ -192,11 +192,12 @@ def _load_rank_chunk(ptrs, mask, r, rank, max_rank, EVEN_R: tl.constexpr):
 
 @triton.jit
 def _expand_kernel(
-    y_ptr, shrunk_ptr, b_ptr, token_slots_ptr, ranks_ptr,
+    y_ptr, shrunk_ptr, b_ptr, token_slots_ptr, ranks_ptr, scale_ptr, scaled_ptr, shift_ptr,
     num_tokens, out_features, max_rank, off0, off1, off2, off3, off4,
     stride_y_tok, stride_s_slice, stride_s_tok, stride_b_slot, stride_b_out, stride_ranks_slot,
+    stride_scale_slot, stride_shift_slot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RANK_CHUNK: tl.constexpr,
-    EVEN_R: tl.constexpr, NUM_STAGES: tl.constexpr,
+    EVEN_R: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr,
 ):
     col0 = tl.program_id(0) * BLOCK_N
     cols = col0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features, possibly of several slices
@@ -235,8 +236,22 @@ def _expand_kernel(
                     delta += tl.dot(st, tl.trans(bt), input_precision="tf32x3")
     if tl.max(has_adapter.to(tl.int32), axis=0) > 0:
         # y += delta in y's dtype, as the reference adds the rounded delta.
-        delta = delta.to(y_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(y_tile, y.to(tl.float32) + delta, mask=y_mask)
+        out = y.to(tl.float32) + delta.to(y_ptr.dtype.element_ty).to(tl.float32)
+        if HAS_SCALE:
+            # DoRA / IA3 epilogue: y <- scale * (y + delta) + shift in float32, for the tokens
+            # whose slot sets `scaled` (their scale row is read; other tokens' is not).
+            is_scaled = tl.load(scaled_ptr + slots, mask=has_adapter, other=0) != 0  # [BLOCK_M]
+            if tl.max(is_scaled.to(tl.int32), axis=0) > 0:
+                s_mask = is_scaled[:, None] & in_cols[None, :]
+                rows = slots.to(tl.int64)[:, None]
+                scale = tl.load(scale_ptr + rows * stride_scale_slot + cols[None, :], mask=s_mask,
+                                other=1.0)
+                scaled_out = (y.to(tl.float32) + delta) * scale
+                if HAS_SHIFT:
+                    scaled_out += tl.load(shift_ptr + rows * stride_shift_slot + cols[None, :],
+                                          mask=s_mask, other=0.0)
+                out = tl.where(is_scaled[:, None], scaled_out, out)
+        tl.store(y_tile, out, mask=y_mask)
 
 
 # Per-token launch configs that the benchmark sweeps and the GPU tests check.
@@ -351,12 +366,16 @@ def _launch_shrink(x, lora_a, token_slots, ranks, config: ShrinkConfig) -> torch
 
 def lora_expand(
     y: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor,
-    ranks: torch.Tensor, slice_offsets: tuple[int, ...],
+    ranks: torch.Tensor, slice_offsets: tuple[int, ...], scale: torch.Tensor | None = None,
+    scaled: torch.Tensor | None = None, shift: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [num_tokens, out] += per slice s: shrunk[s] @ lora_b[slot, off_s:off_{s+1}, :rank].T,
     in place, and returned. shrunk [num_slices, num_tokens, max_rank] float32 (zero past each
     slot's rank, as lora_shrink leaves it), lora_b [num_slots, out, max_rank], slice_offsets
-    (num_slices + 1 ints from 0 to out; at most 4 slices)."""
+    (num_slices + 1 ints from 0 to out; at most 4 slices). The epilogue (DoRA, IA3), for
+    tokens whose slot sets scaled [num_slots] int32: y <- scale[slot] * (y + delta) +
+    shift[slot] in float32 (scale, shift [num_slots, out] float32, shift optional); slots that
+    do not set it read no scale, so a plain LoRA batch reads one flag per token more."""
     check_tensor("y", y, ndim=2, dtypes=FLOAT_DTYPES)
     num_tokens, out_features = y.shape
     check_tensor("lora_b", lora_b, ndim=3, dtypes=FLOAT_DTYPES, shape=(None, out_features, None))
@@ -372,27 +391,41 @@ def lora_expand(
     check_tensor("shrunk", shrunk, ndim=3, dtypes=(torch.float32,),
                  shape=(num_slices, num_tokens, max_rank))
     _check_slots(token_slots, ranks, num_tokens, num_slots, num_slices)
-    check_launchable(_expand_kernel, (y, shrunk, lora_b, token_slots, ranks))
+    if (scale is None) != (scaled is None) or (shift is not None and scale is None):
+        raise ValueError("give scale and scaled together (and shift only with them)")
+    if scale is not None:
+        for name, t in (("scale", scale), ("shift", shift)):
+            if t is not None:
+                check_tensor(name, t, ndim=2, dtypes=(torch.float32,), shape=(num_slots, out_features))
+                if t.stride(1) != 1:
+                    raise ValueError(f"{name} must have unit stride in its last dim ({t.stride()})")
+        check_tensor("scaled", scaled, ndim=1, dtypes=(torch.int32,), shape=(num_slots,), contiguous=True)
+    extra = [t for t in (scale, scaled, shift) if t is not None]
+    check_launchable(_expand_kernel, (y, shrunk, lora_b, token_slots, ranks, *extra))
     return _launch_expand(y, shrunk, lora_b, token_slots, ranks, offsets,
-                          expand_config(num_tokens, max_rank))
+                          expand_config(num_tokens, max_rank), scale, scaled, shift)
 
 
 def _launch_expand(y, shrunk, lora_b, token_slots, ranks, offsets: list[int],
-                   config: ExpandConfig) -> torch.Tensor:
+                   config: ExpandConfig, scale=None, scaled=None, shift=None) -> torch.Tensor:
     num_tokens, out_features = y.shape
     max_rank = lora_b.shape[2]
-    if num_tokens == 0 or max_rank == 0 or out_features == 0:
+    if num_tokens == 0 or out_features == 0 or (max_rank == 0 and scale is None):
         return y
     grid = (cdiv(out_features, config.block_n), cdiv(num_tokens, config.block_m))
     # Per-token path: chunks no wider than a B row (max_rank 8 keeps 16-byte loads); the dots
     # of the tile path need K >= 16.
     chunk = RANK_CHUNK if config.block_m > 1 else min(RANK_CHUNK, next_pow2(max_rank))
     padded = offsets + [out_features] * (MAX_SLICES + 1 - len(offsets))
+    has_scale, has_shift = scale is not None, shift is not None
     _expand_kernel[grid](
-        y, shrunk, lora_b, token_slots, ranks, num_tokens, out_features, max_rank, *padded,
+        y, shrunk, lora_b, token_slots, ranks, scale if has_scale else y,
+        scaled if has_scale else token_slots, shift if has_shift else y,
+        num_tokens, out_features, max_rank, *padded,
         y.stride(0), shrunk.stride(0), shrunk.stride(1), lora_b.stride(0), lora_b.stride(1),
-        ranks.stride(0),
+        ranks.stride(0), scale.stride(0) if has_scale else 0, shift.stride(0) if has_shift else 0,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, RANK_CHUNK=chunk,
         EVEN_R=max_rank % chunk == 0, NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+        HAS_SCALE=has_scale, HAS_SHIFT=has_shift,
     )
     return y

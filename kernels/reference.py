@@ -277,13 +277,30 @@ def lora_shrink(
 
 def lora_expand(
     y: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor,
-    ranks: torch.Tensor, slice_offsets: tuple[int, ...],
+    ranks: torch.Tensor, slice_offsets: tuple[int, ...], scale: torch.Tensor | None = None,
+    scaled: torch.Tensor | None = None, shift: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [num_tokens, out] += per slice s: shrunk[s] @ lora_b[slot, off_s:off_{s+1}, :rank].T,
     in place. shrunk [num_slices, num_tokens, max_rank] float32, lora_b
-    [num_slots, out, max_rank], slice_offsets (num_slices + 1 ints, last = out)."""
+    [num_slots, out, max_rank], slice_offsets (num_slices + 1 ints, last = out).
+    The epilogue, for tokens whose slot has scaled[slot] set (scaled [num_slots] int32):
+    y <- scale[slot] * (y + delta) + shift[slot], in float32 (scale, shift [num_slots, out]
+    float32; shift None means 0): DoRA's magnitude over the row norm, IA3's output vector."""
     slot_ranks = ranks.tolist()
+    is_scaled = [False] * len(slot_ranks) if scaled is None else [bool(v) for v in scaled.tolist()]
     for slot, rows in _rows_by_slot(token_slots):
+        if is_scaled[slot]:
+            out = y[rows].float()
+            for s in range(len(slice_offsets) - 1):
+                r = slot_ranks[slot][s]
+                lo, hi = slice_offsets[s], slice_offsets[s + 1]
+                if r:
+                    out[:, lo:hi] += shrunk[s, rows, :r] @ lora_b[slot, lo:hi, :r].float().T
+            out = out * scale[slot]
+            if shift is not None:
+                out = out + shift[slot]
+            y[rows] = out.to(y.dtype)
+            continue
         for s in range(len(slice_offsets) - 1):
             r = slot_ranks[slot][s]
             if r == 0:
@@ -291,6 +308,61 @@ def lora_expand(
             lo, hi = slice_offsets[s], slice_offsets[s + 1]
             delta = shrunk[s, rows, :r] @ lora_b[slot, lo:hi, :r].float().T
             y[rows, lo:hi] += delta.to(y.dtype)
+    return y
+
+
+def scale_rows(x: torch.Tensor, scales: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, in] * scales[slot] for each token's slot (scales [num_slots, in] float32,
+    row 0 and the rows of slots that scale nothing all 1): IA3's input vectors."""
+    return (x.float() * scales[token_slots.long()]).to(x.dtype)
+
+
+def flora_stack(
+    x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, flora_ranks: torch.Tensor,
+    row_tokens: torch.Tensor, row_ranks: torch.Tensor,
+) -> torch.Tensor:
+    """FLoRA's rows under the batch's: x [num_tokens, in], lora_a [num_slots, num_slices,
+    max_rank, in] (FLoRA's A in its slots), row_tokens and row_ranks [num_rows] int64 (row j is
+    component row_ranks[j] of token row_tokens[j]) -> [num_tokens + num_slices * num_rows, in]:
+    x, then for each slice s the rows a[slot, s, k] * x[t] (zero where k is past the slot's
+    FLoRA rank of that slice)."""
+    num_slices = lora_a.shape[1]
+    tokens, ks = row_tokens.long(), row_ranks.long()
+    slots = token_slots.long()[tokens]  # [num_rows]
+    parts = [x]
+    for s in range(num_slices):
+        a = lora_a[slots, s, ks].float()  # [num_rows, in]
+        live = (ks < flora_ranks[slots, s].long()).unsqueeze(1)
+        parts.append(torch.where(live, a * x[tokens].float(), 0.0).to(x.dtype))
+    return torch.cat(parts)
+
+
+def flora_combine(
+    y: torch.Tensor, products: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor,
+    flora_ranks: torch.Tensor, row_tokens: torch.Tensor, row_ranks: torch.Tensor,
+    slice_offsets: tuple[int, ...], bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y [num_tokens, out], in place: the columns of each slice that a token's FLoRA adapter
+    adapts become sum_k b[slot, col, k] * products[s * num_rows + j, col] over the token's rows
+    j (k = row_ranks[j]), plus bias [out]; products [num_slices * num_rows, out] is the base
+    weight times flora_stack's rows (no bias). lora_b [num_slots, out, max_rank]."""
+    num_rows = len(row_tokens)
+    if num_rows == 0:
+        return y
+    tokens, ks = row_tokens.long(), row_ranks.long()
+    slots = token_slots.long()[tokens]
+    for s in range(len(slice_offsets) - 1):
+        lo, hi = slice_offsets[s], slice_offsets[s + 1]
+        live = ks < flora_ranks[slots, s].long()  # [num_rows]
+        terms = lora_b[slots, lo:hi, ks].float() * products[s * num_rows:(s + 1) * num_rows, lo:hi].float()
+        terms = torch.where(live.unsqueeze(1), terms, 0.0)
+        acc = torch.zeros(y.shape[0], hi - lo, dtype=torch.float32, device=y.device)
+        acc.index_add_(0, tokens, terms)
+        if bias is not None:
+            acc += bias[lo:hi].float()
+        adapted = torch.zeros(y.shape[0], dtype=torch.bool, device=y.device)
+        adapted[tokens[live]] = True
+        y[adapted, lo:hi] = acc[adapted].to(y.dtype)
     return y
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from loraplex.kernels import Ops
 from loraplex.kernels.activation import silu_and_mul
+from loraplex.kernels.adapter_families import flora_combine, flora_stack, scale_rows
 from loraplex.kernels.argmax import argmax
 from loraplex.kernels.decode_attention import paged_decode_attention
 from loraplex.kernels.lora import lora_expand, lora_shrink
@@ -30,6 +31,9 @@ def triton_ops() -> Ops:
         silu_and_mul=silu_and_mul,
         lora_shrink=lora_shrink,
         lora_expand=lora_expand,
+        scale_rows=scale_rows,
+        flora_stack=flora_stack,
+        flora_combine=flora_combine,
         sample=sample,
         argmax=argmax,
         score_tokens=score_tokens,

@@ -1,14 +1,16 @@
-"""PEFT LoRA adapters: parsing and validation, the one code path that the engine (loading) and
-the registry (uploads) share. Torch-free: safetensors files are parsed here by hand, with every
-header field checked, and values are read into numpy (bf16 widened to float32 by bit shift).
-Nothing is ever unpickled.
+"""Adapters of four families: PEFT LoRA, PEFT DoRA (LoRA with `use_dora`), PEFT IA3, and FLoRA
+(loraplex's format for multiplicative adapters, docs/flora-format.md): parsing and validation,
+the one code path that the engine (loading) and the registry (uploads) share. Torch-free:
+safetensors files are parsed here by hand, with every header field checked, and values are read
+into numpy (bf16 widened to float32 by bit shift). Nothing is ever unpickled.
 
-An adapter is refused with an AdapterError naming the problem: not LoRA, DoRA, modules_to_save,
+An adapter is refused with an AdapterError naming the problem: another PEFT type, modules_to_save,
 unsupported target modules, tensors that disagree with the modules the config targets (by PEFT's
-rules, loraplex.adapter_targets), rank above the limit, shapes that do not fit the base model,
-NaN/Inf, disallowed dtypes, a malformed, oversized, too deeply nested or truncated file, or only
-a pickle file. Messages name the files by their PEFT names (never a server path) and quote
-values from the files only in short.
+rules, loraplex.adapter_targets) or with its family, rank above the limit, shapes that do not fit
+the base model (a DoRA magnitude or an IA3 vector of the wrong length included), NaN/Inf,
+disallowed dtypes, a malformed, oversized, too deeply nested or truncated file, or only a pickle
+file. Messages name the files by their PEFT names (never a server path) and quote values from the
+files only in short.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import regex
 
-from loraplex.adapter_targets import SUPPORTED_MODULES, TargetSpec, block_of
+from loraplex.adapter_targets import MATCH_TIME_LIMIT_S, SUPPORTED_MODULES, TargetSpec, block_of
 from loraplex.errors import AdapterError
 from loraplex.json_limits import loads_bounded
 
@@ -39,6 +42,9 @@ MAX_HEADER_DEPTH = 4
 MAX_TENSORS = 8192
 MAX_PATTERN_LENGTH = 256
 MAX_QUOTED_CHARS = 80
+IA3_INPUT_MODULES = ("o_proj", "down_proj")
+"""Modules whose input an IA3 vector may scale: the others share their input product (q/k/v,
+gate/up are one product in the engine)."""
 """Values from the files are quoted in messages up to this length."""
 
 _DTYPES: dict[str, tuple[np.dtype, int]] = {
@@ -47,8 +53,20 @@ _DTYPES: dict[str, tuple[np.dtype, int]] = {
     "BF16": (np.dtype("<u2"), 2),  # widened to float32 on read
 }
 _KEY = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)\.lora_(A|B)\.weight$"
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)\."
+    r"(lora_A\.weight|lora_B\.weight|lora_magnitude_vector|ia3_l|flora_A\.weight|flora_B\.weight)$"
 )
+FAMILIES = ("lora", "dora", "ia3", "flora")
+"""lora: W0 + s B A. dora: m / ||W0 + s B A||_row * (W0 + s B A). ia3: W0 scaled by a vector on
+its output (or, for feed-forward modules, its input). flora: W0 * (B A), element-wise."""
+_PEFT_TYPES = {"LORA": "lora", "IA3": "ia3", "FLORA": "flora"}
+# The tensors of one adapted module, by family: tensor suffix -> part.
+_PARTS = {
+    "lora": {"lora_A.weight": "A", "lora_B.weight": "B"},
+    "dora": {"lora_A.weight": "A", "lora_B.weight": "B", "lora_magnitude_vector": "M"},
+    "ia3": {"ia3_l": "L"},
+    "flora": {"flora_A.weight": "A", "flora_B.weight": "B"},
+}
 _MODULE_PATH = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 # Config keys that change the math of inference; PEFT features we do not implement.
 _UNSUPPORTED_FEATURES = (
@@ -81,17 +99,31 @@ class BaseModelShape:
 @dataclass(frozen=True)
 class LoraModule:
     """One adapted module of one layer. `a` is [rank, in_features], `b` [out_features, rank],
-    both float32; the output is `x @ a.T @ b.T * scaling`."""
+    both float32. LoRA: the output gains `x @ a.T @ b.T * scaling`. DoRA: the same, and the
+    sum is scaled per output row by `magnitude / ||W0 + scaling * b @ a||_row` ([out_features]).
+    FLoRA: the weight becomes `W0 * (b @ a)` (scaling 1)."""
 
     layer: int
     module: str
     a: np.ndarray
     b: np.ndarray
     scaling: float
+    magnitude: np.ndarray | None = None
 
     @property
     def rank(self) -> int:
         return self.a.shape[0]
+
+
+@dataclass(frozen=True)
+class Ia3Vector:
+    """IA3's learned vector of one module of one layer (float32): it scales the module's input
+    ([in_features], a feed-forward module) or its output ([out_features], bias included)."""
+
+    layer: int
+    module: str
+    values: np.ndarray
+    is_input: bool
 
 
 @dataclass(frozen=True)
@@ -105,6 +137,10 @@ class AdapterConfig:
     rank_pattern: dict[str, int]
     alpha_pattern: dict[str, float]
     base_model_name: str | None
+    family: str = "lora"
+    feedforward_modules: tuple[str, ...] | str | None = None
+    """IA3: the modules whose input (not output) the vector scales (PEFT's rule: a list entry
+    is a suffix of the module name, a string a regular expression over the whole name)."""
 
     def scaling(self, module_path: str) -> tuple[int, float]:
         """(rank, scaling) that PEFT would give the module at `module_path`
@@ -123,14 +159,21 @@ class LoraAdapter:
     config: AdapterConfig
     modules: dict[tuple[int, str], LoraModule]
     num_bytes: int
+    vectors: dict[tuple[int, str], Ia3Vector] = field(default_factory=dict)
+    """IA3 adapters: their vectors (`modules` is empty)."""
+
+    @property
+    def family(self) -> str:
+        return self.config.family
 
     @property
     def rank(self) -> int:
-        return max(m.rank for m in self.modules.values())
+        """The largest rank of its modules (0 for IA3)."""
+        return max((m.rank for m in self.modules.values()), default=0)
 
     @property
     def target_modules(self) -> tuple[str, ...]:
-        present = {module for _, module in self.modules}
+        present = {module for _, module in (*self.modules, *self.vectors)}
         return tuple(m for m in SUPPORTED_MODULES if m in present)
 
 
@@ -169,29 +212,88 @@ def load_adapter(
     adapter_config = parse_adapter_config(config, max_rank)
     weights_path = Path(weights_path)
     tensors = read_safetensors(weights_path, name=WEIGHTS_NAME)
-    pairs = _pair_tensors(tensors, adapter_config, base)
+    parts_of = _group_tensors(tensors, adapter_config, base)
     modules: dict[tuple[int, str], LoraModule] = {}
+    vectors: dict[tuple[int, str], Ia3Vector] = {}
     hasher = hashlib.sha256()
-    for (layer, module), (a_name, b_name) in sorted(pairs.items()):
-        a_raw, b_raw = tensors[a_name], tensors[b_name]
-        rank = _check_shapes(layer, module, a_raw, b_raw, adapter_config, base, max_rank)
-        path = f"model.layers.{layer}.{block_of(module)}.{module}"
-        config_rank, scaling = adapter_config.scaling(path)
-        if config_rank != rank:
-            raise AdapterError(
-                f"{path}: tensors have rank {rank} but adapter_config.json gives rank {config_rank}"
-            )
-        a, b = a_raw.values(), b_raw.values()
-        for name, values in ((a_name, a), (b_name, b)):
-            if not np.isfinite(values).all():
+    if adapter_config.family != "lora":  # plain LoRA digests stay what they always were
+        hasher.update(f"family={adapter_config.family};".encode())
+    for (layer, module), parts in sorted(parts_of.items()):
+        raw = {part: tensors[name] for part, name in parts.items()}
+        for name in parts.values():
+            if not np.isfinite(tensors[name].values()).all():
                 raise AdapterError(f"tensor {name} contains NaN or Inf values")
-        modules[(layer, module)] = LoraModule(layer, module, a, b, scaling)
-        for raw in (a_raw, b_raw):
-            raw.update_digest(hasher)
-        hasher.update(f"scaling={scaling!r};".encode())
-    if not modules:
-        raise AdapterError(f"{WEIGHTS_NAME} holds no LoRA tensors")
-    return LoraAdapter(hasher.hexdigest(), adapter_config, modules, weights_path.stat().st_size)
+        if adapter_config.family == "ia3":
+            vectors[(layer, module)] = _ia3_vector(layer, module, raw["L"], adapter_config, base)
+        else:
+            modules[(layer, module)] = _lora_module(layer, module, raw, adapter_config, base, max_rank)
+        for part in sorted(raw):
+            raw[part].update_digest(hasher)
+        if adapter_config.family in ("lora", "dora"):
+            hasher.update(f"scaling={modules[(layer, module)].scaling!r};".encode())
+        elif adapter_config.family == "ia3":
+            hasher.update(f"input={vectors[(layer, module)].is_input};".encode())
+    if not modules and not vectors:
+        raise AdapterError(f"{WEIGHTS_NAME} holds no adapter tensors")
+    return LoraAdapter(hasher.hexdigest(), adapter_config, modules, weights_path.stat().st_size, vectors)
+
+
+def _lora_module(layer: int, module: str, raw: dict[str, RawTensor], config: AdapterConfig,
+                 base: BaseModelShape, max_rank: int) -> LoraModule:
+    """A LoRA, DoRA or FLoRA module, its shapes checked against the base model."""
+    rank = _check_shapes(layer, module, raw["A"], raw["B"], config, base, max_rank)
+    path = f"model.layers.{layer}.{block_of(module)}.{module}"
+    if config.family == "flora":
+        if rank != config.rank:
+            raise AdapterError(f"{path}: tensors have rank {rank} but {CONFIG_NAME} gives rank "
+                               f"{config.rank}")
+        return LoraModule(layer, module, raw["A"].values(), raw["B"].values(), 1.0)
+    config_rank, scaling = config.scaling(path)
+    if config_rank != rank:
+        raise AdapterError(
+            f"{path}: tensors have rank {rank} but adapter_config.json gives rank {config_rank}"
+        )
+    magnitude = None
+    if config.family == "dora":
+        out_features = base.features(module)[1]
+        m = raw["M"]
+        if len(m.shape) != 1 or m.shape[0] != out_features:
+            raise AdapterError(f"layer {layer} {module}: DoRA magnitude (lora_magnitude_vector) has "
+                               f"shape {list(m.shape)}, but the base model needs [{out_features}]")
+        magnitude = m.values()
+    return LoraModule(layer, module, raw["A"].values(), raw["B"].values(), scaling, magnitude)
+
+
+def _ia3_vector(layer: int, module: str, raw: RawTensor, config: AdapterConfig,
+                base: BaseModelShape) -> Ia3Vector:
+    """IA3's vector: [1, in_features] on a feed-forward module, [out_features, 1] elsewhere."""
+    in_features, out_features = base.features(module)
+    path = f"model.layers.{layer}.{block_of(module)}.{module}"
+    is_input = _is_feedforward(config.feedforward_modules, path)
+    expected = [1, in_features] if is_input else [out_features, 1]
+    if list(raw.shape) != expected:
+        role = "a feed-forward module (its input is scaled)" if is_input else \
+            "not a feed-forward module (its output is scaled)"
+        raise AdapterError(f"layer {layer} {module}: ia3_l has shape {list(raw.shape)}, but {module} is "
+                           f"{role} and needs {expected}")
+    if is_input and module not in IA3_INPUT_MODULES:
+        raise AdapterError(f"layer {layer} {module}: IA3 input scaling (feedforward_modules) is "
+                           f"supported on {', '.join(IA3_INPUT_MODULES)} only ({module} shares its "
+                           f"input product with other projections)")
+    return Ia3Vector(layer, module, raw.values().reshape(-1), is_input)
+
+
+def _is_feedforward(spec: tuple[str, ...] | str | None, path: str) -> bool:
+    """PEFT's rule for IA3's feedforward_modules."""
+    if spec is None:
+        return False
+    if isinstance(spec, str):
+        try:
+            return regex.fullmatch(spec, path, timeout=MATCH_TIME_LIMIT_S) is not None
+        except TimeoutError:
+            raise AdapterError(f"feedforward_modules {_quote(spec)} takes too long to match module "
+                               f"names") from None
+    return any(path.endswith(entry) for entry in spec)
 
 
 def parse_adapter_config(raw: bytes | str | dict[str, Any], max_rank: int) -> AdapterConfig:
@@ -208,17 +310,18 @@ def parse_adapter_config(raw: bytes | str | dict[str, Any], max_rank: int) -> Ad
     if not isinstance(data, dict):
         raise AdapterError(f"{CONFIG_NAME} must hold a JSON object")
     peft_type = data.get("peft_type")
-    if peft_type != "LORA":
-        raise AdapterError(f"peft_type must be 'LORA', got {_quote(peft_type)}")
+    family = _PEFT_TYPES.get(peft_type) if isinstance(peft_type, str) else None
+    if family is None:
+        raise AdapterError(f"peft_type must be 'LORA', 'IA3' or 'FLORA', got {_quote(peft_type)}")
     task_type = data.get("task_type")
     if task_type not in (None, "CAUSAL_LM"):
         raise AdapterError(f"task_type must be 'CAUSAL_LM', got {_quote(task_type)}")
-    if data.get("use_dora"):
-        raise AdapterError("DoRA adapters (use_dora: true) are not supported")
+    if family == "lora" and data.get("use_dora"):
+        family = "dora"
     if data.get("modules_to_save"):
         raise AdapterError(
             f"modules_to_save is not supported (the adapter trains full copies of "
-            f"{_quote(data['modules_to_save'])}); only LoRA weights can be served per request"
+            f"{_quote(data['modules_to_save'])}); only adapter weights can be served per request"
         )
     if data.get("bias", "none") != "none":
         raise AdapterError(f"bias={_quote(data['bias'])} is not supported; only bias='none'")
@@ -227,8 +330,22 @@ def parse_adapter_config(raw: bytes | str | dict[str, Any], max_rank: int) -> Ad
     for key in _UNSUPPORTED_FEATURES:
         if data.get(key):
             raise AdapterError(f"the PEFT feature {key!r} is not supported")
-    rank, alpha = data.get("r", 8), data.get("lora_alpha", 8)
+    targets = TargetSpec.parse(data)
+    base_model = data.get("base_model_name_or_path")
+    base_model = base_model if isinstance(base_model, str) else None
+    if family == "ia3":
+        feedforward = data.get("feedforward_modules")
+        feedforward = None if not feedforward else _feedforward(feedforward)
+        return AdapterConfig(rank=0, alpha=0.0, use_rslora=False, targets=targets, rank_pattern={},
+                             alpha_pattern={}, base_model_name=base_model, family=family,
+                             feedforward_modules=feedforward)
+    rank = data.get("r", 8)
     _check_rank(rank, "r", max_rank)
+    if family == "flora":
+        return AdapterConfig(rank=rank, alpha=float(rank), use_rslora=False, targets=targets,
+                             rank_pattern={}, alpha_pattern={}, base_model_name=base_model,
+                             family=family)
+    alpha = data.get("lora_alpha", 8)
     if not _is_number(alpha) or not math.isfinite(alpha) or alpha <= 0:
         raise AdapterError(f"lora_alpha must be a positive finite number, got {_quote(alpha)}")
     rank_pattern = _pattern_dict(data.get("rank_pattern"), "rank_pattern")
@@ -238,12 +355,27 @@ def parse_adapter_config(raw: bytes | str | dict[str, Any], max_rank: int) -> Ad
     for key, value in alpha_pattern.items():
         if not _is_number(value) or not math.isfinite(value) or value <= 0:
             raise AdapterError(f"alpha_pattern[{key!r}] must be a positive finite number")
-    base_model = data.get("base_model_name_or_path")
     return AdapterConfig(
         rank=rank, alpha=float(alpha), use_rslora=bool(data.get("use_rslora", False)),
-        targets=TargetSpec.parse(data), rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
-        base_model_name=base_model if isinstance(base_model, str) else None,
+        targets=targets, rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
+        base_model_name=base_model, family=family,
     )
+
+
+def _feedforward(value: Any) -> tuple[str, ...] | str:
+    if isinstance(value, str):
+        if len(value) > MAX_PATTERN_LENGTH:
+            raise AdapterError(f"feedforward_modules is longer than {MAX_PATTERN_LENGTH} characters")
+        try:
+            regex.compile(value)
+        except regex.error as exc:
+            raise AdapterError(f"feedforward_modules {_quote(value)} is not a valid regular "
+                               f"expression ({exc})") from None
+        return value
+    if not isinstance(value, list) or len(value) > 64 or not all(
+            isinstance(v, str) and 0 < len(v) <= MAX_PATTERN_LENGTH for v in value):
+        raise AdapterError("feedforward_modules must be a regular expression or a list of module names")
+    return tuple(value)
 
 
 class RawTensor:
@@ -330,17 +462,20 @@ def _tensor_info(file: str, name: str, info: Any) -> tuple[str, tuple[int, ...],
     return dtype, tuple(shape), (begin, end)
 
 
-def _pair_tensors(
+def _group_tensors(
     tensors: dict[str, RawTensor], config: AdapterConfig, base: BaseModelShape
-) -> dict[tuple[int, str], tuple[str, str]]:
-    """(layer, module) -> (lora_A name, lora_B name), for exactly the modules the config
-    targets in the base model."""
-    halves: dict[tuple[int, str], dict[str, str]] = {}
+) -> dict[tuple[int, str], dict[str, str]]:
+    """(layer, module) -> {part: tensor name} (parts: A, B, M for DoRA's magnitude, L for IA3's
+    vector), for exactly the modules the config targets in the base model, each with every part
+    its family needs."""
+    family = config.family
+    expected = _PARTS[family]
+    found: dict[tuple[int, str], dict[str, str]] = {}
     for name in tensors:
         match = _KEY.match(name)
         if match is None:
             raise AdapterError(_describe_unexpected(name))
-        layer, block, module, half = int(match[1]), match[2], match[3], match[4]
+        layer, block, module, suffix = int(match[1]), match[2], match[3], match[4]
         if module not in SUPPORTED_MODULES:
             raise AdapterError(f"unsupported target module {module!r} (tensor {name}); "
                                f"supported: {', '.join(SUPPORTED_MODULES)}")
@@ -349,15 +484,27 @@ def _pair_tensors(
         if layer >= base.num_layers:
             raise AdapterError(f"tensor {name} is for layer {layer}, but the base model has "
                                f"{base.num_layers} layers")
-        halves.setdefault((layer, module), {})[half] = name
-    _check_targets(set(halves), config.targets, base.num_layers)
-    pairs = {}
-    for key, found in halves.items():
-        if set(found) != {"A", "B"}:
-            missing = "lora_B" if "A" in found else "lora_A"
-            raise AdapterError(f"layer {key[0]} {key[1]} has no {missing} tensor")
-        pairs[key] = (found["A"], found["B"])
-    return pairs
+        if suffix not in expected:
+            raise AdapterError(_foreign_part(name, suffix, family))
+        found.setdefault((layer, module), {})[expected[suffix]] = name
+    _check_targets(set(found), config.targets, base.num_layers)
+    names = {part: suffix for suffix, part in expected.items()}
+    for (layer, module), parts in found.items():
+        missing = sorted(set(names) - set(parts))
+        if missing:
+            raise AdapterError(f"layer {layer} {module} has no {names[missing[0]].removesuffix('.weight')} "
+                               f"tensor")
+    return found
+
+
+def _foreign_part(name: str, suffix: str, family: str) -> str:
+    """The message for a tensor that another family's adapters hold."""
+    if suffix == "lora_magnitude_vector":
+        return (f"tensor {_quote(name)} is a DoRA magnitude, but {CONFIG_NAME} does not set "
+                f"use_dora: true")
+    owner = {"ia3_l": "an IA3", "flora_A.weight": "a FLoRA", "flora_B.weight": "a FLoRA"}.get(
+        suffix, "a LoRA")
+    return f"tensor {_quote(name)} belongs in {owner} adapter, but {CONFIG_NAME} describes a {family} one"
 
 
 def _check_targets(found: set[tuple[int, str]], targets: TargetSpec, num_layers: int) -> None:
@@ -380,8 +527,6 @@ def _modules(keys: list[tuple[int, str]], limit: int = 4) -> str:
 
 
 def _describe_unexpected(name: str) -> str:
-    if "lora_magnitude_vector" in name:
-        return "DoRA adapters (lora_magnitude_vector) are not supported"
     if "lora_embedding" in name or "embed_tokens" in name:
         return "unsupported target module 'embed_tokens'; supported: " + ", ".join(SUPPORTED_MODULES)
     if "modules_to_save" in name or name.endswith(("lm_head.weight", "embed_tokens.weight")):
@@ -399,16 +544,17 @@ def _check_shapes(
 ) -> int:
     in_features, out_features = base.features(module)
     where = f"layer {layer} {module}"
+    a_name, b_name = ("flora_A", "flora_B") if config.family == "flora" else ("lora_A", "lora_B")
     if len(a.shape) != 2 or len(b.shape) != 2:
-        raise AdapterError(f"{where}: lora_A and lora_B must be matrices")
+        raise AdapterError(f"{where}: {a_name} and {b_name} must be matrices")
     rank = a.shape[0]
     if a.shape[1] != in_features or b.shape[0] != out_features:
         raise AdapterError(
-            f"{where}: shapes lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit the base "
-            f"model, which needs lora_A [r, {in_features}] and lora_B [{out_features}, r]"
+            f"{where}: shapes {a_name} {list(a.shape)} and {b_name} {list(b.shape)} do not fit the "
+            f"base model, which needs {a_name} [r, {in_features}] and {b_name} [{out_features}, r]"
         )
     if b.shape[1] != rank:
-        raise AdapterError(f"{where}: lora_A has rank {rank} but lora_B has rank {b.shape[1]}")
+        raise AdapterError(f"{where}: {a_name} has rank {rank} but {b_name} has rank {b.shape[1]}")
     _check_rank(rank, where, max_rank)
     return rank
 

@@ -103,3 +103,57 @@ def make_adapter(base_model, spec: AdapterSpec, folder: Path, seed: int = 1) -> 
     path = folder / spec.name
     peft_model.save_pretrained(path)
     return path
+
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+ALL_SEVEN = ATTENTION + ("gate_proj", "up_proj", "down_proj")
+
+
+def make_dora_adapter(base_model, folder: Path, targets: tuple[str, ...], rank: int, alpha: float,
+                      seed: int = 1) -> Path:
+    """A PEFT DoRA adapter (use_dora) with random A, B and magnitudes away from the row norms,
+    saved by PEFT itself."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), use_dora=True,
+                        init_lora_weights=False, task_type="CAUSAL_LM")
+    peft_model = get_peft_model(copy.deepcopy(base_model), config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3)
+            elif "lora_magnitude_vector" in name:
+                param.mul_(1 + 0.3 * torch.randn_like(param))
+    peft_model.save_pretrained(folder)
+    return folder
+
+
+def make_ia3_adapter(base_model, folder: Path, targets: tuple[str, ...],
+                     feedforward: tuple[str, ...], seed: int = 1) -> Path:
+    """A PEFT IA3 adapter with vectors around 1, saved by PEFT itself."""
+    import copy
+
+    from peft import IA3Config, get_peft_model
+
+    torch.manual_seed(seed)
+    config = IA3Config(target_modules=list(targets), feedforward_modules=list(feedforward),
+                       task_type="CAUSAL_LM")
+    peft_model = get_peft_model(copy.deepcopy(base_model), config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "ia3_l" in name:
+                param.copy_(1 + 0.5 * torch.randn_like(param))
+    peft_model.save_pretrained(folder)
+    return folder
+
+
+def make_flora_adapter(base_model, folder: Path, targets: tuple[str, ...], rank: int,
+                       seed: int = 1) -> Path:
+    """A FLoRA adapter saved by the demo trainer's writer: B A about 1, with 30% noise."""
+    from loraplex.demo.flora import add_flora, save_flora
+
+    torch.manual_seed(seed)
+    return save_flora(add_flora(base_model, rank, targets, init_noise=0.3), folder)

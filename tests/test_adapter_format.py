@@ -13,7 +13,15 @@ from safetensors.torch import load_file, save_file
 
 from loraplex.adapter_format import BaseModelShape, load_adapter_dir
 from loraplex.errors import AdapterError
-from tests.factories import TINY, AdapterSpec, make_adapter, make_hf_model
+from tests.factories import (
+    TINY,
+    AdapterSpec,
+    make_adapter,
+    make_dora_adapter,
+    make_flora_adapter,
+    make_hf_model,
+    make_ia3_adapter,
+)
 
 SHAPE = BaseModelShape(num_layers=2, hidden_size=64, intermediate_size=96, num_heads=4,
                        num_kv_heads=2, head_dim=16)
@@ -76,7 +84,7 @@ def test_digest_is_content_identity(good, tmp_path):
     (dict(r=4, target_modules=["q_proj", "lm_head"]), "unsupported target modules: lm_head"),
     (dict(r=4, target_modules=["embed_tokens"]), "unsupported target modules: embed_tokens"),
     (dict(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]), "modules_to_save is not supported"),
-    (dict(r=4, target_modules=["q_proj"], use_dora=True), "DoRA"),
+    (dict(r=4, target_modules=["q_proj"], lora_bias=True), "lora_bias"),
     (dict(r=128, target_modules=["q_proj"]), "rank 128 exceeds the limit of 64"),
 ])
 def test_refused_peft_configs(base, tmp_path, config, message):
@@ -202,7 +210,76 @@ def test_refused_adapter_leaves_engine_adapters_unchanged(tmp_path):
     good_path = make_adapter(base, GOOD, tmp_path)
     llm = LLM(tmp_path / "model", device="cpu", dtype="float32")
     llm.add_adapter("good", good_path)
-    bad = _peft(base, tmp_path, r=4, target_modules=["q_proj"], use_dora=True)
-    with pytest.raises(AdapterError, match="DoRA"):
+    bad = _peft(base, tmp_path, r=128, target_modules=["q_proj"])
+    with pytest.raises(AdapterError, match="exceeds"):
         llm.add_adapter("bad", bad)
     assert set(llm.engine.local_adapters.names) == {"good"}
+
+
+# Families ------------------------------------------------------------------------------------
+def test_peft_dora_loads_with_its_magnitudes(base, tmp_path):
+    path = make_dora_adapter(base, tmp_path / "dora", ("q_proj", "down_proj"), rank=2, alpha=4)
+    adapter = load_adapter_dir(path, SHAPE, 64)
+    assert adapter.family == "dora" and adapter.rank == 2
+    module = adapter.modules[(1, "down_proj")]
+    assert module.magnitude.shape == (64,) and module.scaling == pytest.approx(2.0)
+    plain = tmp_path / "plain"
+    shutil.copytree(path, plain)
+    _edit_config(plain, use_dora=False)
+    with pytest.raises(AdapterError, match="is a DoRA magnitude, but adapter_config.json does not set "
+                                           "use_dora"):
+        load_adapter_dir(plain, SHAPE, 64)
+    _edit_tensors(plain, lambda t: [t.pop(k) for k in list(t) if "magnitude" in k])
+    assert load_adapter_dir(plain, SHAPE, 64).digest != adapter.digest  # same A, B: not the same
+
+
+def test_dora_magnitude_of_wrong_length_names_the_module(base, tmp_path):
+    path = make_dora_adapter(base, tmp_path / "dora", ("q_proj", "down_proj"), rank=2, alpha=4)
+    key = "base_model.model.model.layers.1.mlp.down_proj.lora_magnitude_vector"
+    _edit_tensors(path, lambda t: t.update({key: torch.ones(96)}))
+    with pytest.raises(AdapterError, match=re.escape("layer 1 down_proj: DoRA magnitude "
+                                                     "(lora_magnitude_vector) has shape [96]")):
+        load_adapter_dir(path, SHAPE, 64)
+    _edit_tensors(path, lambda t: t.pop(key))
+    with pytest.raises(AdapterError, match="layer 1 down_proj has no lora_magnitude_vector tensor"):
+        load_adapter_dir(path, SHAPE, 64)
+
+
+def test_peft_ia3_loads_and_checks_its_vectors(base, tmp_path):
+    path = make_ia3_adapter(base, tmp_path / "ia3", ("k_proj", "v_proj", "down_proj"), ("down_proj",))
+    adapter = load_adapter_dir(path, SHAPE, 64)
+    assert adapter.family == "ia3" and adapter.rank == 0 and not adapter.modules
+    assert adapter.target_modules == ("k_proj", "v_proj", "down_proj")
+    down = adapter.vectors[(0, "down_proj")]
+    assert down.is_input and down.values.shape == (96,)
+    assert not adapter.vectors[(0, "k_proj")].is_input
+    key = "base_model.model.model.layers.0.self_attn.v_proj.ia3_l"
+    _edit_tensors(path, lambda t: t.update({key: torch.ones(1, 64)}))
+    with pytest.raises(AdapterError, match=re.escape("layer 0 v_proj: ia3_l has shape [1, 64]")):
+        load_adapter_dir(path, SHAPE, 64)
+
+
+def test_ia3_input_scaling_of_a_fused_projection_is_refused(base, tmp_path):
+    path = make_ia3_adapter(base, tmp_path / "ia3", ("q_proj", "v_proj"), ("q_proj",))
+    with pytest.raises(AdapterError, match="IA3 input scaling .* supported on o_proj, down_proj only"):
+        load_adapter_dir(path, SHAPE, 64)
+
+
+def test_flora_folder_loads_and_is_checked(base, tmp_path):
+    path = make_flora_adapter(base, tmp_path / "flora", ("q_proj", "up_proj"), rank=3)
+    adapter = load_adapter_dir(path, SHAPE, 64)
+    assert adapter.family == "flora" and adapter.rank == 3
+    assert adapter.modules[(0, "up_proj")].scaling == 1.0
+    _edit_config(path, r=4)
+    with pytest.raises(AdapterError, match="tensors have rank 3 but adapter_config.json gives rank 4"):
+        load_adapter_dir(path, SHAPE, 64)
+    _edit_config(path, r=3, peft_type="LORA")
+    with pytest.raises(AdapterError, match="belongs in a FLoRA adapter, but adapter_config.json "
+                                           "describes a lora one"):
+        load_adapter_dir(path, SHAPE, 64)
+    _edit_config(path, peft_type="FLORA")
+    key = "base_model.model.model.layers.0.mlp.up_proj.flora_B.weight"
+    _edit_tensors(path, lambda t: t.update({key: torch.ones(64, 3)}))
+    with pytest.raises(AdapterError, match=re.escape("layer 0 up_proj: shapes flora_A [3, 64] and "
+                                                     "flora_B [64, 3] do not fit")):
+        load_adapter_dir(path, SHAPE, 64)

@@ -18,6 +18,7 @@ SCRIPTS = {
     "relay-kernels": ("relay_kernels", "RelayAttention decode against plain paged decode: "
                       "group size x prefix length x batch, and the crossover"),
     "decode-gaps": ("decode_gaps", "where a decode step's wall time goes beyond its kernels"),
+    "decode-families": ("families", "decode by adapter family: LoRA, DoRA, IA3, FLoRA, mixed"),
     "engine-overhead": ("engine_overhead", "the engine's own CPU time per step (CPU is fine)"),
     "load": ("server_load", "many streaming clients against `loraplex serve` on the demo"),
     "precision": ("precision_study", "where a bf16 engine loses accuracy (CPU emulation)"),

@@ -41,7 +41,8 @@ def run_upload(args: argparse.Namespace) -> None:
     with open_registry(args) as registry:
         model = served_model(registry, args.model)
         adapter = registry.adapters.upload_dir(args.tenant, args.name, args.dir, model=model)
-    print(f"uploaded adapter {adapter.name} for tenant {adapter.tenant}: rank {adapter.rank}, "
+    print(f"uploaded adapter {adapter.name} for tenant {adapter.tenant}: {adapter.family} "
+          f"rank {adapter.rank}, "
           f"targets {','.join(adapter.target_modules)}, {adapter.size_bytes} bytes, "
           f"digest {adapter.digest}")
 
@@ -50,8 +51,8 @@ def run_list(args: argparse.Namespace) -> None:
     with open_registry(args) as registry:
         adapters = registry.adapters.list(args.tenant)
     print_table(
-        ("TENANT", "NAME", "RANK", "ALPHA", "TARGETS", "BYTES", "DIGEST", "REQUESTS", "CREATED"),
-        [(a.tenant, a.name, a.rank, a.alpha, a.target_modules, a.size_bytes, a.digest[:16],
+        ("TENANT", "NAME", "RANK", "FAMILY", "ALPHA", "TARGETS", "BYTES", "DIGEST", "REQUESTS", "CREATED"),
+        [(a.tenant, a.name, a.rank, a.family, a.alpha, a.target_modules, a.size_bytes, a.digest[:16],
           a.num_requests_served, a.created_at) for a in adapters],
     )
 

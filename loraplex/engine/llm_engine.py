@@ -99,7 +99,7 @@ class LLMEngine:
         logger.info("memory: %s", self.memory.describe())
         max_rank = config.lora.max_lora_rank
         self.lora = LoraSlotBuffers(self.model_config, self.memory.num_lora_slots, max_rank, self.dtype,
-                                    self.device)
+                                    self.device, base_weights=self.model.group_weights)
         block_size = config.cache.block_size
         self.kv_cache = make_kv_cache(self.memory, self.model_config, block_size, self.dtype, self.device)
         self.max_model_len = min(self.max_model_len, self.memory.num_kv_blocks * block_size)

@@ -2,20 +2,39 @@
 so CUDA graphs stay valid), and the host-memory copy of each adapter they are filled from.
 
 Per group (qkv, o, gate_up, down), over all layers:
-  a     [num_layers, num_slots + 1, num_slices, max_rank, in_features]
-  b     [num_layers, num_slots + 1, out_features, max_rank]   scaling folded in
-  ranks [num_layers, num_slots + 1, num_slices] int32          0 = slice not adapted
-Slot 0 stays empty: it means "no adapter"."""
+  a           [num_layers, num_slots + 1, num_slices, max_rank, in_features]
+  b           [num_layers, num_slots + 1, out_features, max_rank]   scaling folded in
+  ranks       [num_layers, num_slots + 1, num_slices] int32   additive rank (LoRA, DoRA); 0 = none
+  flora_ranks [num_layers, num_slots + 1, num_slices] int32   FLoRA's rank (its A and B sit in a, b)
+  scale       [num_layers, num_slots + 1, out_features] float32   per-row output scale (DoRA's
+              magnitude over the row norm, IA3's output vector), read where `scaled` is set
+  scaled      [num_layers, num_slots + 1] int32              1 = the expand applies scale (and shift)
+  shift       [num_layers, num_slots + 1, out_features] float32   groups with a bias only:
+              (1 - scale) * bias, so that DoRA scales the product and not the bias
+  in_scale    [num_layers, num_slots + 1, in_features] float32   o and down only: IA3's input
+              vector (1 elsewhere)
+Slot 0 stays empty: it means "no adapter". A DoRA slot's scale is computed when the adapter is
+copied in, from the base weights (the row norms of W0 + s B A)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from loraplex.adapter_format import LoraAdapter
+from loraplex.adapter_format import IA3_INPUT_MODULES, LoraAdapter
 from loraplex.model.llama import LORA_GROUPS
 from loraplex.model.model_config import ModelConfig
+
+INPUT_SCALE_GROUPS = tuple(g for g, modules in LORA_GROUPS.items() if set(modules) <= set(IA3_INPUT_MODULES))
+"""Groups whose input an IA3 vector may scale (o, down)."""
+DORA_NORM_ROWS = 2048
+"""Rows of W0 + s B A formed at once when a DoRA adapter's row norms are computed."""
+
+BaseWeights = Callable[[int, str], "tuple[torch.Tensor, torch.Tensor | None]"]
+"""(layer, group) -> the base model's (weight [out, in], bias [out] or None) of that group."""
 
 
 def group_dims(config: ModelConfig, group: str) -> tuple[int, tuple[int, ...]]:
@@ -37,7 +56,16 @@ def adapter_bytes(config: ModelConfig, rank: int, dtype: torch.dtype) -> int:
     for group, modules in LORA_GROUPS.items():
         in_features, offsets = group_dims(config, group)
         total += config.num_layers * rank * (len(modules) * in_features + offsets[-1])
-    return total * element
+    return total * element + _vector_bytes(config)
+
+
+def _vector_bytes(config: ModelConfig) -> int:
+    """Bytes of an adapter's float32 vectors (DoRA magnitudes, IA3 scales) on every module."""
+    total = 0
+    for group in LORA_GROUPS:
+        in_features, offsets = group_dims(config, group)
+        total += offsets[-1] + (in_features if group in INPUT_SCALE_GROUPS else 0)
+    return 4 * config.num_layers * total
 
 
 @dataclass
@@ -48,35 +76,63 @@ class SlotGroup:
     b: torch.Tensor
     ranks: torch.Tensor
     slice_offsets: tuple[int, ...]
+    flora_ranks: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    scaled: torch.Tensor | None = None
+    shift: torch.Tensor | None = None
+    in_scale: torch.Tensor | None = None
 
 
 @dataclass
 class HostAdapter:
     """An adapter laid out for slot copies, in host memory (pinned on CUDA). Per group:
     a [num_layers, num_slices, rank, in], b [num_layers, out, rank] (scaled),
-    ranks [num_layers, num_slices]; `rank` is the adapter's largest rank."""
+    ranks [num_layers, num_slices]; `rank` is the adapter's largest rank. By family:
+    DoRA's magnitude [num_layers, out] (rows of unadapted slices unused); IA3's output scale
+    [num_layers, out] and input scale [num_layers, in] (o and down), 1 where not adapted;
+    FLoRA's A and B in a and b, unscaled."""
 
     digest: str
     rank: int
     a: dict[str, torch.Tensor]
     b: dict[str, torch.Tensor]
     ranks: dict[str, torch.Tensor]
+    family: str = "lora"
+    magnitude: dict[str, torch.Tensor] | None = None
+    out_scale: dict[str, torch.Tensor] | None = None
+    in_scale: dict[str, torch.Tensor] | None = None
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+        tensors = [*self.a.values(), *self.b.values()]
+        for vectors in (self.magnitude, self.out_scale, self.in_scale):
+            tensors += list((vectors or {}).values())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def scaled(self, group: str) -> torch.Tensor:
+        """[num_layers] int32: the layers where this adapter scales the group's output rows."""
+        if self.family == "dora":
+            return (self.ranks[group] > 0).any(dim=1).to(torch.int32)
+        if self.family == "ia3":
+            return (self.out_scale[group] != 1).any(dim=1).to(torch.int32)
+        return torch.zeros(len(self.ranks[group]), dtype=torch.int32)
+
+    @property
+    def has_input_scale(self) -> bool:
+        return self.in_scale is not None and any(bool((v != 1).any()) for v in self.in_scale.values())
 
 
 def make_host_adapter(
     adapter: LoraAdapter, config: ModelConfig, dtype: torch.dtype, pin: bool
 ) -> HostAdapter:
-    rank = adapter.rank
-    a, b, ranks = {}, {}, {}
+    rank, family, num_layers = adapter.rank, adapter.family, config.num_layers
+    a, b, ranks, magnitude, out_scale, in_scale = {}, {}, {}, {}, {}, {}
     for group, modules in LORA_GROUPS.items():
         in_features, offsets = group_dims(config, group)
-        a_g = torch.zeros(config.num_layers, len(modules), rank, in_features, dtype=dtype)
-        b_g = torch.zeros(config.num_layers, offsets[-1], rank, dtype=dtype)
-        r_g = torch.zeros(config.num_layers, len(modules), dtype=torch.int32)
+        a_g = torch.zeros(num_layers, len(modules), rank, in_features, dtype=dtype)
+        b_g = torch.zeros(num_layers, offsets[-1], rank, dtype=dtype)
+        r_g = torch.zeros(num_layers, len(modules), dtype=torch.int32)
+        m_g = torch.ones(num_layers, offsets[-1], dtype=torch.float32)
         for (layer, name), module in adapter.modules.items():
             if name not in modules:
                 continue
@@ -85,47 +141,135 @@ def make_host_adapter(
             a_g[layer, s, :r] = torch.from_numpy(module.a)
             b_g[layer, offsets[s]:offsets[s + 1], :r] = torch.from_numpy(module.b * module.scaling)
             r_g[layer, s] = r
-        a[group], b[group], ranks[group] = a_g, b_g, r_g
-    if pin:
-        a = {g: t.pin_memory() for g, t in a.items()}
-        b = {g: t.pin_memory() for g, t in b.items()}
-        ranks = {g: t.pin_memory() for g, t in ranks.items()}  # a pageable copy would block the host
-    return HostAdapter(adapter.digest, rank, a, b, ranks)
+            if module.magnitude is not None:
+                m_g[layer, offsets[s]:offsets[s + 1]] = torch.from_numpy(module.magnitude)
+        a[group], b[group], ranks[group], magnitude[group] = a_g, b_g, r_g, m_g
+        if family == "ia3":
+            out_scale[group] = torch.ones(num_layers, offsets[-1], dtype=torch.float32)
+            if group in INPUT_SCALE_GROUPS:
+                in_scale[group] = torch.ones(num_layers, in_features, dtype=torch.float32)
+            for (layer, name), vector in adapter.vectors.items():
+                if name not in modules:
+                    continue
+                values = torch.from_numpy(vector.values)
+                if vector.is_input:
+                    in_scale[group][layer] = values
+                else:
+                    s = modules.index(name)
+                    out_scale[group][layer, offsets[s]:offsets[s + 1]] = values
+    host = HostAdapter(adapter.digest, rank, a, b, ranks, family,
+                       magnitude=magnitude if family == "dora" else None,
+                       out_scale=out_scale or None, in_scale=in_scale or None)
+    if pin:  # a pageable copy would block the host
+        for name in ("a", "b", "ranks", "magnitude", "out_scale", "in_scale"):
+            tensors = getattr(host, name)
+            if tensors is not None:
+                setattr(host, name, {g: t.pin_memory() for g, t in tensors.items()})
+    return host
 
 
 class LoraSlotBuffers:
-    """The device slot buffers of every layer and group."""
+    """The device slot buffers of every layer and group, and on the host what each slot holds
+    (its family, FLoRA rank, whether it scales an input) for the runner to plan steps by."""
 
     def __init__(
         self, config: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype,
-        device: torch.device,
+        device: torch.device, base_weights: BaseWeights | None = None,
     ) -> None:
         self.num_slots, self.max_rank, self.device = num_slots, max_rank, torch.device(device)
+        self.base_weights = base_weights
+        """Needed to load DoRA adapters (their row norms); set once the model is built."""
         L, S = config.num_layers, num_slots + 1
-        self.a, self.b, self.ranks = {}, {}, {}
+        self.a, self.b, self.ranks, self.flora_ranks = {}, {}, {}, {}
+        self.scale, self.scaled, self.shift, self.in_scale = {}, {}, {}, {}
         self._views: list[dict[str, SlotGroup]] = [{} for _ in range(L)]
+        has_bias = {"qkv": config.qkv_bias, "o": config.o_bias}
         for group, modules in LORA_GROUPS.items():
             in_features, offsets = group_dims(config, group)
             self.a[group] = torch.zeros(L, S, len(modules), max_rank, in_features, dtype=dtype, device=device)
             self.b[group] = torch.zeros(L, S, offsets[-1], max_rank, dtype=dtype, device=device)
             self.ranks[group] = torch.zeros(L, S, len(modules), dtype=torch.int32, device=device)
+            self.flora_ranks[group] = torch.zeros(L, S, len(modules), dtype=torch.int32, device=device)
+            self.scale[group] = torch.ones(L, S, offsets[-1], dtype=torch.float32, device=device)
+            self.scaled[group] = torch.zeros(L, S, dtype=torch.int32, device=device)
+            if has_bias.get(group):
+                self.shift[group] = torch.zeros(L, S, offsets[-1], dtype=torch.float32, device=device)
+            if group in INPUT_SCALE_GROUPS:
+                self.in_scale[group] = torch.ones(L, S, in_features, dtype=torch.float32, device=device)
             for layer in range(L):
+                shift, in_scale = self.shift.get(group), self.in_scale.get(group)
                 self._views[layer][group] = SlotGroup(
-                    self.a[group][layer], self.b[group][layer], self.ranks[group][layer], offsets)
+                    self.a[group][layer], self.b[group][layer], self.ranks[group][layer], offsets,
+                    flora_ranks=self.flora_ranks[group][layer], scale=self.scale[group][layer],
+                    scaled=self.scaled[group][layer], shift=None if shift is None else shift[layer],
+                    in_scale=None if in_scale is None else in_scale[layer])
+        # What each slot holds, on the host.
+        self.slot_flora_rank = np.zeros(S, dtype=np.int64)
+        self.slot_input_scaled = np.zeros(S, dtype=bool)
+        self.slot_family = ["lora"] * S
 
     def group(self, layer: int, name: str) -> SlotGroup:
         return self._views[layer][name]
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+        tensors = [*self.a.values(), *self.b.values(), *self.scale.values(), *self.shift.values(),
+                   *self.in_scale.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def load(self, slot: int, host: HostAdapter) -> None:
-        """Copy an adapter into a slot (asynchronous on CUDA from pinned memory)."""
+        """Copy an adapter into a slot (asynchronous on CUDA from pinned memory); a DoRA
+        adapter's row scales are computed on the device from the base weights."""
         if not 0 < slot <= self.num_slots:
             raise ValueError(f"slot {slot} out of range 1..{self.num_slots}")
-        r = host.rank
+        if host.family == "dora" and self.base_weights is None:
+            raise ValueError("DoRA adapters need the base weights (base_weights is not set)")
+        r, is_flora = host.rank, host.family == "flora"
         for group in LORA_GROUPS:
             self.a[group][:, slot, :, :r].copy_(host.a[group], non_blocking=True)
             self.b[group][:, slot, :, :r].copy_(host.b[group], non_blocking=True)
-            self.ranks[group][:, slot].copy_(host.ranks[group], non_blocking=True)
+            additive, flora = self.ranks[group][:, slot], self.flora_ranks[group][:, slot]
+            (flora if is_flora else additive).copy_(host.ranks[group], non_blocking=True)
+            (additive if is_flora else flora).zero_()
+            self.scaled[group][:, slot].copy_(host.scaled(group), non_blocking=True)
+            scale = self.scale[group][:, slot]
+            if host.family == "ia3":
+                scale.copy_(host.out_scale[group], non_blocking=True)
+            elif host.family == "dora":
+                self._dora_scale(slot, group, host)
+            else:
+                scale.fill_(1.0)
+            if group in self.shift:
+                bias = torch.stack([self.base_weights(layer, group)[1] for layer in range(len(scale))]) \
+                    if host.family == "dora" else None
+                shift = self.shift[group][:, slot]
+                shift.copy_((1 - scale) * bias.float()) if bias is not None else shift.zero_()
+            if group in self.in_scale:
+                in_scale = self.in_scale[group][:, slot]
+                if host.in_scale is not None:
+                    in_scale.copy_(host.in_scale[group], non_blocking=True)
+                else:
+                    in_scale.fill_(1.0)
+        self.slot_family[slot] = host.family
+        self.slot_flora_rank[slot] = r if is_flora else 0
+        self.slot_input_scaled[slot] = host.has_input_scale
+
+    def _dora_scale(self, slot: int, group: str, host: HostAdapter) -> None:
+        """scale[:, slot] <- magnitude / ||W0 + s B A|| per output row of each adapted slice
+        (float32, on the device: the slot's A and B are already copied), 1 elsewhere."""
+        scale = self.scale[group][:, slot]
+        scale.fill_(1.0)
+        magnitude = host.magnitude[group].to(self.device, non_blocking=True)
+        ranks = host.ranks[group].tolist()
+        offsets = self._views[0][group].slice_offsets
+        for layer, layer_ranks in enumerate(ranks):
+            weight = self.base_weights(layer, group)[0]  # [out, in]
+            for s, r in enumerate(layer_ranks):
+                if r == 0:
+                    continue
+                a = self.a[group][layer, slot, s, :r].float()  # [r, in]
+                for lo in range(offsets[s], offsets[s + 1], DORA_NORM_ROWS):
+                    hi = min(lo + DORA_NORM_ROWS, offsets[s + 1])
+                    b = self.b[group][layer, slot, lo:hi, :r].float()  # [rows, r], scaling folded in
+                    norm = torch.linalg.vector_norm(weight[lo:hi].float() + b @ a, dim=1)
+                    scale[layer, lo:hi] = magnitude[layer, lo:hi] / norm

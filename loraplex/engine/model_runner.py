@@ -24,7 +24,7 @@ from loraplex.engine.input_batch import InputBatch
 from loraplex.engine.kv_swap import KvSwapper
 from loraplex.engine.lora_weights import LoraSlotBuffers
 from loraplex.engine.plan import StepPlan, StepResult
-from loraplex.engine.step_inputs import PENDING, FilledStep, StepInputs, StepShape
+from loraplex.engine.step_inputs import PENDING, FilledStep, SlotFamilies, StepInputs, StepShape
 from loraplex.kernels import Ops
 from loraplex.model.context import AttentionMetadata, ForwardContext, LoraMetadata, forward_context
 from loraplex.model.llama import LlamaForCausalLM
@@ -69,7 +69,8 @@ class ModelRunner:
         self.device = kv_cache.device
         self.batch = InputBatch(max_num_seqs, max_blocks_per_seq)
         self.inputs = StepInputs(max(max_num_batched_tokens, max_num_seqs), max_num_seqs,
-                                 max_blocks_per_seq, kv_cache.shape[3], self.device)
+                                 max_blocks_per_seq, kv_cache.shape[3], self.device,
+                                 SlotFamilies(lora.slot_flora_rank, lora.slot_input_scaled))
         # [max_num_seqs + 1]: the last token sampled for each row; the spare row takes padding's.
         self.row_tokens = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=self.device)
         self.on_logits: Callable[[list[str], torch.Tensor], None] | None = None
@@ -139,7 +140,10 @@ class ModelRunner:
             slot_mapping=s.slot_mapping[:t], block_tables=s.block_tables[:shape.num_seqs],
             query_start_loc=s.query_start_loc[:shape.num_seqs + 1], seq_lens=s.seq_lens[:shape.num_seqs],
             max_query_len=shape.max_query_len)
-        lora = LoraMetadata(s.token_slots[:t], self.lora) if shape.has_lora else None
+        lora = None
+        if shape.has_lora:
+            lora = LoraMetadata(s.token_slots[:t], self.lora, has_input_scale=shape.has_input_scale,
+                                flora=s.flora if shape.has_flora else None)
         with forward_context(ForwardContext(self.kv_cache, attention, lora)):
             input_ids = s.input_ids[:t]
             input_ids = torch.where(input_ids == PENDING, self.row_tokens[s.token_rows[:t]], input_ids)

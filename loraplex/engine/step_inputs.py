@@ -21,6 +21,7 @@ import torch
 from loraplex.engine.input_batch import InputBatch
 from loraplex.engine.plan import StepPlan
 from loraplex.engine.prompt_logprobs import PromptSelection
+from loraplex.model.context import FloraRows
 
 PENDING = -1
 """A token id the host does not know yet (sampled by a step still in flight): the device reads
@@ -70,10 +71,14 @@ class StepShape:
     is_greedy: bool
     is_padded_decode: bool
     """A decode step laid out for a graph: every sequence samples, padding included."""
+    has_input_scale: bool = False
+    """Some token's adapter scales a module's input (IA3): one more launch on o and down."""
+    has_flora: bool = False
+    """Some token carries a FLoRA adapter (its rows, `StepInputs.flora`, vary by step)."""
 
     @property
-    def graph_key(self) -> tuple[int, bool, bool]:
-        return self.num_seqs, self.has_lora, self.is_greedy
+    def graph_key(self) -> tuple[int, bool, bool, bool, bool]:
+        return self.num_seqs, self.has_lora, self.is_greedy, self.has_input_scale, self.has_flora
 
 
 @dataclass
@@ -91,13 +96,26 @@ class FilledStep:
     """Prompt positions whose log-probabilities the step computes (such a step runs eagerly)."""
 
 
+@dataclass(frozen=True)
+class SlotFamilies:
+    """What the adapter in each slot needs of a step (host arrays [num_slots + 1], updated in
+    place as slots are filled)."""
+
+    flora_rank: np.ndarray
+    """int64: the FLoRA adapter's rank (0: not FLoRA)."""
+    input_scaled: np.ndarray
+    """bool: the adapter scales some module's input (IA3)."""
+
+
 class StepInputs:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, families: SlotFamilies | None = None) -> None:
         """Room for `max_tokens` tokens and `max_seqs` sequences; the spare row of row_tokens
         (padding's destination) is `max_seqs`."""
         self.max_tokens, self.max_seqs, self.block_size = max_tokens, max_seqs, block_size
-        self.device = device
+        self.device, self.families = device, families
+        self.flora: FloraRows | None = None
+        """The FLoRA rows of the step filled last (it runs eagerly: their number varies)."""
         lengths = {TOKENS: max_tokens, SEQS: max_seqs, QUERY_STARTS: max_seqs + 1, SAMPLES: max_seqs}
         pin = device.type == "cuda"
         # One buffer per dtype on each side; each field is a slice of its dtype's buffer.
@@ -186,12 +204,29 @@ class StepInputs:
                 out[used:padded] = self._pads[name]
         self._host_blocks[self._turn].numpy()[:n] = batch.block_table[rows]
         self._num_block_rows = size
+        has_lora = bool(token_slots.any())
+        has_input_scale, self.flora = False, None
+        if has_lora and self.families is not None:
+            has_input_scale = bool(self.families.input_scaled[token_slots].any())
+            self.flora = self._flora_rows(self.families.flora_rank[token_slots])
         shape = StepShape(
             num_tokens=size if decode else num_tokens, num_seqs=size,
             num_samples=size if decode else len(sample_rows), max_query_len=max_query_len,
-            has_lora=bool(token_slots.any()), is_greedy=not batch.temperature[sample_rows].any(),
-            is_padded_decode=decode)
+            has_lora=has_lora, is_greedy=not batch.temperature[sample_rows].any(),
+            is_padded_decode=decode, has_input_scale=has_input_scale, has_flora=self.flora is not None)
         return FilledStep(shape, rows, samples, n, start, num_new, query_start)
+
+    def _flora_rows(self, ranks: np.ndarray) -> FloraRows | None:
+        """The FLoRA rows of tokens whose slots have FLoRA ranks `ranks` [num_tokens]: each such
+        token's rank components in turn."""
+        num_rows = int(ranks.sum())
+        if num_rows == 0:
+            return None
+        row_tokens = np.repeat(np.arange(len(ranks)), ranks)
+        firsts = np.repeat(np.cumsum(ranks) - ranks, ranks)
+        row_ranks = np.arange(num_rows) - firsts
+        return FloraRows(torch.from_numpy(row_tokens).to(self.device),
+                         torch.from_numpy(row_ranks).to(self.device))
 
     def upload(self) -> None:
         """Copy the filled host buffers to the device (queued on CUDA; nothing to do on CPU)."""
@@ -207,7 +242,7 @@ class StepInputs:
             self._copied[self._turn].record()
 
     def fill_dummy(self, num_seqs: int, tokens_per_seq: int, adapter_slot: int, is_greedy: bool,
-                   has_lora: bool) -> StepShape:
+                   has_lora: bool, has_input_scale: bool = False) -> StepShape:
         """A step of dummy sequences that store nothing, to capture a graph (one token each:
         padding, attention reads nothing) or to measure a step's memory (several tokens each:
         attention reads block 0 over and over). Every sequence samples."""
@@ -227,8 +262,10 @@ class StepInputs:
             host[name][:counts[self._axes[name]]] = value
         self._host_blocks[self._turn][:num_seqs] = 0
         self._num_block_rows = num_seqs
+        self.flora = None
         return StepShape(num_tokens, num_seqs, num_seqs, tokens_per_seq, has_lora=has_lora,
-                         is_greedy=is_greedy, is_padded_decode=tokens_per_seq == 1)
+                         is_greedy=is_greedy, is_padded_decode=tokens_per_seq == 1,
+                         has_input_scale=has_lora and has_input_scale)
 
     def _next_host_set(self) -> dict[str, np.ndarray]:
         self._turn ^= 1

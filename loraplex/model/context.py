@@ -32,12 +32,18 @@ class AttentionMetadata:
 
 
 class LoraSlotWeights(Protocol):
-    """The slot buffers of one module group in one layer (see kernels/reference.py)."""
+    """The slot buffers of one module group in one layer (see kernels/reference.py and
+    loraplex/engine/lora_weights.py)."""
 
     a: torch.Tensor  # [num_slots, num_slices, max_rank, in_features]
     b: torch.Tensor  # [num_slots, out_features, max_rank]
-    ranks: torch.Tensor  # [num_slots, num_slices] int32
+    ranks: torch.Tensor  # [num_slots, num_slices] int32: additive rank (LoRA, DoRA)
     slice_offsets: tuple[int, ...]
+    flora_ranks: torch.Tensor  # [num_slots, num_slices] int32: FLoRA's rank
+    scale: torch.Tensor  # [num_slots, out_features] float32: per-row output scale
+    scaled: torch.Tensor  # [num_slots] int32: 1 where the scale applies
+    shift: torch.Tensor | None  # [num_slots, out_features] float32 (groups with a bias)
+    in_scale: torch.Tensor | None  # [num_slots, in_features] float32 (o and down)
 
 
 class LoraBuffers(Protocol):
@@ -45,10 +51,25 @@ class LoraBuffers(Protocol):
 
 
 @dataclass
+class FloraRows:
+    """The rows that FLoRA tokens add to a step's base products: row j is rank component
+    row_ranks[j] of token row_tokens[j] (each FLoRA token's components in turn)."""
+
+    row_tokens: torch.Tensor
+    """[num_rows] int64."""
+    row_ranks: torch.Tensor
+    """[num_rows] int64."""
+
+
+@dataclass
 class LoraMetadata:
     token_slots: torch.Tensor
     """[num_tokens] int32: adapter slot of each token, 0 = none."""
     buffers: LoraBuffers
+    has_input_scale: bool = False
+    """Some token's adapter scales a module's input (IA3 on o or down)."""
+    flora: FloraRows | None = None
+    """Set when some token carries a FLoRA adapter."""
 
 
 @dataclass

@@ -26,14 +26,36 @@ def _empty(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-def apply_lora(layer: int, group: str, ops: Ops, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """y [num_tokens, out] += the LoRA delta of each token's adapter for x [num_tokens, in]."""
+def project(layer: int, group: str, ops: Ops, x: torch.Tensor, weight: torch.Tensor,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [num_tokens, in] @ weight.T + bias, each token through its adapter:
+    - IA3 on a feed-forward module scales the token's input first (steps that carry one);
+    - FLoRA tokens (steps that carry one) get (W0 * (B A)) x = sum_k b_k * (W0 (a_k * x)): their
+      rows a_k * x are stacked under the batch's rows into one product with W0, then combined;
+    - the LoRA expand adds s B A x and, for DoRA and IA3 slots, scales each output row in its
+      epilogue (DoRA: magnitude / ||W0 + s B A||; IA3: the vector).
+    A step without adapters is one product; a step of LoRA, DoRA or IA3 on outputs adds the
+    usual two launches."""
     lora = get_forward_context().lora
     if lora is None:
-        return y
-    weights = lora.buffers.group(layer, group)
-    shrunk = ops.lora_shrink(x, weights.a, lora.token_slots, weights.ranks)
-    return ops.lora_expand(y, shrunk, weights.b, lora.token_slots, weights.ranks, weights.slice_offsets)
+        return ops.linear(x, weight, bias)
+    w = lora.buffers.group(layer, group)
+    slots = lora.token_slots
+    if lora.has_input_scale and w.in_scale is not None:
+        x = ops.scale_rows(x, w.in_scale, slots)
+    if lora.flora is None:
+        y = ops.linear(x, weight, bias)
+    else:
+        f = lora.flora
+        stacked = ops.flora_stack(x, w.a, slots, w.flora_ranks, f.row_tokens, f.row_ranks)
+        products = ops.linear(stacked, weight)  # [num_tokens + num_slices * num_rows, out]
+        y = products[:x.shape[0]]
+        if bias is not None:
+            y = y + bias
+        y = ops.flora_combine(y, products[x.shape[0]:], w.b, slots, w.flora_ranks, f.row_tokens,
+                              f.row_ranks, w.slice_offsets, bias)
+    shrunk = ops.lora_shrink(x, w.a, slots, w.ranks)
+    return ops.lora_expand(y, shrunk, w.b, slots, w.ranks, w.slice_offsets, w.scale, w.scaled, w.shift)
 
 
 class Attention(nn.Module):
@@ -53,8 +75,7 @@ class Attention(nn.Module):
         context = get_forward_context()
         meta = context.attention
         num_tokens = x.shape[0]
-        qkv = self.ops.linear(x, self.qkv_weight, self.qkv_bias)  # [num_tokens, q + 2 kv]
-        qkv = apply_lora(self.layer, "qkv", self.ops, x, qkv)
+        qkv = project(self.layer, "qkv", self.ops, x, self.qkv_weight, self.qkv_bias)  # [tokens, q + 2 kv]
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -69,8 +90,7 @@ class Attention(nn.Module):
                 max_query_len=meta.max_query_len,
             )
         out = out.reshape(num_tokens, self.q_size)
-        o = self.ops.linear(out, self.o_weight, self.o_bias)
-        return apply_lora(self.layer, "o", self.ops, out, o)
+        return project(self.layer, "o", self.ops, out, self.o_weight, self.o_bias)
 
 
 class MLP(nn.Module):
@@ -81,11 +101,9 @@ class MLP(nn.Module):
         self.down_weight = _empty(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.ops.linear(x, self.gate_up_weight)  # [num_tokens, 2 * intermediate]
-        gate_up = apply_lora(self.layer, "gate_up", self.ops, x, gate_up)
+        gate_up = project(self.layer, "gate_up", self.ops, x, self.gate_up_weight)  # [tokens, 2 * inter]
         hidden = self.ops.silu_and_mul(gate_up)
-        down = self.ops.linear(hidden, self.down_weight)
-        return apply_lora(self.layer, "down", self.ops, hidden, down)
+        return project(self.layer, "down", self.ops, hidden, self.down_weight)
 
 
 class DecoderLayer(nn.Module):
@@ -144,6 +162,16 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(positions, x, residual, self.cos_sin)
         x, _ = self.ops.fused_add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)
         return x
+
+    def group_weights(self, layer: int, group: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight [out, in], bias or None) of a LoRA module group (LORA_GROUPS) in a layer."""
+        decoder = self.layers[layer]
+        return {
+            "qkv": (decoder.attn.qkv_weight, decoder.attn.qkv_bias),
+            "o": (decoder.attn.o_weight, decoder.attn.o_bias),
+            "gate_up": (decoder.mlp.gate_up_weight, None),
+            "down": (decoder.mlp.down_weight, None),
+        }[group]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden_size] -> logits [num_rows, vocab_size] float32. The decode

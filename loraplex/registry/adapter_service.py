@@ -145,13 +145,14 @@ class AdapterService:
                 row = Adapter(
                     tenant_id=tenant_row.id, name=name, digest=adapter.digest,
                     weights_sha256=weights.sha256, config_sha256=config.sha256,
-                    base_model=served.model_id, rank=adapter.rank, alpha=adapter.config.alpha,
+                    base_model=served.model_id, family=adapter.family, rank=adapter.rank,
+                    alpha=adapter.config.alpha,
                     target_modules=list(adapter.target_modules), size_bytes=weights.size,
                 )
                 session.add(row)
                 session.flush()
                 record_audit(session, actor, "adapter.upload", "adapter", f"{tenant}/{name}",
-                             {"digest": adapter.digest, "rank": adapter.rank,
+                             {"digest": adapter.digest, "family": adapter.family, "rank": adapter.rank,
                               "size_bytes": weights.size})
                 return self._record(row, tenant)
         except IntegrityError:
@@ -170,7 +171,7 @@ class AdapterService:
             config_path=self._blobs.path(row.config_sha256), base_model=row.base_model,
             rank=row.rank, alpha=row.alpha, target_modules=tuple(row.target_modules),
             size_bytes=row.size_bytes, created_at=row.created_at,
-            num_requests_served=row.num_requests_served,
+            num_requests_served=row.num_requests_served, family=row.family,
         )
 
 

@@ -84,6 +84,8 @@ class AdapterRecord:
     size_bytes: int
     created_at: datetime
     num_requests_served: int
+    family: str = "lora"
+    """lora, dora, ia3 or flora."""
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,8 @@ class Adapter(Base):
     weights_sha256: Mapped[str] = mapped_column(String(DIGEST_LENGTH), index=True)
     config_sha256: Mapped[str] = mapped_column(String(DIGEST_LENGTH), index=True)
     base_model: Mapped[str] = mapped_column(String(255))
+    family: Mapped[str] = mapped_column(String(16), default="lora", server_default="lora")
+    """lora, dora, ia3 or flora (loraplex.adapter_format.FAMILIES)."""
     rank: Mapped[int] = mapped_column(Integer)
     alpha: Mapped[float] = mapped_column(Float)
     target_modules: Mapped[list[str]] = mapped_column(_Json)

@@ -121,7 +121,7 @@ def test_adapters(cli, registry_config: RegistryConfig, tmp_path: Path) -> None:
                 "no --model DIR was given")
     _record_served_model(registry_config)
     code, out, err = cli("adapter", "upload", "--tenant", "acme", "--name", "sql", str(folder))
-    assert (code, err) == (0, "") and out.startswith("uploaded adapter sql for tenant acme: rank 4")
+    assert (code, err) == (0, "") and out.startswith("uploaded adapter sql for tenant acme: lora rank 4")
     _fails_with(cli("adapter", "upload", "--tenant", "acme", "--name", "sql", str(folder)),
                 "already has an adapter named 'sql'")
     bad = write_adapter(tmp_path / "bad", tensors=adapter_tensors(rank=16),

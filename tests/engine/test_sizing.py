@@ -25,8 +25,11 @@ def _plan(budget: int, max_model_len: int = 8192, **options):
 def test_slot_and_block_sizes_are_the_real_ones():
     rank16 = adapter_bytes(LLAMA, 16, torch.bfloat16)
     # per layer and rank: A of q, k, v, o, gate, up (4096 wide) and down (14336); B of the outputs
-    assert rank16 == 16 * 32 * (6 * 4096 + 14336 + (4096 + 2 * 1024) + 4096 + 2 * 14336 + 4096) * 2
-    assert abs(rank16 / 16 - 5.24e6) < 0.01e6  # DESIGN.md: r x 5.24 MB on all seven modules
+    weights = 16 * 32 * (6 * 4096 + 14336 + (4096 + 2 * 1024) + 4096 + 2 * 14336 + 4096) * 2
+    # and float32 vectors per layer (DoRA's row scales, IA3's): every output, o's and down's inputs
+    vectors = 32 * ((4096 + 2 * 1024) + 4096 + 2 * 14336 + 4096 + 4096 + 14336) * 4
+    assert rank16 == weights + vectors
+    assert abs(weights / 16 - 5.24e6) < 0.01e6  # DESIGN.md: r x 5.24 MB on all seven modules
     assert kv_block_bytes(LLAMA, 16, torch.bfloat16) == 16 * 128 * 1024  # 128 KiB a token
 
 

@@ -154,13 +154,36 @@ def _lora_cases() -> Iterator[tuple]:
                        ranks_ptr=I32, out_features=6144, max_rank=16, off0=0, off1=4096,
                        off2=5120, off3=6144, off4=6144, stride_y_tok=6144,
                        stride_s_slice=64 * 16, stride_s_tok=16, stride_b_slot=6144 * 16,
-                       stride_b_out=16, stride_ranks_slot=3)
+                       stride_b_out=16, stride_ranks_slot=3, scale_ptr=F32, scaled_ptr=I32,
+                       shift_ptr=F32, stride_scale_slot=6144, stride_shift_slot=6144)
     for num_tokens, configs in ((64, lora.CANDIDATE_EXPAND_CONFIGS),
                                 (2048, [lora.expand_config(2048, 16)])):
         for e in configs:
             yield (f"lora expand {e}", lora._expand_kernel, dict(expand_args, num_tokens=num_tokens),
                    dict(BLOCK_M=e.block_m, BLOCK_N=e.block_n, RANK_CHUNK=lora.RANK_CHUNK,
-                        EVEN_R=True, NUM_STAGES=e.num_stages), e.num_warps)
+                        EVEN_R=True, NUM_STAGES=e.num_stages, HAS_SCALE=True, HAS_SHIFT=True),
+                   e.num_warps)
+    yield from _family_cases()
+
+
+def _family_cases() -> Iterator[tuple]:
+    """IA3's input scaling and FLoRA's stacking and combining at Llama-3-8B's down and qkv."""
+    from loraplex.kernels import adapter_families as fam
+
+    yield ("scale rows", fam._scale_rows_kernel,
+           dict(x_ptr=BF16, scales_ptr=F32, slots_ptr=I32, out_ptr=BF16, in_features=14336,
+                stride_x=14336, stride_s=14336, stride_o=14336), dict(BLOCK=fam.BLOCK), 4)
+    yield ("flora stack", fam._flora_stack_kernel,
+           dict(x_ptr=BF16, a_ptr=BF16, slots_ptr=I32, flora_ranks_ptr=I32, row_tokens_ptr=I64,
+                row_ranks_ptr=I64, out_ptr=BF16, num_tokens=16, num_rows=64, in_features=4096,
+                stride_x=4096, stride_a_slot=3 * 16 * 4096, stride_a_slice=16 * 4096,
+                stride_a_rank=4096, stride_fr_slot=3, stride_o=4096), dict(BLOCK=fam.BLOCK), 4)
+    yield ("flora combine", fam._flora_combine_kernel,
+           dict(y_ptr=BF16, p_ptr=BF16, b_ptr=BF16, slots_ptr=I32, flora_ranks_ptr=I32,
+                row_ranks_ptr=I64, bounds_ptr=I64, bias_ptr=BF16, num_rows=64, out_features=6144,
+                off1=4096, off2=5120, off3=6144, stride_y=6144, stride_p=6144,
+                stride_b_slot=6144 * 16, stride_b_out=16, stride_fr_slot=3),
+           dict(HAS_BIAS=True, BLOCK=fam.BLOCK), 4)
 
 
 def _cpu():

@@ -49,14 +49,53 @@ def _with(tensors: dict[str, np.ndarray], change: Callable[[np.ndarray], None]):
     return tensors
 
 
+def _dora_tensors(v_length: int = 32) -> dict[str, np.ndarray]:
+    """LoRA tensors on q/v with DoRA magnitudes (v_proj's of length `v_length`)."""
+    tensors = adapter_tensors()
+    for layer in range(TINY.num_layers):
+        for module, length in (("q_proj", 64), ("v_proj", v_length)):
+            key = f"base_model.model.model.layers.{layer}.self_attn.{module}.lora_magnitude_vector"
+            tensors[key] = np.ones(length, np.float32)
+    return tensors
+
+
+def _ia3_config(**overrides) -> dict:
+    return {"peft_type": "IA3", "task_type": "CAUSAL_LM", "target_modules": ["q_proj", "down_proj"],
+            "feedforward_modules": ["down_proj"], **overrides}
+
+
+def _ia3_tensors(down_shape: tuple[int, int] = (1, 128), q_input: bool = False) -> dict[str, np.ndarray]:
+    tensors = {}
+    for layer in range(TINY.num_layers):
+        prefix = f"base_model.model.model.layers.{layer}"
+        tensors[f"{prefix}.self_attn.q_proj.ia3_l"] = np.ones((1, 64) if q_input else (64, 1), np.float32)
+        tensors[f"{prefix}.mlp.down_proj.ia3_l"] = np.ones(down_shape, np.float32)
+    return tensors
+
+
 _A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 BAD_ADAPTERS: dict[str, tuple[Callable[[Path], Path], str]] = {
-    "not LoRA": (lambda d: write_adapter(d, adapter_config(peft_type="IA3")),
-                 "peft_type must be 'LORA'"),
-    "DoRA config": (lambda d: write_adapter(d, adapter_config(use_dora=True)), "DoRA"),
-    "DoRA tensors": (lambda d: write_adapter(d, tensors=adapter_tensors() | {
+    "another PEFT type": (lambda d: write_adapter(d, adapter_config(peft_type="PREFIX_TUNING")),
+                          "peft_type must be 'LORA', 'IA3' or 'FLORA'"),
+    "DoRA config without magnitudes": (lambda d: write_adapter(d, adapter_config(use_dora=True)),
+                                       "has no lora_magnitude_vector tensor"),
+    "DoRA magnitude in a LoRA adapter": (lambda d: write_adapter(d, tensors=adapter_tensors() | {
         "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector":
-            np.ones(64, np.float32)}), "DoRA"),
+            np.ones(64, np.float32)}), "is a DoRA magnitude, but adapter_config.json does not set use_dora"),
+    "DoRA magnitude of the wrong length": (
+        lambda d: write_adapter(d, adapter_config(use_dora=True), _dora_tensors(v_length=64)),
+        "layer 0 v_proj: DoRA magnitude (lora_magnitude_vector) has shape [64], but the base model "
+        "needs [32]"),
+    "IA3 vector of the wrong shape": (
+        lambda d: write_adapter(d, _ia3_config(), _ia3_tensors(down_shape=(128, 1))),
+        "layer 0 down_proj: ia3_l has shape [128, 1], but down_proj is a feed-forward module"),
+    "IA3 input scaling of q_proj": (
+        lambda d: write_adapter(d, _ia3_config(feedforward_modules=["q_proj", "down_proj"]),
+                                _ia3_tensors(q_input=True)),
+        "IA3 input scaling (feedforward_modules) is supported on o_proj, down_proj only"),
+    "FLoRA config over LoRA tensors": (
+        lambda d: write_adapter(d, adapter_config(peft_type="FLORA")),
+        "belongs in a LoRA adapter, but adapter_config.json describes a flora one"),
     "modules_to_save": (lambda d: write_adapter(d, adapter_config(modules_to_save=["lm_head"])),
                         "modules_to_save"),
     "unsupported target in config": (

@@ -77,7 +77,9 @@ function uploadForm(onUploaded) {
       const chosenTenant = tenant.input.value;
       form.reset();
       tenant.input.value = chosenTenant;  // the next upload is most likely for the same tenant
-      toast(`Adapter ${adapter.tenant}/${adapter.name} uploaded (rank ${adapter.rank}).`, "success");
+      const kind = FAMILY_LABELS[adapter.family] || adapter.family;
+      const size = adapter.family === "ia3" ? kind : `${kind} rank ${adapter.rank}`;
+      toast(`Adapter ${adapter.tenant}/${adapter.name} uploaded (${size}).`, "success");
       onUploaded(adapter);
     } catch (error) {
       progress.hidden = true;
@@ -89,6 +91,14 @@ function uploadForm(onUploaded) {
   return { form, tenant };
 }
 
+const FAMILY_LABELS = { lora: "LoRA", dora: "DoRA", ia3: "IA3", flora: "FLoRA" };
+const FAMILY_TITLES = {
+  lora: "W0 + s·B·A (PEFT LoRA)",
+  dora: "LoRA with a learned magnitude per output row (PEFT use_dora)",
+  ia3: "learned vectors scaling k, v and the feed-forward input (PEFT IA3)",
+  flora: "W0 ⊙ (B·A), element-wise (FLoRA)",
+};
+
 function adapterTable(adapters, onDelete) {
   return table({
     caption: `${adapters.length} adapter${adapters.length === 1 ? "" : "s"}`,
@@ -98,7 +108,8 @@ function adapterTable(adapters, onDelete) {
     columns: [
       { label: "Tenant", cell: (a) => a.tenant },
       { label: "Name", className: "nowrap", cell: (a) => h("strong", {}, a.name) },
-      { label: "Rank", numeric: true, cell: (a) => String(a.rank) },
+      { label: "Family", className: "nowrap", cell: (a) => h("span", { class: "tag", title: FAMILY_TITLES[a.family] || "" }, FAMILY_LABELS[a.family] || a.family) },
+      { label: "Rank", numeric: true, cell: (a) => (a.family === "ia3" ? "–" : String(a.rank)) },
       {
         label: "Targets",
         cell: (a) => h("span", { class: "tags", title: a.target_modules.join(", ") },

@@ -108,7 +108,9 @@ class Adapter(BaseModel):
     name: str
     digest: str = Field(description=f"The adapter's identity. {IDENTITY}")
     base_model: str
-    rank: int
+    family: str = Field(description="lora, dora (PEFT use_dora), ia3 (PEFT IA3) or flora "
+                                    "(multiplicative, docs/flora-format.md).")
+    rank: int = Field(description="The largest rank of its modules (0 for IA3).")
     alpha: float
     target_modules: list[str]
     size_bytes: int
@@ -120,7 +122,8 @@ class Adapter(BaseModel):
     @classmethod
     def of(cls, record: AdapterRecord, loaded: set[str], resident: set[str]) -> Adapter:
         return cls(tenant=record.tenant, name=record.name, digest=record.digest,
-                   base_model=record.base_model, rank=record.rank, alpha=record.alpha,
+                   base_model=record.base_model, family=record.family, rank=record.rank,
+                   alpha=record.alpha,
                    target_modules=list(record.target_modules), size_bytes=record.size_bytes,
                    created_at=record.created_at, num_requests_served=record.num_requests_served,
                    is_loaded=record.digest in loaded, is_resident=record.digest in resident)
