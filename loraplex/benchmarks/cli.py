@@ -18,6 +18,7 @@ SCRIPTS = {
     "decode-gaps": ("decode_gaps", "where a decode step's wall time goes beyond its kernels"),
     "engine-overhead": ("engine_overhead", "the engine's own CPU time per step (CPU is fine)"),
     "load": ("server_load", "many streaming clients against `loraplex serve` on the demo"),
+    "serve": ("serve_bench", "the serving benchmark: arrivals, tenants, Zipf adapters, through HTTP"),
     "precision": ("precision_study", "where a bf16 engine loses accuracy (CPU emulation)"),
 }
 """Benchmarks with their own command line: name -> (module, summary)."""

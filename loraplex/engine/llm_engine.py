@@ -443,6 +443,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """Live engine state for metrics, the admin API and benchmarks."""
         scheduler, adapters = self.scheduler, self.adapters
+        waiting = self.scheduler.policy.waiting()
         return EngineStats(
             num_running=len(scheduler.running), num_waiting=scheduler.num_waiting,
             num_kv_blocks=self.blocks.num_blocks, num_kv_blocks_used=self.blocks.num_used_blocks,
@@ -452,7 +453,9 @@ class LLMEngine:
             num_adapter_host_loads=adapters.num_host_loads, num_adapter_slot_loads=adapters.num_slot_loads,
             num_generated_tokens=self.num_generated_tokens, num_prompt_tokens=self.num_prompt_tokens,
             running_by_tenant=dict(Counter(r.tenant for r in scheduler.running)),
-            waiting_by_tenant=dict(Counter(r.tenant for r in self.scheduler.policy.waiting())),
+            waiting_by_tenant=dict(Counter(r.tenant for r in waiting)),
+            running_by_adapter=dict(Counter(r.adapter for r in scheduler.running if r.adapter)),
+            waiting_by_adapter=dict(Counter(r.adapter for r in waiting if r.adapter)),
         )
 
     def close(self) -> None:

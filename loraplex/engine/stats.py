@@ -28,6 +28,10 @@ class EngineStats:
     num_prompt_tokens: int
     running_by_tenant: dict[str, int]
     waiting_by_tenant: dict[str, int]
+    running_by_adapter: dict[str, int]
+    """Running requests per adapter digest (base-model requests are not counted)."""
+    waiting_by_adapter: dict[str, int]
+    """Waiting requests per adapter digest."""
 
     @property
     def kv_cache_usage(self) -> float:

@@ -40,6 +40,9 @@ class Services:
     upload_slots: asyncio.Semaphore
     started_at: float = field(default_factory=time.time)
     is_stopping: bool = False
+    is_draining: bool = False
+    """Set on SIGTERM: readiness fails and new generation requests get 503; those admitted run
+    to their end."""
 
     @classmethod
     def start(cls, config: ServerConfig, registry: Registry, llm: LLMEngine) -> Services:
@@ -56,11 +59,14 @@ class Services:
             codec=TextCodec(llm.tokenizer, max_prompt_tokens(config, llm), config.tokenizer_threads),
             adapters=adapters,
             limiter=limiter, usage=UsageRecorder(registry), monitor=monitor,
-            metrics=Metrics(config.model_id, monitor, lambda: limiter.num_in_flight),
+            metrics=Metrics(config.model_id, monitor, lambda: limiter.num_in_flight, adapters.names_of),
             upload_slots=asyncio.Semaphore(config.max_concurrent_uploads),
         )
         monitor.start()
         return services
+
+    def begin_drain(self) -> None:
+        self.is_draining = True
 
     @property
     def max_prompt_tokens(self) -> int:

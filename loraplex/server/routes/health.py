@@ -30,6 +30,8 @@ class Readiness(BaseModel):
 
 @router.get("/health", response_model=Health, summary="Liveness: the process answers")
 async def health() -> Health:
+    """200 while the process serves HTTP, draining included (restart it only when this fails;
+    take it out of rotation when /ready fails)."""
     return Health(status="ok")
 
 
@@ -41,6 +43,8 @@ async def ready(request: Request) -> Readiness | JSONResponse:
     problem = None
     if services is None or services.is_stopping:
         problem = "the server is starting or stopping"
+    elif services.is_draining:
+        problem = "the server is draining (shutting down): it admits no new requests"
     elif not services.engine.is_alive:
         problem = "the engine has stopped"
     else:
