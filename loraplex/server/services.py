@@ -45,10 +45,13 @@ class Services:
     to their end."""
 
     @classmethod
-    def start(cls, config: ServerConfig, registry: Registry, llm: LLMEngine) -> Services:
-        """Start the engine thread and the background work; call from the event loop."""
-        adapters = AdapterNames(registry, llm.model_config.shape, llm.config.lora.max_lora_rank,
-                                config.registry_cache_ttl_s)
+    def start(cls, config: ServerConfig, registry: Registry, llm: LLMEngine,
+              adapters: AdapterNames | None = None) -> Services:
+        """Start the engine thread and the background work; call from the event loop.
+        `adapters` replaces the registry's adapter names and blobs (a benchmark's synthetic
+        adapters; loraplex.benchmarks.synthetic_server)."""
+        adapters = adapters or AdapterNames(registry, llm.model_config.shape, llm.config.lora.max_lora_rank,
+                                            config.registry_cache_ttl_s)
         llm.set_adapter_loader(adapters.load)
         engine = AsyncEngine(llm)
         monitor = EngineMonitor(engine, config.engine_poll_interval_s)
