@@ -21,6 +21,7 @@ SCRIPTS = {
     "decode-families": ("families", "decode by adapter family: LoRA, DoRA, IA3, FLoRA, mixed"),
     "engine-overhead": ("engine_overhead", "the engine's own CPU time per step (CPU is fine)"),
     "load": ("server_load", "many streaming clients against `loraplex serve` on the demo"),
+    "serve": ("serve_bench", "the serving benchmark: arrivals, tenants, Zipf adapters, through HTTP"),
     "precision": ("precision_study", "where a bf16 engine loses accuracy (CPU emulation)"),
     "fairness": ("fairness", "light tenants beside a flooding one: VTC with KV swapping against FCFS"),
 }

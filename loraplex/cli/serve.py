@@ -2,7 +2,8 @@
 
 Checks the engine options, upgrades the registry schema, reconciles the blob store, builds the
 engine (the built-in demo model without --model; weights, memory plan, CUDA graphs), records
-the model as the served model, and serves the API with uvicorn until SIGTERM or Ctrl-C. With
+the model as the served model, and serves the API with uvicorn until SIGTERM (a drain: see
+loraplex.server.drain) or Ctrl-C. With
 the demo, a fresh data dir also gets tenant `demo` with the demo adapters and a key, printed
 and written to `<data-dir>/demo-api-key`."""
 
@@ -41,8 +42,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"default {DEFAULT_HOST}")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
     parser.add_argument("--shutdown-timeout", type=int, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-                        metavar="S", help="seconds requests in flight get to finish on SIGTERM "
-                        f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S})")
+                        metavar="S", help="on SIGTERM the server drains: /ready fails, new requests "
+                        "get 503, and requests in flight get this many seconds to finish before it "
+                        f"exits 0 (default {DEFAULT_SHUTDOWN_TIMEOUT_S})")
     add_registry_options(parser)
     add_engine_flags(parser)
     parser.set_defaults(run=run)
@@ -62,6 +64,7 @@ def run(args: argparse.Namespace) -> None:
 
     from loraplex.engine.llm_engine import LLMEngine
     from loraplex.server import ServerConfig, create_app
+    from loraplex.server.drain import DrainingServer
 
     _configure_logging()
     engine_config(".", args)  # a bad option is refused before anything loads
@@ -78,9 +81,9 @@ def run(args: argparse.Namespace) -> None:
             _set_up_demo(registry, served.demo_adapters, config.data_dir)
         app = create_app(ServerConfig(model_id=served.model_id, admin_ui_dir=_admin_ui_dir()),
                          registry, engine)
-        server = uvicorn.Server(uvicorn.Config(
+        server = DrainingServer(uvicorn.Config(
             app, host=args.host, port=args.port, timeout_graceful_shutdown=args.shutdown_timeout,
-            log_level="info"))
+            log_level="info"), drain_timeout_s=args.shutdown_timeout)
         url = f"http://{_url_host(args.host)}:{args.port}"
         logger.info("serving %s on %s (device %s): OpenAI API at %s/v1, admin API at %s/admin/api",
                     served.model_id, url, engine.device, url, url)

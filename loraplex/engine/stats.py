@@ -47,6 +47,10 @@ class EngineStats:
     swap_seconds_out: float
     swap_seconds_in: float
     """Time the swap copies took (on their own CUDA stream, beside the steps)."""
+    running_by_adapter: dict[str, int]
+    """Running requests per adapter digest (base-model requests are not counted)."""
+    waiting_by_adapter: dict[str, int]
+    """Waiting requests per adapter digest."""
 
     @property
     def kv_cache_usage(self) -> float:

@@ -28,6 +28,7 @@ class AdapterNames:
         self._max_rank = max_rank
         self._records: TTLCache[tuple[str, str], AdapterRecord] = TTLCache(ttl_s)
         self._blobs: dict[str, AdapterRecord] = {}  # digest -> a record whose blobs hold it
+        self._names: dict[str, set[str]] = {}  # digest -> the names requests gave it here
 
     async def lookup(self, tenant: str, name: str) -> AdapterRecord:
         """The tenant's adapter `name`; AdapterNotFoundError (404 model_not_found) if it has
@@ -39,7 +40,14 @@ class AdapterNames:
             record = self._records.put(key, await run_in_threadpool(
                 self._registry.adapters.get, tenant, name), read_at)
             self._blobs[record.digest] = record
+            self._names.setdefault(record.digest, set()).add(name)
         return record
+
+    def names_of(self, digest: str) -> tuple[str, ...]:
+        """The names under which requests to this server asked for the adapter `digest` (its
+        digest if none is known): what the endpoint picker's LoRA affinity matches `model`
+        against."""
+        return tuple(self._names.get(digest, ())) or (digest,)
 
     def forget(self, tenant: str, name: str | None = None) -> None:
         """Drop cached records of a tenant's adapter (or of all its adapters)."""

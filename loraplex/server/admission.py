@@ -27,6 +27,11 @@ async def tenant_record(services: Services, name: str) -> TenantRecord:
 
 
 async def admit_request(principal: TenantDep, services: ServicesDep) -> AsyncIterator[Admission]:
+    if services.is_draining:
+        services.metrics.reject("draining")
+        raise ServiceUnavailableError("this server is shutting down; retry (another replica will "
+                                      "answer)", retry_after_s=services.config.retry_after_s,
+                                      code="server_draining")
     tenant = await tenant_record(services, principal.tenant)
     services.tenant_weights.sync(tenant)
     try:

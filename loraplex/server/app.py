@@ -14,6 +14,7 @@ from fastapi.staticfiles import StaticFiles
 from loraplex import __version__
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.registry import Registry
+from loraplex.server.adapter_names import AdapterNames
 from loraplex.server.api_docs import install_api_docs
 from loraplex.server.codec import max_request_body_bytes
 from loraplex.server.http_errors import install_error_handlers
@@ -40,13 +41,15 @@ TAGS = [
 ]
 
 
-def create_app(config: ServerConfig, registry: Registry, engine: LLMEngine) -> FastAPI:
+def create_app(config: ServerConfig, registry: Registry, engine: LLMEngine,
+               adapters: AdapterNames | None = None) -> FastAPI:
     """An app serving `engine` with `registry`. The caller owns both: the app starts the
-    engine's thread for its lifespan but neither closes the registry nor frees the model."""
+    engine's thread for its lifespan but neither closes the registry nor frees the model.
+    `adapters`: where adapter names resolve and adapters load from (default: the registry)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        services = Services.start(config, registry, engine)
+        services = Services.start(config, registry, engine, adapters)
         app.state.services = services
         try:
             yield

@@ -142,6 +142,8 @@ async def generate(services: Services, job: Job) -> AsyncIterator[Choice]:
         raise
     metrics = services.metrics
     metrics.request_max_tokens.observe(job.params.max_tokens)
+    if job.adapter is not None:
+        metrics.lora_requests.inc(job.n)
     last: dict[int, RequestOutput] = {}
     previous_at: dict[int, float] = {}
     try:

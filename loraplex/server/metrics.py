@@ -1,13 +1,22 @@
 """Prometheus metrics, in a registry of the app's own (no global state). Names follow vLLM's
 where they mean the same thing, so existing dashboards and routers work; loraplex's own are
 prefixed `loraplex:`. Labels: `model_name` (the base model) and, for per-tenant counters,
-`tenant` (bounded by the number of tenants; adapters are never labels: see the usage API)."""
+`tenant` (bounded by the number of tenants; adapters are never labels: see the usage API).
+
+The Gateway API Inference Extension's endpoint picker (its model-server protocol, proposal 003)
+reads `vllm:num_requests_waiting`, `vllm:num_requests_running`, the KV cache use
+(`vllm:gpu_cache_usage_perc`, and `vllm:kv_cache_usage_perc` as newer vLLM names it) and the
+gauge `vllm:lora_requests_info`, whose value is the time it was sampled and whose labels are
+`max_lora` (device adapter slots), `running_lora_adapters` (adapters in device slots, ready to
+serve) and `waiting_lora_adapters` (adapters that waiting requests ask for and that are not in a
+slot), each a comma-separated list of the adapter names requests use (`model`). The names of
+these metrics are in `EPP_METRICS`, which deploy/ and its test are checked against."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -16,11 +25,22 @@ from loraplex.server.monitor import EngineMonitor
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0, 160.0)
+QUEUE_METRIC = "vllm:num_requests_waiting"
+RUNNING_METRIC = "vllm:num_requests_running"
+KV_CACHE_METRIC = "vllm:gpu_cache_usage_perc"
+KV_CACHE_METRIC_V1 = "vllm:kv_cache_usage_perc"
+LORA_INFO_METRIC = "vllm:lora_requests_info"
+LORA_INFO_LABELS = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")
+EPP_METRICS = {QUEUE_METRIC: "gauge", RUNNING_METRIC: "gauge", KV_CACHE_METRIC: "gauge",
+               KV_CACHE_METRIC_V1: "gauge", LORA_INFO_METRIC: "gauge"}
+"""The metrics the endpoint picker reads, with their Prometheus types."""
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 
 
 class Metrics:
-    def __init__(self, model_name: str, monitor: EngineMonitor, in_flight: Callable[[], int]) -> None:
+    def __init__(self, model_name: str, monitor: EngineMonitor, in_flight: Callable[[], int],
+                 adapter_names: Callable[[str], Iterable[str]] = lambda digest: (digest,)) -> None:
+        """`adapter_names`: the names requests give an adapter digest (for the LoRA gauge)."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         labels = ["model_name"]
@@ -57,7 +77,11 @@ class Metrics:
                                        [*labels, "tenant"], registry=r)
         self.tenant_tokens = Counter("loraplex:tenant_tokens", "Prompt plus generated tokens per "
                                      "tenant.", [*labels, "tenant"], registry=r)
-        r.register(_EngineCollector(model_name, monitor, in_flight))
+        self.lora_requests = Counter("loraplex:lora_requests", "Engine requests that named an adapter "
+                                     "(slot hits over a run: these less the slot loads).", labels,
+                                     registry=r).labels(model_name)
+        r.register(_EngineCollector(model_name, monitor, in_flight, adapter_names))
+        ProcessCollector(registry=r)  # process_cpu_seconds_total: server CPU time per token
 
     def finished(self, tenant: str, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
         name = self.model_name
@@ -78,10 +102,12 @@ class Metrics:
 class _EngineCollector(Collector):
     """Gauges read from the monitor's latest engine snapshot at scrape time."""
 
-    def __init__(self, model_name: str, monitor: EngineMonitor, in_flight: Callable[[], int]) -> None:
+    def __init__(self, model_name: str, monitor: EngineMonitor, in_flight: Callable[[], int],
+                 adapter_names: Callable[[str], Iterable[str]]) -> None:
         self._model_name = model_name
         self._monitor = monitor
         self._in_flight = in_flight
+        self._adapter_names = adapter_names
 
     def describe(self) -> list:
         return []
@@ -97,9 +123,10 @@ class _EngineCollector(Collector):
             return
         stats = snapshot.stats
         gauges = {
-            "vllm:num_requests_running": ("Requests in the running batch.", stats.num_running),
-            "vllm:num_requests_waiting": ("Requests waiting for the engine.", stats.num_waiting),
-            "vllm:kv_cache_usage_perc": ("KV cache use, 0 to 1.", stats.kv_cache_usage),
+            RUNNING_METRIC: ("Requests in the running batch.", stats.num_running),
+            QUEUE_METRIC: ("Requests waiting for the engine.", stats.num_waiting),
+            KV_CACHE_METRIC: ("KV cache use, 0 to 1 (vLLM v0's name).", stats.kv_cache_usage),
+            KV_CACHE_METRIC_V1: ("KV cache use, 0 to 1.", stats.kv_cache_usage),
             "loraplex:kv_blocks_used": ("KV blocks in use.", stats.num_kv_blocks_used),
             "loraplex:kv_blocks_total": ("KV blocks allocated.", stats.num_kv_blocks),
             "loraplex:lora_adapters_resident": ("Adapters in device slots.", len(stats.adapters_in_slots)),
@@ -115,6 +142,7 @@ class _EngineCollector(Collector):
             family = GaugeMetricFamily(name, documentation, labels=["model_name"])
             family.add_metric(labels, value)
             yield family
+        yield self._lora_info(snapshot.stats, snapshot.sampled_wall)
         counters = {
             "vllm:num_preemptions": ("Requests preempted by the scheduler.", stats.num_preemptions),
             "loraplex:lora_host_loads": ("Adapters read into the host tier.", stats.num_adapter_host_loads),
@@ -126,6 +154,21 @@ class _EngineCollector(Collector):
             yield family
         yield from _per_tenant(labels, stats)
         yield from _swapping(labels, stats)
+
+    def _lora_info(self, stats: EngineStats, sampled_at: float) -> GaugeMetricFamily:
+        """vLLM's `vllm:lora_requests_info`: the value is when it was sampled (the endpoint
+        picker takes the latest sample); the labels carry the adapters."""
+        resident = set(stats.adapters_in_slots)
+        waiting = [d for d in stats.waiting_by_adapter if d not in resident]
+        family = GaugeMetricFamily(LORA_INFO_METRIC, "Adapters in device slots and adapters that "
+                                   "waiting requests ask for (as labels); the value is a timestamp.",
+                                   labels=list(LORA_INFO_LABELS))
+        family.add_metric([self._names(stats.adapters_in_slots), self._names(waiting),
+                           str(stats.num_lora_slots)], sampled_at)
+        return family
+
+    def _names(self, digests: Iterable[str]) -> str:
+        return ",".join(sorted({name for d in digests for name in self._adapter_names(d)}))
 
 
 def _per_tenant(labels: list[str], stats: EngineStats) -> Iterator:

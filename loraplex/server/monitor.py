@@ -22,12 +22,14 @@ class EngineSnapshot:
     stats: EngineStats
     sampled_at: float
     """time.monotonic() when it was taken."""
+    sampled_wall: float
+    """time.time() when it was taken."""
     tokens_per_second: float = 0.0
 
 
 def _sample(engine: LLMEngine) -> EngineSnapshot:
     """Runs on the engine thread."""
-    return EngineSnapshot(engine.stats(), time.monotonic())
+    return EngineSnapshot(engine.stats(), time.monotonic(), time.time())
 
 
 class EngineMonitor:

@@ -42,12 +42,18 @@ class Services:
     tenant_weights: TenantWeights
     started_at: float = field(default_factory=time.time)
     is_stopping: bool = False
+    is_draining: bool = False
+    """Set on SIGTERM: readiness fails and new generation requests get 503; those admitted run
+    to their end."""
 
     @classmethod
-    def start(cls, config: ServerConfig, registry: Registry, llm: LLMEngine) -> Services:
-        """Start the engine thread and the background work; call from the event loop."""
-        adapters = AdapterNames(registry, llm.model_config.shape, llm.config.lora.max_lora_rank,
-                                config.registry_cache_ttl_s)
+    def start(cls, config: ServerConfig, registry: Registry, llm: LLMEngine,
+              adapters: AdapterNames | None = None) -> Services:
+        """Start the engine thread and the background work; call from the event loop.
+        `adapters` replaces the registry's adapter names and blobs (a benchmark's synthetic
+        adapters; loraplex.benchmarks.synthetic_server)."""
+        adapters = adapters or AdapterNames(registry, llm.model_config.shape, llm.config.lora.max_lora_rank,
+                                            config.registry_cache_ttl_s)
         llm.set_adapter_loader(adapters.load)
         engine = AsyncEngine(llm)
         monitor = EngineMonitor(engine, config.engine_poll_interval_s)
@@ -58,7 +64,7 @@ class Services:
             codec=TextCodec(llm.tokenizer, max_prompt_tokens(config, llm), config.tokenizer_threads),
             adapters=adapters,
             limiter=limiter, usage=UsageRecorder(registry), monitor=monitor,
-            metrics=Metrics(config.model_id, monitor, lambda: limiter.num_in_flight),
+            metrics=Metrics(config.model_id, monitor, lambda: limiter.num_in_flight, adapters.names_of),
             upload_slots=asyncio.Semaphore(config.max_concurrent_uploads),
             tenant_weights=TenantWeights(engine),
         )
@@ -66,6 +72,9 @@ class Services:
             services.tenant_weights.sync(tenant)
         monitor.start()
         return services
+
+    def begin_drain(self) -> None:
+        self.is_draining = True
 
     @property
     def max_prompt_tokens(self) -> int:

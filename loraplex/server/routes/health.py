@@ -17,6 +17,9 @@ from loraplex.server.http_errors import error_body
 from loraplex.server.routes.docs import error_responses
 
 router = APIRouter(tags=["Operations"])
+LIVENESS_PATH = "/health"
+READINESS_PATH = "/ready"
+METRICS_PATH = "/metrics"
 
 
 class Health(BaseModel):
@@ -28,12 +31,14 @@ class Readiness(BaseModel):
     model: str
 
 
-@router.get("/health", response_model=Health, summary="Liveness: the process answers")
+@router.get(LIVENESS_PATH, response_model=Health, summary="Liveness: the process answers")
 async def health() -> Health:
+    """200 while the process serves HTTP, draining included (restart it only when this fails;
+    take it out of rotation when /ready fails)."""
     return Health(status="ok")
 
 
-@router.get("/ready", response_model=Readiness, summary="Readiness: engine and registry usable",
+@router.get(READINESS_PATH, response_model=Readiness, summary="Readiness: engine and registry usable",
             responses=error_responses(503))
 async def ready(request: Request) -> Readiness | JSONResponse:
     """200 when the engine thread runs and the registry database answers; else 503."""
@@ -41,6 +46,8 @@ async def ready(request: Request) -> Readiness | JSONResponse:
     problem = None
     if services is None or services.is_stopping:
         problem = "the server is starting or stopping"
+    elif services.is_draining:
+        problem = "the server is draining (shutting down): it admits no new requests"
     elif not services.engine.is_alive:
         problem = "the engine has stopped"
     else:
@@ -53,7 +60,7 @@ async def ready(request: Request) -> Readiness | JSONResponse:
     return Readiness(status="ready", model=services.config.model_id)
 
 
-@router.get("/metrics", summary="Prometheus metrics", response_class=Response,
+@router.get(METRICS_PATH, summary="Prometheus metrics", response_class=Response,
             responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}})
 async def metrics(services: ServicesDep) -> Response:
     with contextlib.suppress(Exception):  # a dead engine: the last sample is shown

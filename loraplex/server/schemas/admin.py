@@ -206,6 +206,10 @@ class EngineState(BaseModel):
     device: str
     dtype: str
     max_model_len: int
+    vocab_size: int
+    shape: dict[str, int]
+    """The base model's shape (layers, hidden and MLP sizes, heads, head size): what an
+    adapter must fit."""
     is_alive: bool
     num_requests_running: int
     num_requests_waiting: int

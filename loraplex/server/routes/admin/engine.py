@@ -35,7 +35,8 @@ async def get_engine_state(admin: AdminDep, services: ServicesDep) -> EngineStat
                  for t in sorted(tenants)}
     return EngineState(
         model=services.config.model_id, device=str(llm.device), dtype=str(llm.dtype).removeprefix("torch."),
-        max_model_len=llm.max_model_len, is_alive=services.engine.is_alive,
+        max_model_len=llm.max_model_len, vocab_size=llm.model_config.vocab_size,
+        shape=asdict(llm.model_config.shape), is_alive=services.engine.is_alive,
         num_requests_running=stats.num_running, num_requests_waiting=stats.num_waiting,
         num_requests_in_flight=services.limiter.num_in_flight,
         requests_by_tenant=by_tenant,

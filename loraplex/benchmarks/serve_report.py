@@ -1,0 +1,119 @@
+"""The serving benchmark's goals, read from the JSON that `scripts/gpu-issue-14.sh` leaves (one
+file per run of `loraplex bench serve`, and the synthetic server's offline pass):
+
+- 1,000 adapters against 32 resident ones at the same Poisson rate: output throughput within 5%,
+  p99 TTFT within 2x; cold loads move p99 ITL by less than 10%;
+- HTTP at saturation against the offline engine on the same requests: at least 90%; the server's
+  CPU time per generated token;
+- the highest rate tried at which p99 TTFT stays under 1 s, with 1,000 adapters and with one.
+
+    python -m loraplex.benchmarks.serve_report DIR [--plot]
+
+Writes DIR/serve-summary.json and prints it; with --plot (matplotlib) also the plots of every
+run and DIR/serve-rates.png (p99 TTFT against rate)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+TTFT_LIMIT_MS = 1000.0
+
+
+def _load(folder: Path, name: str) -> dict[str, Any] | None:
+    path = folder / name
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else round(a / b, 3)
+
+
+def summarize(folder: Path) -> dict[str, Any]:
+    many, resident = _load(folder, "serve-poisson-1000.json"), _load(folder, "serve-poisson-32.json")
+    saturated = _load(folder, "serve-saturation-1000.json")
+    offline = next((json.loads(p.read_text()) for p in sorted(folder.glob("serve-offline-*.json"))), None)
+    summary: dict[str, Any] = {}
+    if many and resident:
+        summary["many_vs_resident"] = {
+            "rate": many["workload"]["request_rate"],
+            "output_throughput": [many["output_throughput"], resident["output_throughput"]],
+            "throughput_ratio": _ratio(many["output_throughput"], resident["output_throughput"]),
+            "ttft_p99_ms": [many["ttft_ms"]["p99"], resident["ttft_ms"]["p99"]],
+            "ttft_p99_ratio": _ratio(many["ttft_ms"]["p99"], resident["ttft_ms"]["p99"]),
+            "itl_p99_ms": [many["itl_ms"]["p99"], resident["itl_ms"]["p99"]],
+            "itl_p99_ratio": _ratio(many["itl_ms"]["p99"], resident["itl_ms"]["p99"]),
+            "cold_loads": [many["engine"]["adapter_host_loads"], resident["engine"]["adapter_host_loads"]],
+            "goals": "throughput ratio >= 0.95, TTFT p99 ratio <= 2, ITL p99 ratio < 1.10",
+        }
+    if saturated and offline:
+        summary["http_vs_offline"] = {
+            "http_output_throughput": saturated["output_throughput"],
+            "offline_output_throughput": offline["output_throughput"],
+            "ratio": _ratio(saturated["output_throughput"], offline["output_throughput"]),
+            "server_cpu_ms_per_token": saturated["engine"]["server_cpu_ms_per_token"],
+            "offline_engine_cpu_ms_per_token": offline["engine_cpu_ms_per_token"],
+            "goal": "ratio >= 0.90",
+        }
+    for adapters in ("1000", "1"):
+        runs = sorted((json.loads(p.read_text()) for p in folder.glob(f"serve-rate-{adapters}-*.json")),
+                      key=lambda r: float(r["workload"]["request_rate"]))
+        if not runs:
+            continue
+        table = [{"rate": float(r["workload"]["request_rate"]), "ttft_p99_ms": r["ttft_ms"]["p99"],
+                  "output_throughput": r["output_throughput"], "failed": r["failed"]} for r in runs]
+        within = [row["rate"] for row in table if row["ttft_p99_ms"] is not None
+                  and row["ttft_p99_ms"] < TTFT_LIMIT_MS and not row["failed"]]
+        summary[f"max_rate_ttft_p99_under_1s_{adapters}_adapters"] = {
+            "max_rate_tried_within": max(within, default=None),
+            "is_lower_bound": bool(within) and max(within) == table[-1]["rate"], "runs": table}
+    return summary
+
+
+def plot_rates(folder: Path, summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for adapters in ("1000", "1"):
+        entry = summary.get(f"max_rate_ttft_p99_under_1s_{adapters}_adapters")
+        if entry:
+            ax.plot([r["rate"] for r in entry["runs"]], [r["ttft_p99_ms"] for r in entry["runs"]], marker="o",
+                    label=f"{adapters} adapter{'s' if adapters != '1' else ''}")
+    ax.axhline(TTFT_LIMIT_MS, color="k", linestyle="--", linewidth=1, label="1 s")
+    ax.set_yscale("log")
+    ax.set_xlabel("request rate (Poisson, requests/s)")
+    ax.set_ylabel("p99 time to first token (ms)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--plot", action="store_true")
+    args = parser.parse_args(argv)
+    summary = summarize(args.folder)
+    (args.folder / "serve-summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+    if args.plot:
+        from loraplex.benchmarks.serve_bench import plot
+
+        for path in sorted(args.folder.glob("serve-*.json")):
+            result = json.loads(path.read_text())
+            if result.get("benchmark") == "serve":
+                plot(result, path.with_suffix(".png"))
+        plot_rates(args.folder, summary, args.folder / "serve-rates.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

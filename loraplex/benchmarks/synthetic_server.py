@@ -1,0 +1,256 @@
+"""A `loraplex serve` for the serving benchmark on a GPU machine where nothing can be
+downloaded: a Llama-3-8B-shaped model with random weights built on the device, a word-level
+tokenizer over its whole vocabulary (one word, one token), a SQLite registry with the
+workload's tenants (`t000`...) and a key each, and `--num-adapters` random adapters of `--rank`
+on all seven projections (`a0000`..., adapter j owned by tenant j % num_tenants).
+
+    python -m loraplex.benchmarks.synthetic_server --port 8000 --setup setup.json \
+        [--num-adapters 1000 --num-tenants 40 --rank 16 --max-loras 32 --max-num-seqs 128] \
+        [--offline WORKLOAD_JSON --out bench/results]
+
+1,000 rank-16 adapters of that shape are 84 GB, more than the machine's disk; so adapter names
+resolve here without the registry (the server's name cache makes the registry's part of it a
+dictionary read either way), and the engine's loader, asked for adapter j, copies one of a few
+random adapters made at start-up into fresh pinned host memory under j's own digest: the engine
+does all its usual work (host tier, slots, copies on the side stream, eviction), only the blob
+store's file read is left out. Keys, tenants, limits and usage go through the real registry.
+
+`--offline` first runs the workload (WorkloadConfig's fields as JSON) through the engine
+directly, all at once, and writes `<out>/serve-offline-<device>.json` (the offline engine's
+throughput on the same requests as `loraplex bench serve` with the same workload). Then the
+server writes `--setup` (url, model_id, keys, vocab_size, admin_key; what `bench serve --setup`
+reads) and serves until SIGTERM, which drains it (exit 0)."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loraplex.benchmarks import synthetic
+from loraplex.benchmarks.serve_workload import (
+    WorkloadConfig,
+    adapter_name,
+    adapter_owner,
+    make_workload,
+    tenant_name,
+)
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.lora_weights import HostAdapter
+from loraplex.engine_config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+from loraplex.kernels import select_ops
+from loraplex.registry.records import AdapterRecord
+from loraplex.registry.registry_errors import AdapterNotFoundError
+from loraplex.types import SamplingParams
+
+MODEL_ID = "synthetic-llama-3-8b"
+POOL_SIZE = 4
+"""Distinct random adapters made at start-up; adapter j's tensors are a copy of pool[j % 4]."""
+logger = logging.getLogger("loraplex.synthetic_server")
+
+
+def synthetic_digest(index: int) -> str:
+    return hashlib.sha256(f"loraplex-synthetic-adapter-{index}".encode()).hexdigest()
+
+
+class SyntheticAdapters:
+    """What the server's AdapterNames does (names -> digests, digests -> adapters), for
+    adapters that exist only as seeds."""
+
+    def __init__(self, num_adapters: int, num_tenants: int, pool: list[HostAdapter]) -> None:
+        self._pool = pool
+        self._num_tenants = num_tenants
+        self._index = {synthetic_digest(j): j for j in range(num_adapters)}
+        self._records = {(adapter_owner(j, num_tenants), adapter_name(j)): self._record(j, pool[0].rank)
+                         for j in range(num_adapters)}
+        self.num_loads = 0
+
+    def _record(self, j: int, rank: int) -> AdapterRecord:
+        digest = synthetic_digest(j)
+        nowhere = Path("/nonexistent")
+        return AdapterRecord(
+            id=j, tenant=adapter_owner(j, self._num_tenants), name=adapter_name(j), digest=digest,
+            weights_sha256=digest, config_sha256=digest, weights_path=nowhere, config_path=nowhere,
+            base_model=MODEL_ID, rank=rank, alpha=float(rank), target_modules=(
+                "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+            size_bytes=self._pool[0].num_bytes, created_at=datetime.now(timezone.utc), num_requests_served=0)
+
+    async def lookup(self, tenant: str, name: str) -> AdapterRecord:
+        record = self._records.get((tenant, name))
+        if record is None:
+            raise AdapterNotFoundError(name)
+        return record
+
+    def forget(self, tenant: str, name: str | None = None) -> None:
+        pass
+
+    def names_of(self, digest: str) -> tuple[str, ...]:
+        j = self._index.get(digest)
+        return (digest,) if j is None else (adapter_name(j),)
+
+    def load(self, digest: str) -> HostAdapter:
+        """Runs on the engine's loader thread: a fresh pinned copy of a pool adapter."""
+        j = self._index[digest]
+        source = self._pool[j % len(self._pool)]
+        self.num_loads += 1
+
+        def copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {group: torch.empty_like(t, pin_memory=t.is_pinned()).copy_(t)
+                    for group, t in tensors.items()}
+
+        return HostAdapter(digest, source.rank, copy(source.a), copy(source.b), copy(source.ranks))
+
+
+def word_tokenizer(vocab_size: int) -> Any:
+    """A word-level tokenizer: token i is the word `w<i>` (decoded with spaces between)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0")
+
+
+def build_engine(args: argparse.Namespace) -> LLMEngine:
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model_config = synthetic.model_config(args.model_overrides)
+    started = time.perf_counter()
+    model = synthetic.random_model(model_config, select_ops(device), dtype, device, args.max_model_len)
+    engine = LLMEngine(EngineConfig(
+        model=MODEL_ID, device=args.device, dtype=str(dtype).removeprefix("torch."),
+        max_model_len=args.max_model_len, seed=0, cache=CacheConfig(block_size=16),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens),
+        lora=LoRAConfig(max_lora_rank=args.rank, max_loras=args.max_loras),
+    ), model=model)
+    engine.tokenizer = word_tokenizer(model_config.vocab_size)
+    logger.info("engine built in %.1f s: %s", time.perf_counter() - started, engine.memory.describe())
+    return engine
+
+
+def make_pool(engine: LLMEngine, rank: int) -> list[HostAdapter]:
+    pin = engine.device.type == "cuda"
+    return [synthetic.random_adapter(engine.model_config, rank, engine.dtype, engine.device, f"pool-{i}",
+                                     seed=5000 + i, pin=pin) for i in range(POOL_SIZE)]
+
+
+def run_offline(engine: LLMEngine, workload: WorkloadConfig) -> dict[str, Any]:
+    """The workload through the engine directly, every request added at once."""
+    requests = make_workload(workload)
+    warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for i, request in enumerate(requests[:64]):  # the first adapter loads and prefill shapes
+        engine.add_request(f"warm-{i}", prompt_token_ids=request.prompt_token_ids, params=warm,
+                           adapter=synthetic_digest(int(request.adapter[1:])) if request.adapter else None,
+                           tenant=request.tenant)
+    while engine.has_unfinished_requests():
+        engine.step()
+    before = engine.stats()
+    cpu, started = time.process_time(), time.perf_counter()
+    for request in requests:
+        engine.add_request(
+            f"offline-{request.index}", prompt_token_ids=request.prompt_token_ids, tenant=request.tenant,
+            params=SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True),
+            adapter=synthetic_digest(int(request.adapter[1:])) if request.adapter else None)
+    output_tokens = 0
+    while engine.has_unfinished_requests():
+        output_tokens += sum(len(o.new_token_ids) for o in engine.step())
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    duration, cpu = time.perf_counter() - started, time.process_time() - cpu
+    after = engine.stats()
+    return {
+        "benchmark": "serve-offline", "workload": {k: ("inf" if v == float("inf") else v)
+                                                  for k, v in workload.__dict__.items()},
+        "completed": len(requests), "duration_s": round(duration, 3), "output_tokens": output_tokens,
+        "request_throughput": round(len(requests) / duration, 3),
+        "output_throughput": round(output_tokens / duration, 1),
+        "engine_cpu_ms_per_token": round(1000 * cpu / output_tokens, 4),
+        "adapter_host_loads": after.num_adapter_host_loads - before.num_adapter_host_loads,
+        "adapter_slot_loads": after.num_adapter_slot_loads - before.num_adapter_slot_loads,
+        "preemptions": after.num_preemptions - before.num_preemptions,
+        "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
+    }
+
+
+def set_up_registry(data_dir: Path, engine: LLMEngine, num_tenants: int) -> tuple[Any, dict[str, str], str]:
+    from loraplex.registry import Registry, RegistryConfig
+
+    registry = Registry.open(RegistryConfig(data_dir=data_dir))
+    registry.models.set(MODEL_ID, engine.model_config.shape, engine.config.lora.max_lora_rank)
+    keys = {}
+    for i in range(num_tenants):
+        registry.tenants.create(tenant_name(i))
+        keys[tenant_name(i)] = registry.keys.create(tenant=tenant_name(i)).secret
+    return registry, keys, registry.keys.create(admin=True).secret
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--setup", type=Path, required=True, help="where to write url and keys (JSON)")
+    parser.add_argument("--data-dir", type=Path, help="registry folder (default: a temporary one)")
+    parser.add_argument("--num-adapters", type=int, default=1000)
+    parser.add_argument("--num-tenants", type=int, default=40)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--max-loras", type=int, default=32, help="device adapter slots")
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model-overrides", type=json.loads, default={},
+                        help="JSON of config.json keys replacing the Llama-3-8B shape (CPU smoke runs)")
+    parser.add_argument("--offline", type=json.loads, help="a workload (WorkloadConfig fields) to "
+                        "run through the engine directly before serving")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--shutdown-timeout", type=int, default=60)
+    args = parser.parse_args(argv)
+
+    import uvicorn
+
+    from loraplex.cli.serve import _configure_logging
+    from loraplex.server import ServerConfig, create_app
+    from loraplex.server.drain import DrainingServer
+
+    _configure_logging()
+    logging.getLogger("loraplex.server.usage_recorder").setLevel(logging.WARNING)  # names not in the registry
+    engine = build_engine(args)
+    pool = make_pool(engine, args.rank)
+    adapters = SyntheticAdapters(args.num_adapters, args.num_tenants, pool)
+    engine.set_adapter_loader(adapters.load)
+    if args.offline is not None:
+        workload = WorkloadConfig(**(args.offline | {"vocab_size": engine.model_config.vocab_size}))
+        result = run_offline(engine, workload)
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"serve-offline-{result['device'].replace(' ', '-').lower()}.json"
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps(result), flush=True)
+    data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="loraplex-synthetic-"))
+    registry, keys, admin_key = set_up_registry(data_dir, engine, args.num_tenants)
+    url = f"http://{args.host}:{args.port}"
+    args.setup.write_text(json.dumps({"url": url, "model_id": MODEL_ID, "keys": keys, "admin_key": admin_key,
+                                      "vocab_size": engine.model_config.vocab_size}))
+    app = create_app(ServerConfig(model_id=MODEL_ID, max_requests_in_flight=4096), registry, engine, adapters)
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=args.shutdown_timeout),
+                            drain_timeout_s=args.shutdown_timeout)
+    logger.info("serving %s on %s with %d adapters over %d tenants", MODEL_ID, url, args.num_adapters,
+                args.num_tenants)
+    server.run()
+    registry.close()
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
