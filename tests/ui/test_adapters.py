@@ -65,7 +65,8 @@ def test_upload_a_good_adapter_see_it_listed_and_get_an_answer_from_it(
 
 @pytest.mark.parametrize(("case", "field", "message"), [
     ("rank", "adapter_config.json", "exceeds the limit"),
-    ("dora", "adapter_config.json", "DoRA adapters (use_dora: true) are not supported"),
+    ("type", "adapter_config.json", "peft_type must be 'LORA', 'IA3' or 'FLORA'"),
+    ("dora", "adapter_model.safetensors", "has no lora_magnitude_vector tensor"),
     ("weights", "adapter_model.safetensors", "not a safetensors file"),
 ])
 def test_a_bad_adapter_shows_the_error_in_words_and_nothing_is_stored(
@@ -74,6 +75,7 @@ def test_a_bad_adapter_shows_the_error_in_words_and_nothing_is_stored(
     source = server.demo_adapters / "pirate"
     folder = {
         "rank": lambda: copy_adapter(source, tmp_path / case, r=4096, lora_alpha=8192),
+        "type": lambda: copy_adapter(source, tmp_path / case, peft_type="PREFIX_TUNING"),
         "dora": lambda: copy_adapter(source, tmp_path / case, use_dora=True),
         "weights": lambda: copy_adapter(source, tmp_path / case),
     }[case]()

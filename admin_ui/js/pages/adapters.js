@@ -32,7 +32,7 @@ function uploadForm(onUploaded) {
   });
   const config = field({
     label: "adapter_config.json", name: "adapter_config", type: "file", required: true,
-    hint: "The PEFT LoRA config.", attrs: { accept: ".json,application/json" },
+    hint: "The PEFT config (LoRA, DoRA, IA3) or a FLoRA config.", attrs: { accept: ".json,application/json" },
   });
   const weights = field({
     label: "adapter_model.safetensors", name: "adapter_model", type: "file", required: true,
