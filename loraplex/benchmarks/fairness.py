@@ -159,7 +159,7 @@ def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[tuple[fl
             times[output.request_id].append(time.perf_counter() - started)
             tokens += 1
     elapsed = time.perf_counter() - started
-    for request_id in list(engine._requests):
+    for request_id in arrived:  # those still unfinished at the end (abort ignores the others)
         engine.abort(request_id)
     engine.drain()
     while engine.has_unfinished_requests():
@@ -207,11 +207,11 @@ def _swap_costs(engine: LLMEngine, config: FairnessBenchConfig, vocab: int) -> d
         swapper.before_step(pairs, [])
         swapper.before_step([], pairs)
         swapper.before_step([], [])
-    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    _sync(device)
     start = time.perf_counter()
     swapper.before_step([], pairs)
     swapper.before_step([], [])
-    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    _sync(device)
     swap_in_s = time.perf_counter() - start
     params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     prompt = np.random.default_rng(1).integers(1000, vocab - 1000, config.resume_tokens).tolist()
@@ -240,6 +240,11 @@ def _swap_costs(engine: LLMEngine, config: FairnessBenchConfig, vocab: int) -> d
         "recompute_s": round(recompute_s, 5), "swap_in / recompute": round(swap_in_s / recompute_s, 3),
         "pinned_copy_ceiling": ceiling,
     }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _pct(values: list[float], q: float) -> float | None:

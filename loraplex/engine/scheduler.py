@@ -47,11 +47,14 @@ class Scheduler:
         """Requests that the last plan left waiting for their adapter, and why (behind a request
         that waits for a slot or host room, a request waits for the same)."""
         self._forgotten: list[str] = []
-        self.num_preemptions = 0
         self.preemptions: Counter[tuple[str, str]] = Counter()
         """(cause: "kv" or "fairness", mode: "swap" or "recompute") -> preemptions."""
         self.num_blocks_swapped_out = self.num_blocks_swapped_in = 0
         self._asked: list[Request] = []  # to preempt at the next step
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.preemptions.values())
 
     @property
     def num_waiting(self) -> int:
@@ -287,7 +290,6 @@ class Scheduler:
         self.preemptions[cause, "swap" if swapped else "recompute"] += 1
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
-        self.num_preemptions += 1
         self.policy.add(request)
 
     def _release(self, request: Request) -> None:

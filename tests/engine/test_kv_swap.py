@@ -69,15 +69,16 @@ def test_a_request_swapped_many_times_gives_the_tokens_it_gives_alone(case, asyn
     engine = llm.engine
     for key, prompt in prompts.items():
         engine.add_request(key, prompt_token_ids=prompt, params=_params(), adapter=NAMES[key])
-    outputs, step = {}, 0
+    outputs, steps_run = {}, {"long": 0, "mid": 0}
     while engine.has_unfinished_requests():
-        for key in ("long", "mid"):  # preempt each of these whenever it runs, every third step
+        for key in steps_run:  # preempt each after its 1st, 5th, 9th... step of running
             request = engine._requests.get(key)
-            if request is not None and request.status is RequestStatus.RUNNING and step % 3 == hash(key) % 3:
-                engine.preempt(key)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                steps_run[key] += 1
+                if steps_run[key] % 4 == 1:
+                    engine.preempt(key)
         for output in engine.step():
             outputs[output.request_id] = output
-        step += 1
     expected = _alone(case)
     for key in prompts:
         assert outputs[key].token_ids == expected[key], key
