@@ -1,6 +1,7 @@
 """`loraplex bench fairness`: one tenant floods, three send their share; light tenants' latency
 under VTC with KV swapping against running alone and against FCFS, throughput against FCFS,
-swap bandwidth both ways, and the cost of resuming a long swapped request against recomputing it.
+swap bandwidth both ways, the device idle time that swaps cause (steps waiting for copies),
+and the cost of resuming a long swapped request against recomputing it.
 
 Llama-3-8B shape with random weights (bf16 on CUDA), 4 tenants each with its own rank-16 adapter
 on all seven projections, Poisson arrivals; the heavy tenant sends `heavy_factor` times what each
@@ -181,6 +182,7 @@ def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[tuple[fl
     swapped_in = after.swap_bytes_in - before.swap_bytes_in
     seconds_out = after.swap_seconds_out - before.swap_seconds_out
     seconds_in = after.swap_seconds_in - before.swap_seconds_in
+    stalled = after.swap_seconds_stalled - before.swap_seconds_stalled
     row = {
         "policy": policy, "elapsed_s": round(elapsed, 1), "output_tokens": tokens,
         "output_tokens_per_s": round(tokens / elapsed, 1), **per_tenant,
@@ -190,6 +192,7 @@ def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[tuple[fl
         "swap_out_gb_per_s": round(swapped_out / seconds_out / 1e9, 1) if seconds_out else None,
         "swap_in_gb_per_s": round(swapped_in / seconds_in / 1e9, 1) if seconds_in else None,
         "swap_out_s_share_of_run": round(seconds_out / elapsed, 4),
+        "swap_stall_s": round(stalled, 4), "swap_stall_share_of_run": round(stalled / elapsed, 5),
         "tenant_service": after.tenant_service,
     }
     print(json.dumps(row), flush=True)

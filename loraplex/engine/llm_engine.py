@@ -483,6 +483,7 @@ class LLMEngine:
             num_host_pool_blocks_used=host.num_used_blocks if host else 0,
             swap_bytes_out=swaps.bytes_out, swap_bytes_in=swaps.bytes_in,
             swap_seconds_out=swaps.seconds_out, swap_seconds_in=swaps.seconds_in,
+            swap_seconds_stalled=swaps.seconds_stalled,
             running_by_adapter=dict(Counter(r.adapter for r in scheduler.running if r.adapter)),
             waiting_by_adapter=dict(Counter(r.adapter for r in waiting if r.adapter)),
         )

@@ -65,5 +65,6 @@ def _stats(**fields):
                 num_generated_tokens=0, num_prompt_tokens=0, running_by_tenant={}, waiting_by_tenant={},
                 running_by_adapter={}, waiting_by_adapter={}, swapped_by_tenant={}, tenant_service={},
                 tenant_weights={}, preemptions={}, num_host_pool_blocks=0, num_host_pool_blocks_used=0,
-                swap_bytes_out=0, swap_bytes_in=0, swap_seconds_out=0.0, swap_seconds_in=0.0)
+                swap_bytes_out=0, swap_bytes_in=0, swap_seconds_out=0.0, swap_seconds_in=0.0,
+                swap_seconds_stalled=0.0)
     return EngineStats(**(base | fields))
