@@ -82,7 +82,7 @@ def run(config: FairnessBenchConfig) -> dict[str, Any]:
     device = torch.device(config.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model_config = synthetic.model_config(config.model)
-    max_len = config.prompt_len[1] + config.output_len[1] + 16
+    max_len = max(config.prompt_len[1] + config.output_len[1], config.resume_tokens + 1) + 16
     model = synthetic.random_model(model_config, select_ops(device), dtype, device, max_len, seed=config.seed)
     engine = LLMEngine(EngineConfig(
         model="synthetic-llama-3-8b", device=config.device, dtype=str(dtype).removeprefix("torch."),
