@@ -74,8 +74,13 @@ def main(argv: list[str] | None = None) -> None:
         drain_s=args.drain_s, max_num_seqs=args.max_num_seqs, device=args.device,
         model=args.model_overrides, prompt_len=tuple(args.prompt_len), output_len=tuple(args.output_len),
         resume_tokens=args.resume_tokens, num_kv_blocks=args.num_kv_blocks)
-    result = run(config)
-    print(f"wrote {write(result, args.out, 'fairness')}")
+    path = write(run(config), args.out, "fairness")
+    print(f"wrote {path}")
+    try:
+        plot(path, path.with_suffix(".png"))
+        print(f"wrote {path.with_suffix('.png')}")
+    except ImportError:
+        print("matplotlib is not installed: no plot (run `python -m loraplex.benchmarks.plot` later)")
 
 
 def run(config: FairnessBenchConfig) -> dict[str, Any]:
@@ -243,6 +248,45 @@ def _swap_costs(engine: LLMEngine, config: FairnessBenchConfig, vocab: int) -> d
         "recompute_s": round(recompute_s, 5), "swap_in / recompute": round(swap_in_s / recompute_s, 3),
         "pinned_copy_ceiling": ceiling,
     }
+
+
+def plot(json_path: Path, png_path: Path) -> None:
+    """Light tenants' time to first token by policy, each tenant's service under VTC, and the
+    swaps against the pinned-copy ceiling (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    result = json.loads(json_path.read_text())
+    runs, swap = result["runs"], result["swap"]
+    fig, (ttft, share, swaps) = plt.subplots(1, 3, figsize=(15, 4.2))
+    names = list(runs)
+    for offset, (pct, color) in enumerate((("p50", "tab:blue"), ("p99", "tab:red"))):
+        values = [runs[name]["light"][f"ttft_{pct}_s"] for name in names]
+        ttft.bar([i + 0.4 * offset for i in range(len(names))], values, 0.4, label=pct, color=color)
+    ttft.set_xticks([i + 0.2 for i in range(len(names))], ["light alone", "FCFS", "VTC + swap"])
+    ttft.set_yscale("log")
+    ttft.set_ylabel("light tenants' time to first token (s)")
+    ttft.legend()
+    service = runs["vtc"]["tenant_service"]
+    tenants = sorted(service)
+    share.bar(tenants, [service[t] for t in tenants], color="tab:green")
+    share.set_ylabel("VTC service (prompt + 2 x generated tokens)")
+    share.set_title("light tenants get what they ask; the heavy one the rest")
+    vtc, ceiling = runs["vtc"], swap["pinned_copy_ceiling"]
+    labels = ["out", "in", "resume 2k"]
+    measured = [vtc["swap_out_gb_per_s"] or 0, vtc["swap_in_gb_per_s"] or 0, swap["swap_in_gb_per_s"]]
+    swaps.bar(labels, measured, color="tab:purple", label="swaps")
+    if ceiling:
+        swaps.axhline(ceiling["host_to_device_gb_per_s"], color="black", linestyle="--", label="pinned copy")
+    swaps.set_ylabel("GB/s")
+    swaps.set_title(f"resume by swap-in: {swap['swap_in / recompute']:.3f}x of recompute")
+    swaps.legend()
+    fig.suptitle(f"loraplex bench fairness, {result['device']}")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
 
 
 def _sync(device: torch.device) -> None:
