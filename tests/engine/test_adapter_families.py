@@ -137,19 +137,38 @@ def test_few_slots_reload_families(case):
     _check(outputs, logits, references)
 
 
+IA3_FLORA = (None, "ia3-default", "flora1-attn", "flora4-all", "flora16-attn", "ia3-default", None)
+"""A batch that needs no LoRA shrink or expand (IA3 as PEFT's default, FLoRA)."""
+
+
+def _references_for(model_dir, adapters, names, prompts):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return [_reference(hf, adapters, name, prompt) for name, prompt in zip(names, prompts)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_mixed_families_on_the_gpu_kernels(case):
-    """The same batch through the Triton kernels (float32 on CUDA, decode graphs for the steps
-    without FLoRA, eager steps with it): the same greedy tokens as each request alone."""
+@pytest.mark.parametrize("families", ["all", "ia3-flora"])
+def test_mixed_families_on_the_gpu_kernels(case, families):
+    """The same batch through the Triton kernels (float32 on CUDA, decode graphs, FLoRA's rows
+    padded in them; IA3 in the rotary and activation kernels): the same greedy tokens as each
+    request alone."""
     model_dir, adapters, prompts, references = case
+    names = list(NAMES)
+    if families == "ia3-flora":
+        names, prompts = list(IA3_FLORA), prompts[:len(IA3_FLORA)]
+        references = _references_for(model_dir, adapters, names, prompts)
     llm = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=16, max_num_batched_tokens=64)
     for name, path in adapters.items():
         llm.add_adapter(name, path)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, adapters=list(NAMES))
-    for name, output, (tokens, _) in zip(NAMES, outputs, references):
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, adapters=names)
+    for name, output, (tokens, _) in zip(names, outputs, references):
         assert output.token_ids == tokens, f"request with adapter {name}"
+    graphs = llm.engine.runner.graphs
+    assert any(key[5] for key in graphs._graphs), "no FLoRA graph was captured"
 
 
 @pytest.mark.parametrize("families", ["all", "ia3-flora"])
@@ -163,12 +182,8 @@ def test_padded_decode_path_with_families(case, families):
     if families == "all":
         names, prompts = list(NAMES), prompts
     else:
-        from transformers import AutoModelForCausalLM
-
-        names = [None, "ia3-default", "flora1-attn", "flora4-all", "flora16-attn", "ia3-default", None]
-        prompts = prompts[:len(names)]
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        references = [_reference(hf, adapters, name, prompt) for name, prompt in zip(names, prompts)]
+        names, prompts = list(IA3_FLORA), prompts[:len(IA3_FLORA)]
+        references = _references_for(model_dir, adapters, names, prompts)
     llm = LLM(model_dir, device="cpu", dtype="float32", max_num_seqs=16, block_size=4)
     for name, path in adapters.items():
         llm.add_adapter(name, path)
