@@ -47,6 +47,7 @@ from loraplex.engine.sizing import (
     resolve_max_model_len,
 )
 from loraplex.engine.stats import EngineStats
+from loraplex.engine.step_inputs import FLORA_ROW_BUCKETS
 from loraplex.engine.tenants import DEFAULT_TENANT, TenantTable
 from loraplex.engine_config import EngineConfig
 from loraplex.errors import InvalidRequestError, UnknownAdapterError
@@ -164,7 +165,9 @@ class LLMEngine:
         graphs = 0
         if use_graphs:
             max_batch = config.scheduler.max_num_seqs
-            graphs = scratch.measure_peak_bytes(max_batch, 1) + max_batch * model.vocab_size * 4
+            graphs = max(scratch.measure_peak_bytes(max_batch, 1),
+                         scratch.measure_peak_bytes(max_batch, 1, flora_rows=FLORA_ROW_BUCKETS[-1]))
+            graphs += max_batch * model.vocab_size * 4
         del scratch
         budget = cuda_budget(config, self.device, activations, graphs)
         return plan_memory(config, model, self.dtype, self.max_model_len, slot_bytes, budget,

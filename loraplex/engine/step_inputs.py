@@ -27,7 +27,18 @@ PENDING = -1
 """A token id the host does not know yet (sampled by a step still in flight): the device reads
 it from the runner's `row_tokens`."""
 
-TOKENS, SEQS, QUERY_STARTS, SAMPLES = "tokens", "seqs", "query_starts", "samples"
+TOKENS, SEQS, QUERY_STARTS, SAMPLES, FLORA_ROWS = "tokens", "seqs", "query_starts", "samples", "flora_rows"
+FLORA_ROW_BUCKETS = (16, 64, 256)
+"""The FLoRA rows a decode graph is captured with (a step's rows are padded to the next one):
+few enough graphs to capture, at most 4x the rows, which a memory-bound product hardly notices.
+A decode step with more rows runs eagerly."""
+PAD_RANK = 1 << 30
+"""The rank component of a padding FLoRA row: past every slot's rank, so the row reads nothing."""
+
+
+def flora_bucket(num_rows: int) -> int | None:
+    """The FLoRA rows of the decode graph that a step with `num_rows` rows runs (None: eager)."""
+    return next((b for b in FLORA_ROW_BUCKETS if num_rows <= b), None)
 
 
 @dataclass(frozen=True)
@@ -36,7 +47,8 @@ class Field:
     dtype: torch.dtype
     axis: str
     """TOKENS (one value per scheduled token), SEQS (per scheduled sequence), QUERY_STARTS (per
-    sequence, plus one), SAMPLES (per token that samples)."""
+    sequence, plus one), SAMPLES (per token that samples), FLORA_ROWS (per FLoRA row of a
+    decode step)."""
     pad: float | str
     """Value of padding entries ("spare row": the spare row of row_tokens)."""
 
@@ -56,6 +68,10 @@ FIELDS = (
     Field("top_p", torch.float32, SAMPLES, 1.0),
     Field("seeds", torch.int64, SAMPLES, 0),
     Field("offsets", torch.int64, SAMPLES, 0),  # index of the output token sampled next
+    # A decode step's FLoRA rows (FloraRows), padded to its graph's count: written by `fill`.
+    Field("flora_row_tokens", torch.int64, FLORA_ROWS, 0),
+    Field("flora_row_ranks", torch.int64, FLORA_ROWS, PAD_RANK),
+    Field("flora_bounds", torch.int64, QUERY_STARTS, 0),  # decode: a token a sequence
 )
 
 
@@ -72,13 +88,21 @@ class StepShape:
     is_padded_decode: bool
     """A decode step laid out for a graph: every sequence samples, padding included."""
     has_input_scale: bool = False
-    """Some token's adapter scales a module's input (IA3): one more launch on o and down."""
-    has_flora: bool = False
-    """Some token carries a FLoRA adapter (its rows, `StepInputs.flora`, vary by step)."""
+    """Some token's adapter scales o's input (IA3): one more launch on o."""
+    has_expand: bool = True
+    """Some token's adapter needs the LoRA shrink and expand (see LoraMetadata.has_expand)."""
+    flora_rows: int = 0
+    """FLoRA rows the step adds to each base product (`StepInputs.flora`; a decode step's
+    padded to a FLORA_ROW_BUCKETS count); 0: no FLoRA token."""
 
     @property
-    def graph_key(self) -> tuple[int, bool, bool, bool, bool]:
-        return self.num_seqs, self.has_lora, self.is_greedy, self.has_input_scale, self.has_flora
+    def has_flora(self) -> bool:
+        return self.flora_rows > 0
+
+    @property
+    def graph_key(self) -> tuple[int, bool, bool, bool, bool, int]:
+        return (self.num_seqs, self.has_lora, self.is_greedy, self.has_input_scale, self.has_expand,
+                self.flora_rows)
 
 
 @dataclass
@@ -104,7 +128,9 @@ class SlotFamilies:
     flora_rank: np.ndarray
     """int64: the FLoRA adapter's rank (0: not FLoRA)."""
     input_scaled: np.ndarray
-    """bool: the adapter scales some module's input (IA3)."""
+    """bool: the adapter scales o's input (IA3)."""
+    needs_expand: np.ndarray
+    """bool: the adapter needs the LoRA shrink and expand."""
 
 
 class StepInputs:
@@ -115,8 +141,10 @@ class StepInputs:
         self.max_tokens, self.max_seqs, self.block_size = max_tokens, max_seqs, block_size
         self.device, self.families = device, families
         self.flora: FloraRows | None = None
-        """The FLoRA rows of the step filled last (it runs eagerly: their number varies)."""
-        lengths = {TOKENS: max_tokens, SEQS: max_seqs, QUERY_STARTS: max_seqs + 1, SAMPLES: max_seqs}
+        """The FLoRA rows of the step filled last: views of the flora_* buffers for a decode step
+        (padded; fixed addresses for the graphs), tensors of their own for other steps."""
+        lengths = {TOKENS: max_tokens, SEQS: max_seqs, QUERY_STARTS: max_seqs + 1, SAMPLES: max_seqs,
+                   FLORA_ROWS: FLORA_ROW_BUCKETS[-1]}
         pin = device.type == "cuda"
         # One buffer per dtype on each side; each field is a slice of its dtype's buffer.
         sizes: dict[torch.dtype, int] = {}
@@ -205,28 +233,45 @@ class StepInputs:
         self._host_blocks[self._turn].numpy()[:n] = batch.block_table[rows]
         self._num_block_rows = size
         has_lora = bool(token_slots.any())
-        has_input_scale, self.flora = False, None
+        has_input_scale, has_expand, flora_rows, self.flora = False, has_lora, 0, None
         if has_lora and self.families is not None:
             has_input_scale = bool(self.families.input_scaled[token_slots].any())
-            self.flora = self._flora_rows(self.families.flora_rank[token_slots])
+            has_expand = has_input_scale or bool(self.families.needs_expand[token_slots].any())
+            ranks = self.families.flora_rank[token_slots]
+            if ranks.any():
+                flora_rows = self._fill_flora(host, ranks, size if decode else num_tokens, decode)
         shape = StepShape(
             num_tokens=size if decode else num_tokens, num_seqs=size,
             num_samples=size if decode else len(sample_rows), max_query_len=max_query_len,
             has_lora=has_lora, is_greedy=not batch.temperature[sample_rows].any(),
-            is_padded_decode=decode, has_input_scale=has_input_scale, has_flora=self.flora is not None)
+            is_padded_decode=decode, has_input_scale=has_input_scale, has_expand=has_expand,
+            flora_rows=flora_rows)
         return FilledStep(shape, rows, samples, n, start, num_new, query_start)
 
-    def _flora_rows(self, ranks: np.ndarray) -> FloraRows | None:
-        """The FLoRA rows of tokens whose slots have FLoRA ranks `ranks` [num_tokens]: each such
-        token's rank components in turn."""
+    def _fill_flora(self, host: dict[str, np.ndarray], ranks: np.ndarray, num_tokens: int,
+                    decode: bool) -> int:
+        """Set `self.flora` to the FLoRA rows of tokens whose slots have FLoRA ranks `ranks`
+        [num_real_tokens] (each such token's rank components in turn) in a step of `num_tokens`
+        tokens (padding included); returns the number of rows. A decode step's rows go into the
+        flora_* buffers, padded to their graph's count; other steps' (and a decode step past the
+        largest count: it runs eagerly) are tensors of their own."""
         num_rows = int(ranks.sum())
-        if num_rows == 0:
-            return None
         row_tokens = np.repeat(np.arange(len(ranks)), ranks)
-        firsts = np.repeat(np.cumsum(ranks) - ranks, ranks)
-        row_ranks = np.arange(num_rows) - firsts
-        return FloraRows(torch.from_numpy(row_tokens).to(self.device),
-                         torch.from_numpy(row_ranks).to(self.device))
+        row_ranks = np.arange(num_rows) - np.repeat(np.cumsum(ranks) - ranks, ranks)
+        bounds = np.full(num_tokens + 1, num_rows, dtype=np.int64)
+        bounds[0] = 0
+        np.cumsum(ranks, out=bounds[1:len(ranks) + 1])
+        bucket = flora_bucket(num_rows) if decode else None
+        if bucket is None:
+            arrays = (row_tokens, row_ranks, bounds)
+            self.flora = FloraRows(*(torch.from_numpy(a).to(self.device) for a in arrays))
+            return num_rows
+        host["flora_row_tokens"][:num_rows], host["flora_row_tokens"][num_rows:bucket] = row_tokens, 0
+        host["flora_row_ranks"][:num_rows], host["flora_row_ranks"][num_rows:bucket] = row_ranks, PAD_RANK
+        host["flora_bounds"][:num_tokens + 1] = bounds
+        self.flora = FloraRows(self.flora_row_tokens[:bucket], self.flora_row_ranks[:bucket],
+                               self.flora_bounds[:num_tokens + 1])
+        return bucket
 
     def upload(self) -> None:
         """Copy the filled host buffers to the device (queued on CUDA; nothing to do on CPU)."""
@@ -242,10 +287,12 @@ class StepInputs:
             self._copied[self._turn].record()
 
     def fill_dummy(self, num_seqs: int, tokens_per_seq: int, adapter_slot: int, is_greedy: bool,
-                   has_lora: bool, has_input_scale: bool = False) -> StepShape:
+                   has_lora: bool, has_input_scale: bool = False, has_expand: bool = True,
+                   flora_rows: int = 0) -> StepShape:
         """A step of dummy sequences that store nothing, to capture a graph (one token each:
         padding, attention reads nothing) or to measure a step's memory (several tokens each:
-        attention reads block 0 over and over). Every sequence samples."""
+        attention reads block 0 over and over). Every sequence samples. `flora_rows` (a decode
+        step's, at most FLORA_ROW_BUCKETS[-1]): that many padding FLoRA rows."""
         host = self._next_host_set()
         num_tokens = num_seqs * tokens_per_seq
         ends = np.arange(1, num_seqs + 1) * tokens_per_seq
@@ -263,9 +310,20 @@ class StepInputs:
         self._host_blocks[self._turn][:num_seqs] = 0
         self._num_block_rows = num_seqs
         self.flora = None
+        if has_lora and flora_rows:
+            if tokens_per_seq != 1 or flora_rows > FLORA_ROW_BUCKETS[-1]:
+                raise ValueError("dummy FLoRA rows are for decode steps of at most "
+                                 f"{FLORA_ROW_BUCKETS[-1]} rows")
+            host["flora_row_tokens"][:flora_rows] = 0
+            host["flora_row_ranks"][:flora_rows] = PAD_RANK
+            host["flora_bounds"][:num_tokens + 1] = 0
+            self.flora = FloraRows(self.flora_row_tokens[:flora_rows], self.flora_row_ranks[:flora_rows],
+                                   self.flora_bounds[:num_tokens + 1])
         return StepShape(num_tokens, num_seqs, num_seqs, tokens_per_seq, has_lora=has_lora,
                          is_greedy=is_greedy, is_padded_decode=tokens_per_seq == 1,
-                         has_input_scale=has_lora and has_input_scale)
+                         has_input_scale=has_lora and has_input_scale,
+                         has_expand=has_lora and (has_expand or has_input_scale),
+                         flora_rows=flora_rows if has_lora else 0)
 
     def _next_host_set(self) -> dict[str, np.ndarray]:
         self._turn ^= 1
