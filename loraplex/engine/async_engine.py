@@ -3,7 +3,11 @@
 Every engine call runs on the engine thread, so the engine stays single-threaded. Callers
 submit commands (add a request, abort, add or remove an adapter) and await their results;
 each request's outputs arrive on its own asyncio queue. A caller that stops listening (a
-client that disconnects) aborts its request, which frees its KV blocks at once."""
+client that disconnects) aborts its request, which frees its KV blocks at once.
+
+One engine thread drives an engine at a time: a new AsyncEngine waits for the previous one's
+thread to end, and a thread that ends leaves the engine idle (its requests aborted: nobody is
+left to hear their outputs), so an engine handed on to a new server starts clean."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import contextlib
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -23,6 +28,9 @@ from loraplex.types import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+HANDOVER_TIMEOUT_S = 30.0
+_drivers: weakref.WeakKeyDictionary[LLMEngine, threading.Thread] = weakref.WeakKeyDictionary()
+"""The thread that drives each engine."""
 
 
 class EngineDeadError(RuntimeError):
@@ -37,7 +45,13 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = False
         self.error: BaseException | None = None
+        previous = _drivers.get(engine)
+        if previous is not None:
+            previous.join(HANDOVER_TIMEOUT_S)
+            if previous.is_alive():
+                raise RuntimeError("another engine thread still drives this engine")
         self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
+        _drivers[engine] = self._thread
         self._thread.start()
 
     @property
@@ -121,6 +135,9 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(stream.put_nowait, self.error)
         self._streams.clear()
         self._fail_pending(self.error)
+        with contextlib.suppress(Exception):  # an engine that failed may fail again here
+            if stopped := self.engine.abort_all():
+                logger.info("aborted %d requests left in the engine", stopped)
 
     def _run_commands(self) -> None:
         while True:

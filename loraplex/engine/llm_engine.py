@@ -294,6 +294,15 @@ class LLMEngine:
             self._drop_orphans()
         return True
 
+    def abort_all(self) -> int:
+        """Stop every request (after the step in flight, if any, is collected): the engine is
+        left idle, every block and slot free. Returns how many were stopped."""
+        self.drain()
+        request_ids = list(self._requests)
+        for request_id in request_ids:
+            self.abort(request_id)
+        return len(request_ids)
+
     def preempt(self, request_id: str) -> bool:
         """Preempt a running request at the next step, as the scheduling policy would: its KV is
         swapped to the host pool (or dropped, to be recomputed) and it waits to resume. False if

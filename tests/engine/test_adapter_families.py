@@ -13,6 +13,7 @@ import torch
 
 from loraplex import LLM, SamplingParams
 from loraplex.demo.flora import merge_flora
+from tests.engine.test_hf_parity import _run as _run_recording_logits
 from tests.factories import (
     ALL_SEVEN,
     ATTENTION,
@@ -78,19 +79,7 @@ def case(request, tmp_path_factory):
 
 
 def _run(model_dir, adapters, prompts, **options):
-    llm = LLM(model_dir, device="cpu", dtype="float32", **options)
-    for name, path in adapters.items():
-        llm.add_adapter(name, path)
-    logits: dict[str, list[torch.Tensor]] = {}
-
-    def record(sampled_ids, step_logits):
-        for request_id, row in zip(sampled_ids, step_logits):
-            logits.setdefault(request_id, []).append(row.clone())
-
-    llm.engine.runner.on_logits = record
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, adapters=list(NAMES))
-    return llm, outputs, [torch.stack(logits[o.request_id]) for o in outputs]
+    return _run_recording_logits(model_dir, adapters, prompts, list(NAMES), **options)
 
 
 def _check(outputs, logits, references):

@@ -83,3 +83,13 @@ def test_shutdown_ends_streams_that_are_still_waiting(tiny_llama):
 
     asyncio.run(asyncio.wait_for(main(), timeout=30))
     assert not engine.is_alive
+    # The thread left the engine idle: a new one (a new server's) starts clean and serves.
+    llm = engine.engine
+    assert llm.num_requests == 0 and not llm.has_unfinished_requests()
+    assert llm.blocks.num_free_blocks == llm.blocks.num_blocks
+    successor = AsyncEngine(llm)
+    try:
+        outputs = asyncio.run(_collect(successor, "next", [5, 6, 7], max_tokens=3))
+        assert outputs[-1].finished and len(outputs[-1].token_ids) == 3
+    finally:
+        successor.shutdown()
