@@ -57,7 +57,8 @@ class SchedulingPolicy(ABC):
 
     def fairness_victim(self, running: Sequence[Request], blocked: Request) -> Request | None:
         """A running request to preempt so that `blocked` (waiting, first in the policy's order,
-        and kept out by a lack of running places or KV blocks) can run; None to let it wait."""
+        and kept out by a lack of running places, KV blocks or a device slot: then `running`
+        holds only requests whose preemption frees a slot) can run; None to let it wait."""
         return None
 
     def prefills_first(self, request: Request) -> bool:

@@ -17,7 +17,8 @@ running place, and requests behind it may go first. How far they may: a request 
 only while its adapter is being read into host memory or copied into a slot. Once it waits for
 a slot that running requests hold, or for room in the host tier, no request behind it takes a
 slot or starts a host load, so the next slot or room that frees is its own; and a slot frees
-as soon as the requests holding it finish (each within its own max_tokens).
+as soon as the requests holding it finish (each within its own max_tokens), or when the policy
+preempts the one request that holds it (as it may for KV blocks).
 
 Steps may overlap: `advance` counts a launched step's work at once (the tokens it samples are
 pending), so the next step can be planned while the device still runs this one; `commit`
@@ -136,6 +137,22 @@ class Scheduler:
         self._preempt(victim, plan, "fairness")
         return victim.request_id, tokens
 
+    def _free_slot(self, blocked: Request, plan: StepPlan, scheduled: dict[str, int]
+                   ) -> tuple[str, int] | None:
+        """`blocked` waits for a device slot that running requests hold: let the policy preempt
+        a request that holds a slot alone (so that the slot frees) for it, as for KV blocks.
+        Returns the victim's id and the tokens it had been given in this step, or None."""
+        new = {seq.request_id for seq in plan.new}
+        holders = Counter(r.adapter for r in self.running)
+        candidates = [r for r in self.running
+                      if r.adapter is not None and holders[r.adapter] == 1 and r.request_id not in new]
+        victim = self.policy.fairness_victim(candidates, blocked) if candidates else None
+        if victim is None or victim.tenant == blocked.tenant:
+            return None
+        tokens = scheduled.pop(victim.request_id, 0)
+        self._preempt(victim, plan, "fairness")
+        return victim.request_id, tokens
+
     def _reserve_running(
         self, request: Request, num_new: int, plan: StepPlan, scheduled: dict[str, int],
         preempted: set[str],
@@ -176,6 +193,11 @@ class Scheduler:
                     waits[request.request_id] = Wait.NO_SLOT if no_slots else Wait.NO_HOST_ROOM
                     continue
                 acquired = self.adapters.acquire(request.adapter)
+                if acquired is Wait.NO_SLOT and not no_slots:
+                    freed = self._free_slot(request, plan, scheduled)
+                    if freed is not None:  # the victim's slot is free now
+                        budget += freed[1]
+                        acquired = self.adapters.acquire(request.adapter)
                 if isinstance(acquired, Wait):
                     waits[request.request_id] = acquired
                     # Slots free as their holders finish and copies end. Host room frees as the

@@ -134,3 +134,45 @@ def test_the_policy_chooses_the_victims(tiny_llama):
     assert all(o.finished and len(o.token_ids) == 10 for o in outputs.values())
     alone = llm.generate(prompt_token_ids=[[5] * 6], sampling_params=params)[0]
     assert outputs["light-old"].token_ids == alone.token_ids == outputs["heavy-new"].token_ids
+
+
+@pytest.mark.parametrize("policy", ["vtc", "fcfs"])
+def test_a_tenant_waiting_for_a_device_slot_gets_one_by_fair_preemption(tiny_llama, policy):
+    """One device slot, held by a heavy tenant's long request when a light tenant's request for
+    another adapter arrives: under VTC (past the fairness bound) the heavy request is swapped out,
+    which frees the slot, and the light one runs at once; first come, first served lets it wait
+    for the slot. Every request gives the tokens it gives alone."""
+    model, adapters = tiny_llama
+    llm = LLM(model, device="cpu", block_size=4, max_loras=1, max_num_batched_tokens=64,
+              scheduling_policy=policy, fairness_bound=8.0)
+    for name in ("qv4", "all8"):
+        llm.add_adapter(name, adapters[name])
+    engine = llm.engine
+    params = {"heavy": SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+              "light": SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)}
+    engine.add_request("heavy", prompt_token_ids=[5, 6, 7], params=params["heavy"], adapter="qv4",
+                       tenant="heavy")
+    outputs: dict[str, list[int]] = {}
+    for _ in range(10):
+        for output in engine.step():
+            outputs[output.request_id] = output.token_ids
+    engine.add_request("light", prompt_token_ids=[8, 9], params=params["light"], adapter="all8", tenant="light")
+    steps_to_light = None
+    for step in range(200):
+        for output in engine.step():
+            outputs[output.request_id] = output.token_ids
+            if output.request_id == "light" and output.finished and steps_to_light is None:
+                steps_to_light = step
+        if not engine.has_unfinished_requests():
+            break
+    heavy_left = 40 - 10  # the heavy request's tokens still to come when the light one arrived
+    if policy == "vtc":
+        assert engine.scheduler.preemptions[("fairness", "swap")] >= 1, engine.scheduler.preemptions
+        assert steps_to_light < heavy_left, steps_to_light
+    else:
+        assert not engine.scheduler.preemptions
+        assert steps_to_light >= heavy_left - 2, steps_to_light
+    for request_id, adapter, prompt in (("heavy", "qv4", [5, 6, 7]), ("light", "all8", [8, 9])):
+        alone = llm.generate(prompt_token_ids=[prompt], sampling_params=params[request_id], adapters=[adapter])[0]
+        assert outputs[request_id] == alone.token_ids, request_id
+    assert engine.adapters.num_held_slots == 0 and engine.blocks.num_free_blocks == engine.blocks.num_blocks
