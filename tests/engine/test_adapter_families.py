@@ -79,7 +79,7 @@ def case(request, tmp_path_factory):
 
 
 def _run(model_dir, adapters, prompts, **options):
-    return _run_recording_logits(model_dir, adapters, prompts, list(NAMES), **options)
+    return _run_recording_logits(model_dir, adapters, prompts, list(NAMES), max_tokens=MAX_TOKENS, **options)
 
 
 def _check(outputs, logits, references):
