@@ -161,12 +161,18 @@ def test_mixed_families_on_the_gpu_kernels(case, families):
 
 
 @pytest.mark.parametrize("families", ["all", "ia3-flora"])
-def test_padded_decode_path_with_families(case, families):
+@pytest.mark.parametrize("layout", ["by-size", "per-slice"])
+def test_padded_decode_path_with_families(case, families, layout, monkeypatch):
     """The decode steps the CUDA graphs replay, run eagerly on CPU at padded batch sizes: FLoRA
     rows padded to a graph's count (padding rows inert), and batches of IA3 and FLoRA alone
-    skipping the LoRA shrink and expand, give the same tokens and logits as each request alone."""
+    skipping the LoRA shrink and expand, give the same tokens and logits as each request alone;
+    FLoRA's products fused or per slice as the row count picks (these steps: fused), or every
+    fused group per slice."""
     from loraplex.engine.cuda_graphs import DecodeGraphs
+    from loraplex.model import llama
 
+    if layout == "per-slice":
+        monkeypatch.setattr(llama, "FLORA_FUSED_MAX_ROWS", 0)
     model_dir, adapters, prompts, references = case
     if families == "all":
         names, prompts = list(NAMES), prompts
