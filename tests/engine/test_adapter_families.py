@@ -149,7 +149,8 @@ def test_mixed_families_on_the_gpu_kernels(case, families):
     if families == "ia3-flora":
         names, prompts = list(IA3_FLORA), prompts[:len(IA3_FLORA)]
         references = _references_for(model_dir, adapters, names, prompts)
-    llm = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=16, max_num_batched_tokens=64)
+    llm = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=16, max_num_batched_tokens=64,
+              flora_graphs=True)
     for name, path in adapters.items():
         llm.add_adapter(name, path)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
