@@ -9,12 +9,14 @@ expand):
   cheaper once the rows are many, see bench/results/flora-products-nvidia-h100-80gb-hbm3.json).
 - flora_combine: y = each token's own product, and for a FLoRA token's adapted columns
   sum_k b_k * (W0 (a_k * x)) instead, plus bias, in one launch; grid (tokens, column blocks),
-  each program walking its token's rows (contiguous: the rows of one token come in turn, row
-  bounds[t] + k is its component k; `bounds`, made with the step's inputs, says where).
+  each program loading all its token's rows at once (contiguous: the rows of one token come in
+  turn, row bounds[t] + k is its component k; `bounds`, made with the step's inputs, says
+  where) and B's rows b_k (FLoRA's B sits transposed in its slot, so a component's b_k is one
+  contiguous row).
 Padding rows (a graph's FLoRA rows past the step's) name slot 0, never an adapter: they are
 zero, and no token's bounds reach them. Each program's loads take two round trips (the row's
-token, slot and component, then the slot's rank and the data): these kernels are latency-bound
-at decode sizes, a few microseconds each.
+token, slot and component, or the token's slot and bounds; then the slot's rank and the data):
+at decode sizes these kernels are latency-bound, a few microseconds each.
 All arithmetic in float32; loads are widened at once (bf16 arithmetic is wrong in the
 interpreter)."""
 
@@ -28,6 +30,8 @@ from loraplex.kernels._common import FLOAT_DTYPES, INDEX_DTYPES, cdiv, check_lau
 from loraplex.kernels.lora import MAX_SLICES, _slice_of
 
 BLOCK = 1024
+COMBINE_ELEMENTS = 8192
+"""flora_combine's tile: rank components x columns (512 columns at max rank 16)."""
 
 
 @triton.jit
@@ -133,8 +137,8 @@ def flora_stack(
 @triton.jit
 def _flora_combine_kernel(y_ptr, p_ptr, b_ptr, slots_ptr, flora_ranks_ptr, bounds_ptr, bias_ptr,
                           num_tokens, num_rows, out_features, off1, off2, off3, stride_y,
-                          stride_b_slot, stride_b_out, stride_fr_slot, PER_SLICE: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                          stride_b_slot, stride_b_rank, stride_fr_slot, PER_SLICE: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, RANK_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     tok = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_cols = cols < out_features
@@ -147,42 +151,45 @@ def _flora_combine_kernel(y_ptr, p_ptr, b_ptr, slots_ptr, flora_ranks_ptr, bound
         base = (num_tokens + num_rows) * lo_c - lo_c
         row0 = num_tokens + tl.zeros([BLOCK], tl.int64)
     else:
-        ld = out_features
+        ld = out_features + tl.zeros([BLOCK], tl.int64)
         base = tl.zeros([BLOCK], tl.int64)
         row0 = (num_tokens + s * num_rows).to(tl.int64)
     lo = tl.load(bounds_ptr + tok)
     hi = tl.load(bounds_ptr + tok + 1)
     slot = tl.load(slots_ptr + tok).to(tl.int64)
     acc = tl.load(p_ptr + base + tok * ld + cols, mask=in_cols, other=0.0).to(tl.float32)
-    rank = tl.load(flora_ranks_ptr + slot * stride_fr_slot + s, mask=in_cols, other=0)
-    adapted = (rank > 0) & (hi > lo) & (slot > 0)
     if hi > lo:
-        flora = tl.zeros([BLOCK], tl.float32)
-        for j in range(lo, hi):  # a token's rows come in turn: row lo + k is component k
-            live = in_cols & (j - lo < rank)
-            b = tl.load(b_ptr + slot * stride_b_slot + cols.to(tl.int64) * stride_b_out + (j - lo),
-                        mask=live, other=0.0).to(tl.float32)
-            p = tl.load(p_ptr + base + (row0 + j) * ld + cols, mask=live, other=0.0).to(tl.float32)
-            flora += b * p
-        acc = tl.where(adapted, flora, acc)
+        # All of the token's rows at once ([RANK_BLOCK, BLOCK]; it has at most max_rank), loaded
+        # beside its rank: components past the rank of a column's slice are dropped after.
+        ks = tl.arange(0, RANK_BLOCK)
+        rows = (ks[:, None] < hi - lo) & in_cols[None, :]
+        rank = tl.load(flora_ranks_ptr + slot * stride_fr_slot + s, mask=in_cols, other=0)
+        b = tl.load(b_ptr + slot * stride_b_slot + ks[:, None] * stride_b_rank + cols[None, :],
+                    mask=rows, other=0.0).to(tl.float32)
+        p = tl.load(p_ptr + base[None, :] + (row0[None, :] + lo + ks[:, None]) * ld[None, :] + cols[None, :],
+                    mask=rows, other=0.0).to(tl.float32)
+        live = rows & (ks[:, None] < rank[None, :])
+        flora = tl.sum(tl.where(live, b * p, 0.0), axis=0)
+        acc = tl.where((rank > 0) & (slot > 0), flora, acc)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=in_cols, other=0.0).to(tl.float32)
     tl.store(y_ptr + tok.to(tl.int64) * stride_y + cols, acc, mask=in_cols)
 
 
 def flora_combine(
-    products: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, flora_ranks: torch.Tensor,
+    products: torch.Tensor, flora_b: torch.Tensor, token_slots: torch.Tensor, flora_ranks: torch.Tensor,
     bounds: torch.Tensor, slice_offsets: tuple[int, ...], num_rows: int, per_slice: bool,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """-> y [num_tokens, out] in products' dtype: each token's own product, plus bias; where a
-    token's FLoRA adapter adapts a slice, sum_k b[slot, col, k] * (its row k's product) plus
-    bias instead. products: the base weight times flora_stack's rows (no bias), flattened:
-    fused [(num_tokens + num_slices * num_rows) * out]; per_slice: slice s's
+    token's FLoRA adapter adapts a slice, sum_k flora_b[slot, k, col] * (its row k's product)
+    plus bias instead. flora_b [num_slots, max_rank, out]: FLoRA's B transposed. products: the
+    base weight times flora_stack's rows (no bias), flattened: fused
+    [(num_tokens + num_slices * num_rows) * out]; per_slice: slice s's
     [num_tokens + num_rows, width_s] block at (num_tokens + num_rows) * offset_s. bounds
-    [num_tokens + 1] int: token t's rows are bounds[t]:bounds[t + 1], row bounds[t] + k its
-    component k (rows past bounds[num_tokens] are padding, never read). One launch. See
-    reference.py."""
+    [num_tokens + 1] int: token t's rows are bounds[t]:bounds[t + 1], at most max_rank of them,
+    row bounds[t] + k its component k (rows past bounds[num_tokens] are padding, never read).
+    One launch. See reference.py."""
     num_tokens = len(token_slots)
     out_features = int(slice_offsets[-1])
     num_slices = len(slice_offsets) - 1
@@ -191,25 +198,27 @@ def flora_combine(
     num_products = (num_tokens + num_rows) * out_features if per_slice else \
         (num_tokens + num_slices * num_rows) * out_features
     check_tensor("products", products, ndim=1, dtypes=FLOAT_DTYPES, shape=(num_products,), contiguous=True)
-    check_tensor("lora_b", lora_b, ndim=3, dtypes=FLOAT_DTYPES, shape=(None, out_features, None))
+    check_tensor("flora_b", flora_b, ndim=3, dtypes=FLOAT_DTYPES, shape=(None, None, out_features))
     check_tensor("flora_ranks", flora_ranks, ndim=2, dtypes=(torch.int32,),
-                 shape=(lora_b.shape[0], num_slices))
+                 shape=(flora_b.shape[0], num_slices))
     check_tensor("token_slots", token_slots, ndim=1, dtypes=INDEX_DTYPES, contiguous=True)
     check_tensor("bounds", bounds, ndim=1, dtypes=INDEX_DTYPES, shape=(num_tokens + 1,), contiguous=True)
     if bias is not None:
         check_tensor("bias", bias, ndim=1, shape=(out_features,), contiguous=True)
-    if flora_ranks.stride(1) != 1 or lora_b.stride(2) != 1:
-        raise ValueError("lora_b and flora_ranks must have unit stride in their last dim")
-    tensors = [products, lora_b, token_slots, flora_ranks, bounds]
+    if flora_ranks.stride(1) != 1 or flora_b.stride(2) != 1:
+        raise ValueError("flora_b and flora_ranks must have unit stride in their last dim")
+    tensors = [products, flora_b, token_slots, flora_ranks, bounds]
     check_launchable(_flora_combine_kernel, tensors + ([bias] if bias is not None else []))
     y = torch.empty((num_tokens, out_features), dtype=products.dtype, device=products.device)
     if num_tokens == 0 or out_features == 0:
         return y
     padded = [int(o) for o in slice_offsets] + [out_features] * (MAX_SLICES + 1 - len(slice_offsets))
-    grid = (num_tokens, cdiv(out_features, BLOCK))
+    rank_block = triton.next_power_of_2(max(flora_b.shape[1], 1))
+    block = max(COMBINE_ELEMENTS // rank_block, 64)  # [rank_block, block] tiles in registers
+    grid = (num_tokens, cdiv(out_features, block))
     _flora_combine_kernel[grid](
-        y, products, lora_b, token_slots, flora_ranks, bounds, bias if bias is not None else y,
+        y, products, flora_b, token_slots, flora_ranks, bounds, bias if bias is not None else y,
         num_tokens, max(num_rows, 1), out_features, padded[1], padded[2], padded[3], y.stride(0),
-        lora_b.stride(0), lora_b.stride(1), flora_ranks.stride(0), PER_SLICE=per_slice,
-        HAS_BIAS=bias is not None, BLOCK=BLOCK)
+        flora_b.stride(0), flora_b.stride(1), flora_ranks.stride(0), PER_SLICE=per_slice,
+        HAS_BIAS=bias is not None, RANK_BLOCK=rank_block, BLOCK=block)
     return y

@@ -375,17 +375,17 @@ def flora_stack(
 
 
 def flora_combine(
-    products: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, flora_ranks: torch.Tensor,
+    products: torch.Tensor, flora_b: torch.Tensor, token_slots: torch.Tensor, flora_ranks: torch.Tensor,
     bounds: torch.Tensor, slice_offsets: tuple[int, ...], num_rows: int, per_slice: bool,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """-> y [num_tokens, out]: each token's own product plus bias [out]; the columns of each
-    slice that a token's FLoRA adapter adapts are sum_k b[slot, col, k] * (product of its row
-    k) plus bias instead. products: the base weight times flora_stack's rows (no bias),
+    slice that a token's FLoRA adapter adapts are sum_k flora_b[slot, k, col] * (product of its
+    row k) plus bias instead. products: the base weight times flora_stack's rows (no bias),
     flattened in flora_stack's layout (per_slice: slice s's [num_tokens + num_rows, width]
     block at (num_tokens + num_rows) * slice_offsets[s]); bounds [num_tokens + 1]: token t's rows
-    are bounds[t]:bounds[t + 1] in turn (rows past bounds[num_tokens] are padding). lora_b
-    [num_slots, out, max_rank]."""
+    are bounds[t]:bounds[t + 1] in turn (rows past bounds[num_tokens] are padding). flora_b
+    [num_slots, max_rank, out]: FLoRA's B transposed."""
     num_tokens, out_features = len(token_slots), slice_offsets[-1]
     num_slices, block = len(slice_offsets) - 1, len(token_slots) + num_rows
     y = torch.empty(num_tokens, out_features, dtype=products.dtype, device=products.device)
@@ -406,8 +406,7 @@ def flora_combine(
         acc = own.float()
         live = (ks < flora_ranks[slots, s].long()) & (slots > 0)  # [num_used]
         if num_used:
-            terms = torch.where(live.unsqueeze(1), lora_b[slots, lo:hi, ks.clamp(max=lora_b.shape[2] - 1)]
-                                .float() * rows.float(), 0.0)
+            terms = torch.where(live.unsqueeze(1), flora_b[slots, ks, lo:hi].float() * rows.float(), 0.0)
             flora = torch.zeros(num_tokens, hi - lo, dtype=torch.float32, device=y.device)
             flora.index_add_(0, tokens, terms)
             adapted = torch.zeros(num_tokens, dtype=torch.bool, device=y.device)

@@ -40,6 +40,7 @@ class LoraSlotWeights(Protocol):
     ranks: torch.Tensor  # [num_slots, num_slices] int32: additive rank (LoRA, DoRA)
     slice_offsets: tuple[int, ...]
     flora_ranks: torch.Tensor  # [num_slots, num_slices] int32: FLoRA's rank
+    flora_b: torch.Tensor  # [num_slots, max_rank, out_features]: b's memory, FLoRA's B transposed
     scale: torch.Tensor  # [num_slots, out_features] float32: per-row output scale
     scaled: torch.Tensor  # [num_slots] int32: 1 where the scale applies
     shift: torch.Tensor | None  # [num_slots, out_features] float32 (groups with a bias)

@@ -78,7 +78,7 @@ def _flora_project(ops: Ops, x: torch.Tensor, weight: torch.Tensor, bias: torch.
                      out=products[block * lo:block * hi].view(block, hi - lo))
     else:
         products = ops.linear(stacked, weight).view(-1)
-    return ops.flora_combine(products, w.b, slots, w.flora_ranks, f.bounds, w.slice_offsets, num_rows,
+    return ops.flora_combine(products, w.flora_b, slots, w.flora_ranks, f.bounds, w.slice_offsets, num_rows,
                              per_slice, bias)
 
 

@@ -191,8 +191,9 @@ def _family_cases() -> Iterator[tuple]:
                dict(y_ptr=BF16, p_ptr=BF16, b_ptr=BF16, slots_ptr=I32, flora_ranks_ptr=I32,
                     bounds_ptr=I64, bias_ptr=BF16, num_tokens=16, num_rows=64, out_features=6144,
                     off1=4096, off2=5120, off3=6144, stride_y=6144, stride_b_slot=6144 * 16,
-                    stride_b_out=16, stride_fr_slot=3),
-               dict(PER_SLICE=per_slice, HAS_BIAS=True, BLOCK=fam.BLOCK), 4)
+                    stride_b_rank=6144, stride_fr_slot=3),
+               dict(PER_SLICE=per_slice, HAS_BIAS=True, RANK_BLOCK=16,
+                    BLOCK=fam.COMBINE_ELEMENTS // 16), 4)
 
 
 def _cpu():

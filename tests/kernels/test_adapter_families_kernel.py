@@ -110,7 +110,8 @@ def test_scale_rows_matches_reference(dtype):
 
 def _flora_case(dtype, seed=5, num_padding=0):
     """Slots: 1 FLoRA of rank 3 on slices 0 and 2, 2 FLoRA of rank 1 on every slice; tokens of
-    slot 0 and a plain slot (3, FLoRA rank 0) between them. `num_padding` padding rows after
+    slot 0 and a plain slot (3, FLoRA rank 0) between them. B comes transposed, as a FLoRA
+    slot holds it. `num_padding` padding rows after
     the real ones (as a decode graph pads them: token 0, slot 0, component 0)."""
     flora = [[8, 8, 8], [3, 0, 3], [1, 1, 1], [0, 0, 0]]
     a, b, fr, offsets = _slot_buffers(flora, 40, SLICES, 8, dtype, DEVICE, seed=seed)
@@ -130,7 +131,8 @@ def _flora_case(dtype, seed=5, num_padding=0):
     rows = (as_t(row_tokens), as_t(row_slots, torch.int32), as_t(row_ranks))
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(len(slot_list), 40, generator=g).to(DEVICE, dtype)
-    return x, a, b, slots, fr, rows, as_t(bounds), offsets
+    flora_b = b.transpose(1, 2).contiguous()  # [slots, max_rank, out]: FLoRA's B in its slot
+    return x, a, flora_b, slots, fr, rows, as_t(bounds), offsets
 
 
 def _slice_products(stacked, w0, offsets, per_slice, num_tokens):
@@ -177,7 +179,7 @@ def test_flora_stack_and_combine_match_reference_and_the_explicit_product(dtype,
     w = w0.float().clone()
     for s in (0, 2):
         lo, hi = offsets[s], offsets[s + 1]
-        w[lo:hi] *= b[1, lo:hi, :3].float() @ a[1, s, :3].float()
+        w[lo:hi] *= b[1, :3, lo:hi].float().T @ a[1, s, :3].float()
     explicit = x[0].float() @ w.T + bias.float()
     torch.testing.assert_close(out[0].float(), explicit, atol=tol * 10, rtol=tol * 10)
     for t in (1, 3):  # no adapter, a non-FLoRA slot: the plain product
@@ -217,7 +219,7 @@ def test_flora_bf16_llama_shapes(per_slice):
     g = torch.Generator(device="cuda").manual_seed(0)
     num_tokens, rank, hidden, offsets = 16, 4, 4096, (0, 4096, 5120, 6144)
     a = torch.randn(9, 3, 16, hidden, device="cuda", generator=g).to(torch.bfloat16)
-    b = torch.randn(9, offsets[-1], 16, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(9, 16, offsets[-1], device="cuda", generator=g).to(torch.bfloat16)
     fr = torch.full((9, 3), rank, dtype=torch.int32, device="cuda")
     slots = torch.arange(num_tokens, device="cuda", dtype=torch.int32) % 8 + 1
     row_tokens = torch.arange(num_tokens, device="cuda").repeat_interleave(rank)
