@@ -84,7 +84,7 @@ class LoRAConfig:
     """Share of the memory left for the KV cache and adapter slots that the slots may take,
     when max_loras is not set."""
     flora_graphs: bool = False
-    """Capture CUDA graphs of decode steps that carry FLoRA adapters (about 1.3x the graphs and
+    """Capture CUDA graphs of decode steps that carry FLoRA adapters (up to 3x the graphs and
     the start-up time: each batch size adds its FLoRA row counts, with and without LoRA beside
     them); off, such steps run eagerly (correct, slower). Turn on when serving FLoRA adapters."""
 

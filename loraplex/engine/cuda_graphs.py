@@ -9,10 +9,10 @@ LoRA shrink and expand, the FLoRA rows): a batch without adapters launches no ad
 one of IA3 (on q/k/v, gate/up, down's input: the rotary and activation kernels apply those) and
 FLoRA adapters no shrink or expand; one without IA3 on o's input no row scaling; an all-greedy
 batch takes an argmax instead of the sampling kernel. A step's FLoRA rows are padded to the next
-of FLORA_ROW_BUCKETS (16, 64, 256; more run eagerly), each bucket captured up to the rows the
-batch size can have, and only when the engine asks for FLoRA graphs (LoRAConfig.flora_graphs):
-8 graphs a batch size without them, up to 20 with them (64 slots of max rank 16: 88 against
-204). Every graph is captured up front (`capture_all`), largest first so that the
+of FLORA_ROW_BUCKETS (16, 64, 256, 1024; more run eagerly), each bucket captured up to the
+rows the batch size can have, and only when the engine asks for FLoRA graphs
+(LoRAConfig.flora_graphs): 8 graphs a batch size without them, up to 24 with them (64 slots of
+max rank 16: 88 against 228). Every graph is captured up front (`capture_all`), largest first so that the
 smaller ones reuse its memory pool; a request never waits on a capture."""
 
 from __future__ import annotations

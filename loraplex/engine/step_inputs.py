@@ -28,10 +28,11 @@ PENDING = -1
 it from the runner's `row_tokens`."""
 
 TOKENS, SEQS, QUERY_STARTS, SAMPLES, FLORA_ROWS = "tokens", "seqs", "query_starts", "samples", "flora_rows"
-FLORA_ROW_BUCKETS = (16, 64, 256)
+FLORA_ROW_BUCKETS = (16, 64, 256, 1024)
 """The FLoRA rows a decode graph is captured with (a step's rows are padded to the next one):
-few enough graphs to capture, at most 4x the rows, which a memory-bound product hardly notices.
-A decode step with more rows runs eagerly."""
+few enough graphs to capture, at most 4x the rows (padding rows cost their share of the
+products, see llama.FLORA_FUSED_MAX_ROWS). 1024 covers 64 requests of rank 16. A decode step
+with more rows runs eagerly."""
 
 
 def flora_bucket(num_rows: int) -> int | None:

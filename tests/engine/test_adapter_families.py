@@ -13,6 +13,7 @@ import torch
 
 from loraplex import LLM, SamplingParams
 from loraplex.demo.flora import merge_flora
+from loraplex.engine.step_inputs import FLORA_ROW_BUCKETS
 from tests.engine.test_hf_parity import _run as _run_recording_logits
 from tests.factories import (
     ALL_SEVEN,
@@ -202,7 +203,7 @@ def test_padded_decode_path_with_families(case, families, layout, monkeypatch):
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, adapters=names)
     _check_named(names, outputs, [torch.stack(logits[o.request_id]) for o in outputs], references)
     flora_shapes = [s for s in shapes if s.has_flora]
-    assert flora_shapes and all(s.flora_rows in (16, 64, 256) for s in flora_shapes)
+    assert flora_shapes and all(s.flora_rows in FLORA_ROW_BUCKETS for s in flora_shapes)
     assert all(runner.graphs.padded_size(s.num_seqs) == s.num_seqs for s in shapes)
     if families == "ia3-flora":  # no LoRA, DoRA or IA3 on o: no shrink or expand
         assert shapes and not any(s.has_expand for s in shapes)

@@ -84,7 +84,7 @@ def test_warm_up_and_memory_steps_store_nothing(tiny_llama):
 
 def test_flora_graphs_only_when_asked():
     """Without LoRAConfig.flora_graphs no decode graph has FLoRA rows (8 a batch size); with it,
-    64 slots of max rank 16 capture 204 graphs (each batch size's FLoRA row buckets, with and
+    64 slots of max rank 16 capture 228 graphs (each batch size's FLoRA row buckets, with and
     without the LoRA expand, greedy and sampling)."""
     runner = SimpleNamespace(device=torch.device("cpu"), lora=SimpleNamespace(max_rank=16))
 
@@ -93,7 +93,7 @@ def test_flora_graphs_only_when_asked():
         return 2 * sum(len(graphs.variants(size)) for size in graphs.sizes)  # greedy and not
 
     assert count(False) == 8 * len(graph_batch_sizes(64)) == 88
-    assert count(True) == 204
+    assert count(True) == 228
     plain = DecodeGraphs(runner, max_batch=64, vocab_size=8, capture=False, flora=False)
     assert not any(v.get("flora_rows") for v in plain.variants(64))
     assert not EngineConfig(model="m").lora.flora_graphs
