@@ -218,7 +218,7 @@ def flora_combine(
     grid = (num_tokens, cdiv(out_features, block))
     _flora_combine_kernel[grid](
         y, products, flora_b, token_slots, flora_ranks, bounds, bias if bias is not None else y,
-        num_tokens, max(num_rows, 1), out_features, padded[1], padded[2], padded[3], y.stride(0),
+        num_tokens, num_rows, out_features, padded[1], padded[2], padded[3], y.stride(0),
         flora_b.stride(0), flora_b.stride(1), flora_ranks.stride(0), PER_SLICE=per_slice,
         HAS_BIAS=bias is not None, RANK_BLOCK=rank_block, BLOCK=block)
     return y

@@ -186,6 +186,23 @@ def test_flora_stack_and_combine_match_reference_and_the_explicit_product(dtype,
         torch.testing.assert_close(out[t], y[t], atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("per_slice", [False, True])
+def test_flora_without_rows_is_the_plain_product(per_slice):
+    """No FLoRA token (no rows): the stack is x (once a slice), the combine x @ W0.T + bias."""
+    x, a, b, _, fr, _, _, offsets = _flora_case(torch.float32)
+    slots = torch.tensor([0, 3, 0, 3, 0, 0], dtype=torch.int32, device=DEVICE)
+    empty = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    rows = (empty, empty.to(torch.int32), empty)
+    stacked = fam.flora_stack(x, a, fr, *rows, per_slice)
+    assert torch.equal(stacked, torch.cat([x] * (3 if per_slice else 1)))
+    w0 = torch.randn(offsets[-1], 40, device=DEVICE)
+    bias = torch.randn(offsets[-1], device=DEVICE)
+    bounds = torch.zeros(7, dtype=torch.int64, device=DEVICE)
+    out = fam.flora_combine(_slice_products(stacked, w0, offsets, per_slice, 6), b, slots, fr, bounds,
+                            offsets, 0, per_slice, bias)
+    torch.testing.assert_close(out, ref.linear(x, w0, bias), atol=1e-5, rtol=1e-5)
+
+
 def test_flora_layouts_agree():
     """The fused and the per-slice layouts give the same outputs (reference; it sums in float32)."""
     x, a, b, slots, fr, rows, bounds, offsets = _flora_case(torch.float64, num_padding=3)
