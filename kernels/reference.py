@@ -353,56 +353,68 @@ def scale_rows(x: torch.Tensor, scales: torch.Tensor, token_slots: torch.Tensor)
 
 
 def flora_stack(
-    x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, flora_ranks: torch.Tensor,
-    row_tokens: torch.Tensor, row_ranks: torch.Tensor,
+    x: torch.Tensor, lora_a: torch.Tensor, flora_ranks: torch.Tensor, row_tokens: torch.Tensor,
+    row_slots: torch.Tensor, row_ranks: torch.Tensor, per_slice: bool,
 ) -> torch.Tensor:
-    """FLoRA's rows under the batch's: x [num_tokens, in], lora_a [num_slots, num_slices,
-    max_rank, in] (FLoRA's A in its slots), row_tokens and row_ranks [num_rows] int64 (row j is
-    component row_ranks[j] of token row_tokens[j]) -> [num_tokens + num_slices * num_rows, in]:
-    x, then for each slice s the rows a[slot, s, k] * x[t] (zero where k is past the slot's
-    FLoRA rank of that slice: padding rows carry a k past every rank)."""
+    """The rows of FLoRA's base products: x [num_tokens, in], lora_a [num_slots, num_slices,
+    max_rank, in] (FLoRA's A in its slots), row_tokens, row_slots and row_ranks [num_rows] int
+    (row j is component row_ranks[j] < max_rank of token row_tokens[j], in slot row_slots[j];
+    padding rows: slot 0) -> the rows a[slot, s, k] * x[t] of each slice s (zero where k is past
+    the slot's FLoRA rank of that slice), laid out
+    - fused: [num_tokens + num_slices * num_rows, in]: x, then slice 0's rows, slice 1's, ...
+    - per_slice: [num_slices * (num_tokens + num_rows), in]: per slice, x then its rows."""
     num_slices = lora_a.shape[1]
-    tokens, ks = row_tokens.long(), row_ranks.long()
-    slots = token_slots.long()[tokens]  # [num_rows]
-    parts = [x]
+    tokens, slots, ks = row_tokens.long(), row_slots.long(), row_ranks.long()
+    parts = []
     for s in range(num_slices):
-        a = lora_a[slots, s, ks.clamp(max=lora_a.shape[2] - 1)].float()  # [num_rows, in]
-        live = (ks < flora_ranks[slots, s].long()).unsqueeze(1)
-        parts.append(torch.where(live, a * x[tokens].float(), 0.0).to(x.dtype))
-    return torch.cat(parts)
+        a = lora_a[slots, s, ks].float()  # [num_rows, in]
+        live = ((ks < flora_ranks[slots, s].long()) & (slots > 0)).unsqueeze(1)
+        rows = torch.where(live, a * x[tokens].float(), 0.0).to(x.dtype)
+        parts += [x, rows] if per_slice else [rows]
+    return torch.cat(parts if per_slice else [x] + parts)
 
 
 def flora_combine(
-    y: torch.Tensor, products: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor,
-    flora_ranks: torch.Tensor, row_ranks: torch.Tensor, bounds: torch.Tensor,
-    slice_offsets: tuple[int, ...], bias: torch.Tensor | None = None,
+    products: torch.Tensor, flora_b: torch.Tensor, token_slots: torch.Tensor, flora_ranks: torch.Tensor,
+    bounds: torch.Tensor, slice_offsets: tuple[int, ...], num_rows: int, per_slice: bool,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y [num_tokens, out], in place: the columns of each slice that a token's FLoRA adapter
-    adapts become sum_k b[slot, col, k] * products[s * num_rows + j, col] over the token's rows
-    j = bounds[t]:bounds[t + 1] (k = row_ranks[j]), plus bias [out]; products
-    [num_slices * num_rows, out] is the base weight times flora_stack's rows (no bias), row_ranks
-    [num_rows] (rows past bounds[num_tokens] are padding), bounds [num_tokens + 1]. lora_b
-    [num_slots, out, max_rank]."""
-    num_rows, num_used = len(row_ranks), int(bounds[-1])
-    if num_used == 0:
-        return y
+    """-> y [num_tokens, out]: each token's own product plus bias [out]; the columns of each
+    slice that a token's FLoRA adapter adapts are sum_k flora_b[slot, k, col] * (product of its
+    row k) plus bias instead. products: the base weight times flora_stack's rows (no bias),
+    flattened in flora_stack's layout (per_slice: slice s's [num_tokens + num_rows, width]
+    block at (num_tokens + num_rows) * slice_offsets[s]); bounds [num_tokens + 1]: token t's rows
+    are bounds[t]:bounds[t + 1] in turn (rows past bounds[num_tokens] are padding). flora_b
+    [num_slots, max_rank, out]: FLoRA's B transposed."""
+    num_tokens, out_features = len(token_slots), slice_offsets[-1]
+    num_slices, block = len(slice_offsets) - 1, len(token_slots) + num_rows
+    y = torch.empty(num_tokens, out_features, dtype=products.dtype, device=products.device)
+    num_used = int(bounds[-1])
     counts = (bounds[1:] - bounds[:-1]).long()
-    tokens = torch.repeat_interleave(torch.arange(y.shape[0], device=y.device), counts)  # [num_used]
-    ks = row_ranks[:num_used].long()
+    tokens = torch.repeat_interleave(torch.arange(num_tokens, device=y.device), counts)  # [num_used]
+    ks = torch.arange(num_used, device=y.device) - bounds[:-1].long()[tokens]
     slots = token_slots.long()[tokens]
-    for s in range(len(slice_offsets) - 1):
+    for s in range(num_slices):
         lo, hi = slice_offsets[s], slice_offsets[s + 1]
-        live = ks < flora_ranks[slots, s].long()  # [num_used]
-        rows = products[s * num_rows:s * num_rows + num_used, lo:hi].float()
-        terms = torch.where(live.unsqueeze(1), lora_b[slots, lo:hi, ks.clamp(max=lora_b.shape[2] - 1)]
-                            .float() * rows, 0.0)
-        acc = torch.zeros(y.shape[0], hi - lo, dtype=torch.float32, device=y.device)
-        acc.index_add_(0, tokens, terms)
+        if per_slice:
+            part = products[block * lo:block * hi].view(block, hi - lo)
+            own, rows = part[:num_tokens], part[num_tokens:num_tokens + num_used]
+        else:
+            full = products.view(num_tokens + num_slices * num_rows, out_features)
+            own = full[:num_tokens, lo:hi]
+            rows = full[num_tokens + s * num_rows:num_tokens + s * num_rows + num_used, lo:hi]
+        acc = own.float()
+        live = (ks < flora_ranks[slots, s].long()) & (slots > 0)  # [num_used]
+        if num_used:
+            terms = torch.where(live.unsqueeze(1), flora_b[slots, ks, lo:hi].float() * rows.float(), 0.0)
+            flora = torch.zeros(num_tokens, hi - lo, dtype=torch.float32, device=y.device)
+            flora.index_add_(0, tokens, terms)
+            adapted = torch.zeros(num_tokens, dtype=torch.bool, device=y.device)
+            adapted[tokens[live]] = True
+            acc = torch.where(adapted.unsqueeze(1), flora, acc)
         if bias is not None:
-            acc += bias[lo:hi].float()
-        adapted = torch.zeros(y.shape[0], dtype=torch.bool, device=y.device)
-        adapted[tokens[live]] = True
-        y[adapted, lo:hi] = acc[adapted].to(y.dtype)
+            acc = acc + bias[lo:hi].float()
+        y[:, lo:hi] = acc.to(y.dtype)
     return y
 
 

@@ -83,6 +83,10 @@ class LoRAConfig:
     lora_memory_fraction: float = 0.15
     """Share of the memory left for the KV cache and adapter slots that the slots may take,
     when max_loras is not set."""
+    flora_graphs: bool = False
+    """Capture CUDA graphs of decode steps that carry FLoRA adapters (up to 3x the graphs and
+    the start-up time: each batch size adds its FLoRA row counts, with and without LoRA beside
+    them); off, such steps run eagerly (correct, slower). Turn on when serving FLoRA adapters."""
 
     def __post_init__(self) -> None:
         _check(self.max_lora_rank > 0, "max_lora_rank", "must be positive")

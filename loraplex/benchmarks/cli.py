@@ -19,6 +19,8 @@ SCRIPTS = {
                       "group size x prefix length x batch, and the crossover"),
     "decode-gaps": ("decode_gaps", "where a decode step's wall time goes beyond its kernels"),
     "decode-families": ("families", "decode by adapter family: LoRA, DoRA, IA3, FLoRA, mixed"),
+    "flora-products": ("flora_products", "FLoRA's base products: rows through the fused weight "
+                       "against one product per slice"),
     "engine-overhead": ("engine_overhead", "the engine's own CPU time per step (CPU is fine)"),
     "load": ("server_load", "many streaming clients against `loraplex serve` on the demo"),
     "serve": ("serve_bench", "the serving benchmark: arrivals, tenants, Zipf adapters, through HTTP"),

@@ -174,13 +174,14 @@ def profile(config: DecodeBenchConfig, steps: int = 8) -> str:
     return "".join(report)
 
 
-def _engine(config: DecodeBenchConfig, model, max_len: int) -> LLMEngine:
-    """Slots and KV blocks sized from memory, as `loraplex serve` sizes them."""
+def _engine(config: DecodeBenchConfig, model, max_len: int, flora_graphs: bool = False) -> LLMEngine:
+    """Slots and KV blocks sized from memory, as `loraplex serve` sizes them (`flora_graphs`:
+    decode graphs for FLoRA steps too)."""
     return LLMEngine(EngineConfig(
         model="synthetic-llama-3-8b", device=config.device, dtype=config.dtype, max_model_len=max_len,
         seed=config.seed, cache=CacheConfig(block_size=16),
         scheduler=SchedulerConfig(max_num_seqs=max(config.batch_sizes), max_num_batched_tokens=16384),
-        lora=LoRAConfig(max_lora_rank=config.rank),
+        lora=LoRAConfig(max_lora_rank=config.rank, flora_graphs=flora_graphs),
     ), model=model)
 
 

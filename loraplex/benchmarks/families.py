@@ -99,7 +99,7 @@ def run(args: argparse.Namespace, save: Any = None) -> dict[str, Any]:
     max_len = config.prompt_len + config.new_tokens + 16
     model = synthetic.random_model(model_config, select_ops(device), dtype, device, max_len, seed=0)
     started = time.perf_counter()
-    engine = decode._engine(config, model, max_len)
+    engine = decode._engine(config, model, max_len, flora_graphs=True)
     print(f"engine built in {time.perf_counter() - started:.1f} s "
           f"({engine.lora.num_slots} adapter slots)", flush=True)
     names: dict[tuple[str, int], list[str]] = {}

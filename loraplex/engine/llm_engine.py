@@ -122,7 +122,8 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.kv_cache, self.lora, ops, config.scheduler.max_num_seqs,
             config.scheduler.max_num_batched_tokens, max_blocks_per_seq=-(-self.max_model_len // block_size),
-            use_cuda_graphs=use_graphs, num_host_blocks=num_host_blocks)
+            use_cuda_graphs=use_graphs, num_host_blocks=num_host_blocks,
+            flora_graphs=config.lora.flora_graphs)
         self.graphs: CaptureReport | None = self.runner.graphs.capture_all() if use_graphs else None
         if self.device.type == "cuda":  # compiles kernels now, not on the first requests' time
             started = time.perf_counter()

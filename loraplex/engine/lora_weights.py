@@ -3,7 +3,9 @@ so CUDA graphs stay valid), and the host-memory copy of each adapter they are fi
 
 Per group (qkv, o, gate_up, down), over all layers:
   a           [num_layers, num_slots + 1, num_slices, max_rank, in_features]
-  b           [num_layers, num_slots + 1, out_features, max_rank]   scaling folded in
+  b           [num_layers, num_slots + 1, out_features, max_rank]   scaling folded in; a FLoRA
+              slot holds its B transposed there ([max_rank, out_features] in the same memory:
+              the combine reads a component's row for a token, not every column's max_rank)
   ranks       [num_layers, num_slots + 1, num_slices] int32   additive rank (LoRA, DoRA); 0 = none
   flora_ranks [num_layers, num_slots + 1, num_slices] int32   FLoRA's rank (its A and B sit in a, b)
   scale       [num_layers, num_slots + 1, out_features] float32   per-row output scale (DoRA's
@@ -85,6 +87,7 @@ class SlotGroup:
     ranks: torch.Tensor
     slice_offsets: tuple[int, ...]
     flora_ranks: torch.Tensor | None = None
+    flora_b: torch.Tensor | None = None
     scale: torch.Tensor | None = None
     scaled: torch.Tensor | None = None
     shift: torch.Tensor | None = None
@@ -234,7 +237,9 @@ class LoraSlotBuffers:
                     ("in_scaled", self.in_scaled.get(group)))}
                 self._views[layer][group] = SlotGroup(
                     self.a[group][layer], self.b[group][layer], self.ranks[group][layer], offsets,
-                    flora_ranks=self.flora_ranks[group][layer], scale=self.scale[group][layer],
+                    flora_ranks=self.flora_ranks[group][layer],
+                    flora_b=self.b[group][layer].view(S, max_rank, offsets[-1]),
+                    scale=self.scale[group][layer],
                     scaled=self.scaled[group][layer], **views)
         # What each slot holds, on the host.
         self.slot_flora_rank = np.zeros(S, dtype=np.int64)
@@ -263,7 +268,12 @@ class LoraSlotBuffers:
         r, is_flora = host.rank, host.family == "flora"
         for group in LORA_GROUPS:
             self.a[group][:, slot, :, :r].copy_(host.a[group], non_blocking=True)
-            self.b[group][:, slot, :, :r].copy_(host.b[group], non_blocking=True)
+            if is_flora:  # B transposed: [max_rank, out] in the slot's memory
+                b = self.b[group][:, slot]
+                b.view(len(b), self.max_rank, -1)[:, :r].copy_(host.b[group].transpose(1, 2),
+                                                               non_blocking=True)
+            else:
+                self.b[group][:, slot, :, :r].copy_(host.b[group], non_blocking=True)
             additive, flora = self.ranks[group][:, slot], self.flora_ranks[group][:, slot]
             (flora if is_flora else additive).copy_(host.ranks[group], non_blocking=True)
             (additive if is_flora else flora).zero_()

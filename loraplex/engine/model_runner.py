@@ -61,9 +61,10 @@ class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, kv_cache: torch.Tensor, lora: LoraSlotBuffers, ops: Ops,
         max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
-        use_cuda_graphs: bool = False, num_host_blocks: int = 0,
+        use_cuda_graphs: bool = False, num_host_blocks: int = 0, flora_graphs: bool = False,
     ) -> None:
-        """`num_host_blocks`: the host pool that preempted requests' KV is swapped to."""
+        """`num_host_blocks`: the host pool that preempted requests' KV is swapped to;
+        `flora_graphs`: capture the decode graphs of steps with FLoRA rows too."""
         self.model, self.kv_cache, self.lora, self.ops = model, kv_cache, lora, ops
         self.swapper = KvSwapper(kv_cache, num_host_blocks) if num_host_blocks else None
         self.device = kv_cache.device
@@ -80,7 +81,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if use_cuda_graphs:
             self.graphs = DecodeGraphs(self, max_num_seqs, model.config.vocab_size,
-                                       capture=self.device.type == "cuda")
+                                       capture=self.device.type == "cuda", flora=flora_graphs)
 
     # A step -------------------------------------------------------------------------------
     def launch(self, plan: StepPlan) -> LaunchedStep:

@@ -28,12 +28,11 @@ PENDING = -1
 it from the runner's `row_tokens`."""
 
 TOKENS, SEQS, QUERY_STARTS, SAMPLES, FLORA_ROWS = "tokens", "seqs", "query_starts", "samples", "flora_rows"
-FLORA_ROW_BUCKETS = (16, 64, 256)
+FLORA_ROW_BUCKETS = (16, 64, 256, 1024)
 """The FLoRA rows a decode graph is captured with (a step's rows are padded to the next one):
-few enough graphs to capture, at most 4x the rows, which a memory-bound product hardly notices.
-A decode step with more rows runs eagerly."""
-PAD_RANK = 1 << 30
-"""The rank component of a padding FLoRA row: past every slot's rank, so the row reads nothing."""
+few enough graphs to capture, at most 4x the rows (padding rows cost their share of the
+products, see llama.FLORA_FUSED_MAX_ROWS). 1024 covers 64 requests of rank 16. A decode step
+with more rows runs eagerly."""
 
 
 def flora_bucket(num_rows: int) -> int | None:
@@ -69,8 +68,10 @@ FIELDS = (
     Field("seeds", torch.int64, SAMPLES, 0),
     Field("offsets", torch.int64, SAMPLES, 0),  # index of the output token sampled next
     # A decode step's FLoRA rows (FloraRows), padded to its graph's count: written by `fill`.
+    # Padding rows: token 0, slot 0 (whose FLoRA ranks are 0), component 0: they read nothing.
     Field("flora_row_tokens", torch.int64, FLORA_ROWS, 0),
-    Field("flora_row_ranks", torch.int64, FLORA_ROWS, PAD_RANK),
+    Field("flora_row_slots", torch.int32, FLORA_ROWS, 0),
+    Field("flora_row_ranks", torch.int64, FLORA_ROWS, 0),
     Field("flora_bounds", torch.int64, QUERY_STARTS, 0),  # decode: a token a sequence
 )
 
@@ -239,7 +240,8 @@ class StepInputs:
             has_expand = has_input_scale or bool(self.families.needs_expand[token_slots].any())
             ranks = self.families.flora_rank[token_slots]
             if ranks.any():
-                flora_rows = self._fill_flora(host, ranks, size if decode else num_tokens, decode)
+                flora_rows = self._fill_flora(host, token_slots, ranks, size if decode else num_tokens,
+                                              decode)
         shape = StepShape(
             num_tokens=size if decode else num_tokens, num_seqs=size,
             num_samples=size if decode else len(sample_rows), max_query_len=max_query_len,
@@ -248,29 +250,31 @@ class StepInputs:
             flora_rows=flora_rows)
         return FilledStep(shape, rows, samples, n, start, num_new, query_start)
 
-    def _fill_flora(self, host: dict[str, np.ndarray], ranks: np.ndarray, num_tokens: int,
-                    decode: bool) -> int:
-        """Set `self.flora` to the FLoRA rows of tokens whose slots have FLoRA ranks `ranks`
-        [num_real_tokens] (each such token's rank components in turn) in a step of `num_tokens`
+    def _fill_flora(self, host: dict[str, np.ndarray], token_slots: np.ndarray, ranks: np.ndarray,
+                    num_tokens: int, decode: bool) -> int:
+        """Set `self.flora` to the FLoRA rows of tokens in slots `token_slots` with FLoRA ranks
+        `ranks` [num_real_tokens] (each such token's rank components in turn) in a step of `num_tokens`
         tokens (padding included); returns the number of rows. A decode step's rows go into the
         flora_* buffers, padded to their graph's count; other steps' (and a decode step past the
         largest count: it runs eagerly) are tensors of their own."""
         num_rows = int(ranks.sum())
         row_tokens = np.repeat(np.arange(len(ranks)), ranks)
+        row_slots = token_slots[row_tokens].astype(np.int32)
         row_ranks = np.arange(num_rows) - np.repeat(np.cumsum(ranks) - ranks, ranks)
         bounds = np.full(num_tokens + 1, num_rows, dtype=np.int64)
         bounds[0] = 0
         np.cumsum(ranks, out=bounds[1:len(ranks) + 1])
         bucket = flora_bucket(num_rows) if decode else None
         if bucket is None:
-            arrays = (row_tokens, row_ranks, bounds)
+            arrays = (row_tokens, row_slots, row_ranks, bounds)
             self.flora = FloraRows(*(torch.from_numpy(a).to(self.device) for a in arrays))
             return num_rows
         host["flora_row_tokens"][:num_rows], host["flora_row_tokens"][num_rows:bucket] = row_tokens, 0
-        host["flora_row_ranks"][:num_rows], host["flora_row_ranks"][num_rows:bucket] = row_ranks, PAD_RANK
+        host["flora_row_slots"][:num_rows], host["flora_row_slots"][num_rows:bucket] = row_slots, 0
+        host["flora_row_ranks"][:num_rows], host["flora_row_ranks"][num_rows:bucket] = row_ranks, 0
         host["flora_bounds"][:num_tokens + 1] = bounds
-        self.flora = FloraRows(self.flora_row_tokens[:bucket], self.flora_row_ranks[:bucket],
-                               self.flora_bounds[:num_tokens + 1])
+        self.flora = FloraRows(self.flora_row_tokens[:bucket], self.flora_row_slots[:bucket],
+                               self.flora_row_ranks[:bucket], self.flora_bounds[:num_tokens + 1])
         return bucket
 
     def upload(self) -> None:
@@ -314,11 +318,11 @@ class StepInputs:
             if tokens_per_seq != 1 or flora_rows > FLORA_ROW_BUCKETS[-1]:
                 raise ValueError("dummy FLoRA rows are for decode steps of at most "
                                  f"{FLORA_ROW_BUCKETS[-1]} rows")
-            host["flora_row_tokens"][:flora_rows] = 0
-            host["flora_row_ranks"][:flora_rows] = PAD_RANK
+            for name in ("flora_row_tokens", "flora_row_slots", "flora_row_ranks"):
+                host[name][:flora_rows] = 0
             host["flora_bounds"][:num_tokens + 1] = 0
-            self.flora = FloraRows(self.flora_row_tokens[:flora_rows], self.flora_row_ranks[:flora_rows],
-                                   self.flora_bounds[:num_tokens + 1])
+            self.flora = FloraRows(self.flora_row_tokens[:flora_rows], self.flora_row_slots[:flora_rows],
+                                   self.flora_row_ranks[:flora_rows], self.flora_bounds[:num_tokens + 1])
         return StepShape(num_tokens, num_seqs, num_seqs, tokens_per_seq, has_lora=has_lora,
                          is_greedy=is_greedy, is_padded_decode=tokens_per_seq == 1,
                          has_input_scale=has_lora and has_input_scale,

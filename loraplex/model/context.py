@@ -40,6 +40,7 @@ class LoraSlotWeights(Protocol):
     ranks: torch.Tensor  # [num_slots, num_slices] int32: additive rank (LoRA, DoRA)
     slice_offsets: tuple[int, ...]
     flora_ranks: torch.Tensor  # [num_slots, num_slices] int32: FLoRA's rank
+    flora_b: torch.Tensor  # [num_slots, max_rank, out_features]: b's memory, FLoRA's B transposed
     scale: torch.Tensor  # [num_slots, out_features] float32: per-row output scale
     scaled: torch.Tensor  # [num_slots] int32: 1 where the scale applies
     shift: torch.Tensor | None  # [num_slots, out_features] float32 (groups with a bias)
@@ -58,12 +59,15 @@ class LoraBuffers(Protocol):
 class FloraRows:
     """The rows that FLoRA tokens add to a step's base products: row j is rank component
     row_ranks[j] of token row_tokens[j] (each FLoRA token's components in turn). A graph's rows
-    are padded to a fixed count: padding rows name token 0 and a rank past every slot's."""
+    are padded to a fixed count: padding rows name token 0, slot 0 (FLoRA rank 0) and component 0."""
 
     row_tokens: torch.Tensor
     """[num_rows] int64."""
+    row_slots: torch.Tensor
+    """[num_rows] int32: the adapter slot of row_tokens[j] (padding rows: 0)."""
     row_ranks: torch.Tensor
-    """[num_rows] int64."""
+    """[num_rows] int64: the rank component (padding rows: 0); a token's rows come in turn,
+    component 0 first."""
     bounds: torch.Tensor
     """[num_tokens + 1] int64: token t's rows are bounds[t]:bounds[t + 1]."""
 

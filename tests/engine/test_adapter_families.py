@@ -13,6 +13,7 @@ import torch
 
 from loraplex import LLM, SamplingParams
 from loraplex.demo.flora import merge_flora
+from loraplex.engine.step_inputs import FLORA_ROW_BUCKETS
 from tests.engine.test_hf_parity import _run as _run_recording_logits
 from tests.factories import (
     ALL_SEVEN,
@@ -79,7 +80,7 @@ def case(request, tmp_path_factory):
 
 
 def _run(model_dir, adapters, prompts, **options):
-    return _run_recording_logits(model_dir, adapters, prompts, list(NAMES), **options)
+    return _run_recording_logits(model_dir, adapters, prompts, list(NAMES), max_tokens=MAX_TOKENS, **options)
 
 
 def _check(outputs, logits, references):
@@ -149,7 +150,8 @@ def test_mixed_families_on_the_gpu_kernels(case, families):
     if families == "ia3-flora":
         names, prompts = list(IA3_FLORA), prompts[:len(IA3_FLORA)]
         references = _references_for(model_dir, adapters, names, prompts)
-    llm = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=16, max_num_batched_tokens=64)
+    llm = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=16, max_num_batched_tokens=64,
+              flora_graphs=True)
     for name, path in adapters.items():
         llm.add_adapter(name, path)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -161,12 +163,18 @@ def test_mixed_families_on_the_gpu_kernels(case, families):
 
 
 @pytest.mark.parametrize("families", ["all", "ia3-flora"])
-def test_padded_decode_path_with_families(case, families):
+@pytest.mark.parametrize("layout", ["by-size", "per-slice"])
+def test_padded_decode_path_with_families(case, families, layout, monkeypatch):
     """The decode steps the CUDA graphs replay, run eagerly on CPU at padded batch sizes: FLoRA
     rows padded to a graph's count (padding rows inert), and batches of IA3 and FLoRA alone
-    skipping the LoRA shrink and expand, give the same tokens and logits as each request alone."""
+    skipping the LoRA shrink and expand, give the same tokens and logits as each request alone;
+    FLoRA's products fused or per slice as the row count picks (these steps: fused), or every
+    fused group per slice."""
     from loraplex.engine.cuda_graphs import DecodeGraphs
+    from loraplex.model import llama
 
+    if layout == "per-slice":
+        monkeypatch.setattr(llama, "FLORA_FUSED_MAX_ROWS", 0)
     model_dir, adapters, prompts, references = case
     if families == "all":
         names, prompts = list(NAMES), prompts
@@ -195,7 +203,7 @@ def test_padded_decode_path_with_families(case, families):
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, adapters=names)
     _check_named(names, outputs, [torch.stack(logits[o.request_id]) for o in outputs], references)
     flora_shapes = [s for s in shapes if s.has_flora]
-    assert flora_shapes and all(s.flora_rows in (16, 64, 256) for s in flora_shapes)
+    assert flora_shapes and all(s.flora_rows in FLORA_ROW_BUCKETS for s in flora_shapes)
     assert all(runner.graphs.padded_size(s.num_seqs) == s.num_seqs for s in shapes)
     if families == "ia3-flora":  # no LoRA, DoRA or IA3 on o: no shrink or expand
         assert shapes and not any(s.has_expand for s in shapes)

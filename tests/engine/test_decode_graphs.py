@@ -5,11 +5,16 @@ device)."""
 
 from __future__ import annotations
 
+import argparse
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from loraplex import LLM, SamplingParams
+from loraplex.cli.engine_flags import add_engine_flags, engine_config
 from loraplex.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from loraplex.engine_config import EngineConfig
 
 
 def test_graph_batch_sizes():
@@ -75,3 +80,25 @@ def test_warm_up_and_memory_steps_store_nothing(tiny_llama):
     assert torch.equal(runner.kv_cache, before)
     out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=3))
     assert len(out[0].token_ids) == 3
+
+
+def test_flora_graphs_only_when_asked():
+    """Without LoRAConfig.flora_graphs no decode graph has FLoRA rows (8 a batch size); with it,
+    64 slots of max rank 16 capture 228 graphs (each batch size's FLoRA row buckets, with and
+    without the LoRA expand, greedy and sampling)."""
+    runner = SimpleNamespace(device=torch.device("cpu"), lora=SimpleNamespace(max_rank=16))
+
+    def count(flora: bool) -> int:
+        graphs = DecodeGraphs(runner, max_batch=64, vocab_size=8, capture=False, flora=flora)
+        return 2 * sum(len(graphs.variants(size)) for size in graphs.sizes)  # greedy and not
+
+    assert count(False) == 8 * len(graph_batch_sizes(64)) == 88
+    assert count(True) == 228
+    plain = DecodeGraphs(runner, max_batch=64, vocab_size=8, capture=False, flora=False)
+    assert not any(v.get("flora_rows") for v in plain.variants(64))
+    assert not EngineConfig(model="m").lora.flora_graphs
+    assert EngineConfig.from_kwargs("m", flora_graphs=True).lora.flora_graphs
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert engine_config("m", parser.parse_args(["--flora-graphs"])).lora.flora_graphs
+    assert not engine_config("m", parser.parse_args([])).lora.flora_graphs

@@ -56,7 +56,7 @@ def _hf_references(hf, adapters, prompts, names):
     return references
 
 
-def _run(model_dir, adapters, prompts, names, **options):
+def _run(model_dir, adapters, prompts, names, max_tokens=MAX_TOKENS, **options):
     llm = LLM(model_dir, device="cpu", dtype="float32", **options)
     for name, path in adapters.items():
         llm.add_adapter(name, path)
@@ -67,7 +67,7 @@ def _run(model_dir, adapters, prompts, names, **options):
             logits.setdefault(request_id, []).append(row.clone())
 
     llm.engine.runner.on_logits = record
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, adapters=names)
     return llm, outputs, [torch.stack(logits[o.request_id]) for o in outputs]
 

@@ -179,17 +179,21 @@ def _family_cases() -> Iterator[tuple]:
     yield ("scale rows", fam._scale_rows_kernel,
            dict(x_ptr=BF16, scales_ptr=F32, slots_ptr=I32, out_ptr=BF16, in_features=14336,
                 stride_x=14336, stride_s=14336, stride_o=14336), dict(BLOCK=fam.BLOCK), 4)
-    yield ("flora stack", fam._flora_stack_kernel,
-           dict(x_ptr=BF16, a_ptr=BF16, slots_ptr=I32, flora_ranks_ptr=I32, row_tokens_ptr=I64,
-                row_ranks_ptr=I64, out_ptr=BF16, num_tokens=16, num_rows=64, in_features=4096,
-                stride_x=4096, stride_a_slot=3 * 16 * 4096, stride_a_slice=16 * 4096,
-                stride_a_rank=4096, stride_fr_slot=3, stride_o=4096), dict(BLOCK=fam.BLOCK), 4)
-    yield ("flora combine", fam._flora_combine_kernel,
-           dict(y_ptr=BF16, p_ptr=BF16, b_ptr=BF16, slots_ptr=I32, flora_ranks_ptr=I32,
-                row_ranks_ptr=I64, bounds_ptr=I64, bias_ptr=BF16, num_rows=64, out_features=6144,
-                off1=4096, off2=5120, off3=6144, stride_y=6144, stride_p=6144,
-                stride_b_slot=6144 * 16, stride_b_out=16, stride_fr_slot=3),
-           dict(HAS_BIAS=True, BLOCK=fam.BLOCK), 4)
+    for per_slice in (False, True):
+        block_rows = 16 + 64 if per_slice else 16 + 3 * 64
+        yield (f"flora stack (per slice {per_slice})", fam._flora_stack_kernel,
+               dict(x_ptr=BF16, a_ptr=BF16, flora_ranks_ptr=I32, row_tokens_ptr=I64, row_slots_ptr=I32,
+                    row_ranks_ptr=I64, out_ptr=BF16, num_tokens=16, num_rows=64, block_rows=block_rows,
+                    in_features=4096, stride_x=4096, stride_a_slot=3 * 16 * 4096,
+                    stride_a_slice=16 * 4096, stride_a_rank=4096, stride_fr_slot=3, stride_o=4096),
+               dict(PER_SLICE=per_slice, BLOCK=fam.BLOCK), 4)
+        yield (f"flora combine (per slice {per_slice})", fam._flora_combine_kernel,
+               dict(y_ptr=BF16, p_ptr=BF16, b_ptr=BF16, slots_ptr=I32, flora_ranks_ptr=I32,
+                    bounds_ptr=I64, bias_ptr=BF16, num_tokens=16, num_rows=64, out_features=6144,
+                    off1=4096, off2=5120, off3=6144, stride_y=6144, stride_b_slot=6144 * 16,
+                    stride_b_rank=6144, stride_fr_slot=3),
+               dict(PER_SLICE=per_slice, HAS_BIAS=True, RANK_BLOCK=16,
+                    BLOCK=fam.COMBINE_ELEMENTS // 16), 4)
 
 
 def _cpu():

@@ -21,7 +21,6 @@ from tests.kernels.kernel_testing import (
 from tests.kernels.test_lora_kernel import RANKS, _slot_buffers
 
 SLOTS = [0, 2, 1, 2, 0, 3, 1, 1, 2]
-PAD_RANK = 1 << 30  # the rank of a padding FLoRA row (as the step inputs pad a decode graph's)
 SLICES = (24, 8, 16)
 
 
@@ -111,94 +110,143 @@ def test_scale_rows_matches_reference(dtype):
 
 def _flora_case(dtype, seed=5, num_padding=0):
     """Slots: 1 FLoRA of rank 3 on slices 0 and 2, 2 FLoRA of rank 1 on every slice; tokens of
-    slot 0 and a plain slot (3, FLoRA rank 0) between them. `num_padding` padding rows after
-    the real ones (as a decode graph pads them: token 0, a rank past every slot's)."""
+    slot 0 and a plain slot (3, FLoRA rank 0) between them. B comes transposed, as a FLoRA
+    slot holds it. `num_padding` padding rows after
+    the real ones (as a decode graph pads them: token 0, slot 0, component 0)."""
     flora = [[8, 8, 8], [3, 0, 3], [1, 1, 1], [0, 0, 0]]
     a, b, fr, offsets = _slot_buffers(flora, 40, SLICES, 8, dtype, DEVICE, seed=seed)
     slot_list = [1, 0, 2, 3, 1, 2]
     slots = torch.tensor(slot_list, dtype=torch.int32, device=DEVICE)
     rank_of = {1: 3, 2: 1}
     row_tokens = [t for t, s in enumerate(slot_list) for _ in range(rank_of.get(s, 0))]
+    row_slots = [slot_list[t] for t in row_tokens]
     row_ranks = [k for s in slot_list for k in range(rank_of.get(s, 0))]
     bounds = [0]
     for s in slot_list:
         bounds.append(bounds[-1] + rank_of.get(s, 0))
     row_tokens += [0] * num_padding
-    row_ranks += [PAD_RANK] * num_padding
-    as_t = (lambda v: torch.tensor(v, dtype=torch.int64, device=DEVICE))
+    row_slots += [0] * num_padding
+    row_ranks += [0] * num_padding
+    as_t = (lambda v, dtype=torch.int64: torch.tensor(v, dtype=dtype, device=DEVICE))
+    rows = (as_t(row_tokens), as_t(row_slots, torch.int32), as_t(row_ranks))
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(len(slot_list), 40, generator=g).to(DEVICE, dtype)
-    return x, a, b, slots, fr, as_t(row_tokens), as_t(row_ranks), as_t(bounds), offsets
+    flora_b = b.transpose(1, 2).contiguous()  # [slots, max_rank, out]: FLoRA's B in its slot
+    return x, a, flora_b, slots, fr, rows, as_t(bounds), offsets
+
+
+def _slice_products(stacked, w0, offsets, per_slice, num_tokens):
+    """The base products in flora_stack's layout, flattened (see flora_combine)."""
+    if not per_slice:
+        return ref.linear(stacked, w0).reshape(-1)
+    block = len(stacked) // (len(offsets) - 1)
+    return torch.cat([ref.linear(stacked[s * block:(s + 1) * block], w0[lo:hi]).reshape(-1)
+                      for s, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:]))])
 
 
 @pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
 @pytest.mark.parametrize("num_padding", [0, 5])
-def test_flora_stack_and_combine_match_reference_and_the_explicit_product(dtype, num_padding):
-    x, a, b, slots, fr, row_tokens, row_ranks, bounds, offsets = _flora_case(dtype, num_padding=num_padding)
+@pytest.mark.parametrize("per_slice", [False, True])
+def test_flora_stack_and_combine_match_reference_and_the_explicit_product(dtype, num_padding, per_slice):
+    x, a, b, slots, fr, rows, bounds, offsets = _flora_case(dtype, num_padding=num_padding)
     num_rows = 8 + num_padding
     with poisoned_allocations(fam):
-        stacked = fam.flora_stack(guarded_rows(x), a, slots, fr, row_tokens, row_ranks)
-    expected = ref.flora_stack(x, a, slots, fr, row_tokens, row_ranks)
-    assert stacked.shape == (6 + 3 * num_rows, 40)
+        stacked = fam.flora_stack(guarded_rows(x), a, fr, *rows, per_slice)
+    expected = ref.flora_stack(x, a, fr, *rows, per_slice)
     torch.testing.assert_close(stacked, expected, atol=1e-3, rtol=1e-3)
-    assert torch.equal(stacked[:6], x)
-    for s in range(3):  # padding rows are zero
-        assert not stacked[6 + s * num_rows + 8:6 + (s + 1) * num_rows].any()
+    if per_slice:
+        assert stacked.shape == (3 * (6 + num_rows), 40)
+        blocks = stacked.view(3, 6 + num_rows, 40)
+        assert all(torch.equal(blocks[s, :6], x) for s in range(3))
+        assert not blocks[:, 6 + 8:].any()  # padding rows are zero
+        assert not blocks[1, 6:9].any()  # slot 1 does not adapt slice 1
+    else:
+        assert stacked.shape == (6 + 3 * num_rows, 40)
+        assert torch.equal(stacked[:6], x)
+        for s in range(3):  # padding rows are zero
+            assert not stacked[6 + s * num_rows + 8:6 + (s + 1) * num_rows].any()
     g = torch.Generator().manual_seed(6)
     w0 = torch.randn(offsets[-1], 40, generator=g).to(DEVICE, dtype)
     bias = torch.randn(offsets[-1], generator=g).to(DEVICE, dtype)
-    products = ref.linear(expected, w0)
+    products = _slice_products(expected, w0, offsets, per_slice, 6)
     y = ref.linear(x, w0, bias)
-    out = fam.flora_combine(guarded_rows(y), products[6:], b, slots, fr, row_ranks, bounds, offsets, bias)
-    want = ref.flora_combine(y.clone(), products[6:], b, slots, fr, row_ranks, bounds, offsets, bias)
+    with poisoned_allocations(fam):
+        out = fam.flora_combine(products, b, slots, fr, bounds, offsets, num_rows, per_slice, bias)
+    want = ref.flora_combine(products, b, slots, fr, bounds, offsets, num_rows, per_slice, bias)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out, want, atol=tol, rtol=tol)
     # The oracle: token 0 (slot 1) through W0 * (B A) on slices 0 and 2, W0 on slice 1.
     w = w0.float().clone()
     for s in (0, 2):
         lo, hi = offsets[s], offsets[s + 1]
-        w[lo:hi] *= b[1, lo:hi, :3].float() @ a[1, s, :3].float()
+        w[lo:hi] *= b[1, :3, lo:hi].float().T @ a[1, s, :3].float()
     explicit = x[0].float() @ w.T + bias.float()
     torch.testing.assert_close(out[0].float(), explicit, atol=tol * 10, rtol=tol * 10)
-    for t in (1, 3):  # no adapter, a non-FLoRA slot: untouched
-        assert torch.equal(out[t], y[t])
+    for t in (1, 3):  # no adapter, a non-FLoRA slot: the plain product
+        torch.testing.assert_close(out[t], y[t], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("per_slice", [False, True])
+def test_flora_without_rows_is_the_plain_product(per_slice):
+    """No FLoRA token (no rows): the stack is x (once a slice), the combine x @ W0.T + bias."""
+    x, a, b, _, fr, _, _, offsets = _flora_case(torch.float32)
+    slots = torch.tensor([0, 3, 0, 3, 0, 0], dtype=torch.int32, device=DEVICE)
+    empty = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    rows = (empty, empty.to(torch.int32), empty)
+    stacked = fam.flora_stack(x, a, fr, *rows, per_slice)
+    assert torch.equal(stacked, torch.cat([x] * (3 if per_slice else 1)))
+    w0 = torch.randn(offsets[-1], 40, device=DEVICE)
+    bias = torch.randn(offsets[-1], device=DEVICE)
+    bounds = torch.zeros(7, dtype=torch.int64, device=DEVICE)
+    out = fam.flora_combine(_slice_products(stacked, w0, offsets, per_slice, 6), b, slots, fr, bounds,
+                            offsets, 0, per_slice, bias)
+    torch.testing.assert_close(out, ref.linear(x, w0, bias), atol=1e-5, rtol=1e-5)
+
+
+def test_flora_layouts_agree():
+    """The fused and the per-slice layouts give the same outputs (reference; it sums in float32)."""
+    x, a, b, slots, fr, rows, bounds, offsets = _flora_case(torch.float64, num_padding=3)
+    w0 = torch.randn(offsets[-1], 40, dtype=torch.float64, device=DEVICE)
+    outs = [ref.flora_combine(_slice_products(ref.flora_stack(x, a, fr, *rows, p), w0, offsets, p, 6),
+                              b, slots, fr, bounds, offsets, 11, p) for p in (False, True)]
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
 
 
 @gpu
 @skip_without_cuda
-def test_families_bf16_on_gpu(monkeypatch):
+@pytest.mark.parametrize("per_slice", [False, True])
+def test_families_bf16_on_gpu(monkeypatch, per_slice):
     out, expected, _ = _check_epilogue(torch.bfloat16, "gemv", True, monkeypatch)
     assert_close_bf16(out, expected, atol=6e-2, rtol=6e-2)
-    x, a, b, slots, fr, row_tokens, row_ranks, bounds, offsets = _flora_case(torch.bfloat16, num_padding=8)
-    stacked = fam.flora_stack(x, a, slots, fr, row_tokens, row_ranks)
-    assert_close_bf16(stacked, ref.flora_stack(x, a, slots, fr, row_tokens, row_ranks), atol=1e-2, rtol=1e-2)
+    x, a, b, slots, fr, rows, bounds, offsets = _flora_case(torch.bfloat16, num_padding=8)
+    stacked = fam.flora_stack(x, a, fr, *rows, per_slice)
+    assert_close_bf16(stacked, ref.flora_stack(x, a, fr, *rows, per_slice), atol=1e-2, rtol=1e-2)
     w0 = torch.randn(offsets[-1], 40, device=DEVICE, dtype=torch.bfloat16)
-    products = ref.linear(stacked, w0)
-    y = ref.linear(x, w0)
-    out = fam.flora_combine(y.clone(), products[6:], b, slots, fr, row_ranks, bounds, offsets)
-    assert_close_bf16(out, ref.flora_combine(y.clone(), products[6:], b, slots, fr, row_ranks, bounds,
-                                             offsets), atol=6e-2, rtol=6e-2)
+    products = _slice_products(stacked, w0, offsets, per_slice, 6)
+    out = fam.flora_combine(products, b, slots, fr, bounds, offsets, 16, per_slice)
+    assert_close_bf16(out, ref.flora_combine(products, b, slots, fr, bounds, offsets, 16, per_slice),
+                      atol=6e-2, rtol=6e-2)
 
 
 @gpu
 @skip_without_cuda
-def test_flora_bf16_llama_shapes():
+@pytest.mark.parametrize("per_slice", [False, True])
+def test_flora_bf16_llama_shapes(per_slice):
     """Llama-3-8B's qkv at batch 16, FLoRA rank 4 on every token, 64 rows (a graph's bucket)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     num_tokens, rank, hidden, offsets = 16, 4, 4096, (0, 4096, 5120, 6144)
     a = torch.randn(9, 3, 16, hidden, device="cuda", generator=g).to(torch.bfloat16)
-    b = torch.randn(9, offsets[-1], 16, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(9, 16, offsets[-1], device="cuda", generator=g).to(torch.bfloat16)
     fr = torch.full((9, 3), rank, dtype=torch.int32, device="cuda")
     slots = torch.arange(num_tokens, device="cuda", dtype=torch.int32) % 8 + 1
     row_tokens = torch.arange(num_tokens, device="cuda").repeat_interleave(rank)
-    row_ranks = torch.arange(rank, device="cuda").repeat(num_tokens)
+    rows = (row_tokens, slots[row_tokens].contiguous(), torch.arange(rank, device="cuda").repeat(num_tokens))
     bounds = torch.arange(num_tokens + 1, device="cuda") * rank
     x = torch.randn(num_tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
-    stacked = fam.flora_stack(x, a, slots, fr, row_tokens, row_ranks)
-    assert_close_bf16(stacked, ref.flora_stack(x, a, slots, fr, row_tokens, row_ranks), atol=1e-2, rtol=1e-2)
+    stacked = fam.flora_stack(x, a, fr, *rows, per_slice)
+    assert_close_bf16(stacked, ref.flora_stack(x, a, fr, *rows, per_slice), atol=1e-2, rtol=1e-2)
     w0 = torch.randn(offsets[-1], hidden, device="cuda", generator=g).to(torch.bfloat16) / 64
-    products = ref.linear(stacked, w0)
-    y = products[:num_tokens].clone()
-    out = fam.flora_combine(y.clone(), products[num_tokens:], b, slots, fr, row_ranks, bounds, offsets)
-    want = ref.flora_combine(y.clone(), products[num_tokens:], b, slots, fr, row_ranks, bounds, offsets)
+    products = _slice_products(stacked, w0, offsets, per_slice, num_tokens)
+    out = fam.flora_combine(products, b, slots, fr, bounds, offsets, len(row_tokens), per_slice)
+    want = ref.flora_combine(products, b, slots, fr, bounds, offsets, len(row_tokens), per_slice)
     assert_close_bf16(out, want, atol=6e-2, rtol=6e-2)
