@@ -36,6 +36,11 @@ class CacheConfig:
     """Host memory, in GiB, that preempted requests' KV is swapped to (pinned on CUDA); when it
     is full, or 0, a preempted request's KV is dropped and recomputed when it resumes."""
 
+    enable_prefix_caching: bool = True
+    """Find full prompt blocks again by content (chained over tokens, keyed by tenant and
+    adapter): a request whose prompt starts with cached blocks shares them and prefills only
+    the rest; blocks nobody holds stay cached until the free list runs dry (LRU)."""
+
     def __post_init__(self) -> None:
         _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
                "block_size", "must be a power of two")

@@ -103,7 +103,8 @@ class LLMEngine:
         block_size = config.cache.block_size
         self.kv_cache = make_kv_cache(self.memory, self.model_config, block_size, self.dtype, self.device)
         self.max_model_len = min(self.max_model_len, self.memory.num_kv_blocks * block_size)
-        self.blocks = BlockManager(self.memory.num_kv_blocks, block_size)
+        self.blocks = BlockManager(self.memory.num_kv_blocks, block_size,
+                                   enable_prefix_caching=config.cache.enable_prefix_caching)
         block_bytes = self.kv_cache[0].numel() * self.kv_cache.element_size()
         num_host_blocks = KvSwapper.host_blocks_for(config.cache.swap_space, block_bytes)
         self.local_adapters = LocalAdapters(self.model_config.shape, max_rank)
