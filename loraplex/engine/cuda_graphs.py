@@ -6,7 +6,9 @@ over the step inputs (StepInputs), sliced to its padded size: a step fills those
 replays the graph of its size. One graph per (padded batch size, whether any token has an
 adapter, whether every row is greedy, whether an adapter scales a module's input): a batch
 without adapters launches no LoRA kernels, one without IA3 input vectors no input scaling, and
-an all-greedy batch takes an argmax instead of the sampling kernel. Steps with FLoRA tokens run
+an all-greedy batch takes an argmax instead of the sampling kernel; with relay attention on, also
+whether the step has relay groups (their members and prefixes live in fixed-size step inputs, so
+one graph replays any grouping). Steps with FLoRA tokens run
 eagerly: the rows they add to the base products vary from step to step. Every graph is captured up
 front (`capture_all`), largest first so that the smaller ones reuse its memory pool; a request
 never waits on a capture."""
@@ -55,7 +57,7 @@ class DecodeGraphs:
         # Outputs live in static buffers, so the graphs' temporaries can share one pool.
         self.logits = torch.zeros(max_batch, vocab_size, dtype=torch.float32, device=device)
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self._graphs: dict[tuple[int, bool, bool, bool, bool], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, bool, bool, bool, bool, bool], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.report: CaptureReport | None = None
 
@@ -79,13 +81,16 @@ class DecodeGraphs:
         device = self.runner.device
         torch.cuda.synchronize(device)
         started, reserved = time.perf_counter(), torch.cuda.memory_reserved(device)
+        relay = (False, True) if self.runner.inputs.relay.mode != "off" else (False,)
         for size in reversed(self.sizes):
             for has_lora, has_input_scale in ((True, False), (True, True), (False, False)):
                 for is_greedy in (False, True):
-                    shape = self.runner.inputs.fill_dummy(size, 1, adapter_slot=0, is_greedy=is_greedy,
-                                                          has_lora=has_lora, has_input_scale=has_input_scale)
-                    self.runner.inputs.upload()
-                    self._graphs[shape.graph_key] = self._capture(shape)
+                    for has_relay in relay if size >= 2 else (False,):
+                        shape = self.runner.inputs.fill_dummy(
+                            size, 1, adapter_slot=0, is_greedy=is_greedy, has_lora=has_lora,
+                            has_input_scale=has_input_scale, has_relay=has_relay)
+                        self.runner.inputs.upload()
+                        self._graphs[shape.graph_key] = self._capture(shape)
         torch.cuda.synchronize(device)
         self.report = CaptureReport(
             num_graphs=len(self._graphs), batch_sizes=tuple(self.sizes),
@@ -110,6 +115,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 self._run(shape)
-        logger.debug("captured decode graph: batch %d, lora %s, greedy %s, input scale %s, flora %s",
+        logger.debug("captured decode graph: batch %d, lora %s, greedy %s, input scale %s, flora %s, "
+                     "relay %s",
                      *shape.graph_key)
         return graph

@@ -35,6 +35,7 @@ from loraplex.engine.model_runner import LaunchedStep, ModelRunner
 from loraplex.engine.plan import StepPlan, StepResult
 from loraplex.engine.policy import FcfsPolicy, SchedulingPolicy, VtcPolicy
 from loraplex.engine.prompt_logprobs import SLICE_BYTES
+from loraplex.engine.relay_groups import RelayRule
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.sizing import (
@@ -122,7 +123,8 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.kv_cache, self.lora, ops, config.scheduler.max_num_seqs,
             config.scheduler.max_num_batched_tokens, max_blocks_per_seq=-(-self.max_model_len // block_size),
-            use_cuda_graphs=use_graphs, num_host_blocks=num_host_blocks)
+            use_cuda_graphs=use_graphs, num_host_blocks=num_host_blocks,
+            relay=RelayRule(config.relay_attention))
         self.graphs: CaptureReport | None = self.runner.graphs.capture_all() if use_graphs else None
         if self.device.type == "cuda":  # compiles kernels now, not on the first requests' time
             started = time.perf_counter()

@@ -82,7 +82,12 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         kv_layer = context.kv_cache[:, self.layer]  # [num_blocks, 2, block_size, kv_heads, head_dim]
         q = self.ops.rotary_store_kv(positions, q, k, v, cos_sin, kv_layer, meta.slot_mapping)
-        if meta.is_decode:
+        if meta.is_decode and meta.relay is not None:
+            relay = meta.relay
+            out = self.ops.relay_decode_attention(q, kv_layer, meta.block_tables, meta.seq_lens,
+                                                  relay.prefix_lens, relay.members, relay.group_starts,
+                                                  self.scale)
+        elif meta.is_decode:
             out = self.ops.paged_decode_attention(q, kv_layer, meta.block_tables, meta.seq_lens, self.scale)
         else:
             out = self.ops.paged_attention(
