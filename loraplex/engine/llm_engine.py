@@ -34,6 +34,7 @@ from loraplex.engine.lora_weights import HostAdapter, LoraSlotBuffers, adapter_b
 from loraplex.engine.model_runner import LaunchedStep, ModelRunner
 from loraplex.engine.plan import StepPlan, StepResult
 from loraplex.engine.policy import FcfsPolicy, SchedulingPolicy, VtcPolicy
+from loraplex.engine.prefix_cache import block_hashes
 from loraplex.engine.prompt_logprobs import SLICE_BYTES
 from loraplex.engine.relay_groups import RelayRule
 from loraplex.engine.request import Request, RequestStatus
@@ -76,6 +77,18 @@ class InFlight:
     launched: LaunchedStep
     scored: list[Request] = field(default_factory=list)
     """Requests that generate nothing and whose prompt this step completes."""
+
+
+@dataclass
+class PinnedPrompt:
+    """A registered system prompt whose full KV blocks the engine holds (never evicted)."""
+
+    token_ids: list[int]
+    tenant: str
+    adapter: str | None
+    """Adapter digest (None: the base model)."""
+    block_ids: list[int] = field(default_factory=list)
+    """Held blocks; empty until its warm-up request has computed them."""
 
 
 class LLMEngine:
@@ -142,6 +155,8 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self._pins: dict[str, PinnedPrompt] = {}
+        self._pin_by_request: dict[str, str] = {}  # warm-up request id -> pin key
 
     def _policy(self) -> SchedulingPolicy:
         config = self.config.scheduler
@@ -304,6 +319,42 @@ class LLMEngine:
         self.scheduler.preempt(request)
         return True
 
+    # Registered system prompts ------------------------------------------------------------
+    def pin_prompt(self, key: str, token_ids: list[int], tenant: str | None = None,
+                   adapter: str | None = None) -> None:
+        """Prefill a system prompt's tokens (under `tenant` and `adapter`, a name or a digest)
+        and hold its full KV blocks, so that requests starting with those tokens find them in
+        the prefix cache whatever the pressure. Nothing to do if `key` is pinned already; with
+        the prefix cache off, nothing at all."""
+        if key in self._pins or not self.blocks.enable_prefix_caching:
+            return
+        digest = self._resolve_adapter(adapter) if adapter is not None else None
+        request_id = f"pin-{key}"
+        self._pins[key] = PinnedPrompt(list(token_ids), tenant or DEFAULT_TENANT, digest)
+        self._pin_by_request[request_id] = key
+        self.add_request(request_id, prompt_token_ids=list(token_ids), adapter=adapter, tenant=tenant,
+                         params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+
+    def unpin_prompt(self, key: str) -> None:
+        """Let a pinned prompt's blocks go (cached, evictable once nobody else holds them)."""
+        pin = self._pins.pop(key, None)
+        if pin is not None:
+            self.blocks.free(pin.block_ids)
+            pin.block_ids = []
+
+    def pinned_prompts(self) -> dict[str, int]:
+        """Each pinned prompt's key -> the KV blocks it holds (0 while its warm-up runs)."""
+        return {key: len(pin.block_ids) for key, pin in list(self._pins.items())}
+
+    def _hold_pin(self, request_id: str) -> None:
+        """A warm-up request ended (its blocks are cached, nobody holds them): hold the
+        prompt's full blocks."""
+        pin = self._pins.get(self._pin_by_request.pop(request_id, ""))
+        if pin is None or pin.block_ids:
+            return
+        hashes = block_hashes(pin.token_ids, self.blocks.block_size, pin.tenant, pin.adapter)
+        pin.block_ids = self.blocks.match(hashes, len(hashes))
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._in_flight is not None
 
@@ -325,12 +376,24 @@ class LLMEngine:
             outputs += self.collect(launched)
         if launched is None and self._in_flight is None and not outputs:
             time.sleep(IDLE_WAIT_S)  # only waiting for adapter loads: let their threads run
-        return outputs
+        return self._without_pins(outputs)
+
+    def _without_pins(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Outputs of callers' requests: pin warm-ups end here, holding their blocks."""
+        if not self._pin_by_request:
+            return outputs
+        kept = []
+        for output in outputs:
+            if output.request_id not in self._pin_by_request:
+                kept.append(output)
+            elif output.finished:
+                self._hold_pin(output.request_id)
+        return kept
 
     def drain(self) -> list[RequestOutput]:
         """Collect the step in flight, if any (afterwards nothing runs on the device)."""
         step, self._in_flight = self._in_flight, None
-        return self.collect(step) if step is not None else []
+        return self._without_pins(self.collect(step)) if step is not None else []
 
     def launch(self, plan: StepPlan, failed: list[RequestOutput]) -> InFlight | None:
         """Queue a planned step on the device and count its work as done. If the model fails,

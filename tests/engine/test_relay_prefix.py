@@ -244,3 +244,21 @@ def test_64_requests_sharing_a_2048_token_prompt_hold_it_once():
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_a_pinned_prompt_survives_pressure_until_unpinned(case):
+    _, _, prompts, _ = case
+    llm = _llm(case, num_kv_blocks=24, max_num_seqs=4)  # 9 pinned: each request alone fits the rest
+    engine = llm.engine
+    engine.pin_prompt("t1/desk", prompts["a0"][:SYSTEM_LEN], tenant="t1", adapter="qv4")
+    assert _run_all(llm) == {}  # the warm-up's output is the engine's own
+    assert engine.pinned_prompts() == {"t1/desk": SYSTEM_LEN // BLOCK_SIZE}
+    for key in ("plain0", "base", "other-tenant"):  # more than the unpinned blocks: evictions
+        _add(llm, case, key)
+    _check(_run_all(llm), case)
+    hits = engine.blocks.num_hit_tokens
+    _add(llm, case, "a1")
+    _check(_run_all(llm), case)
+    assert engine.blocks.num_hit_tokens - hits == (SYSTEM_LEN // BLOCK_SIZE) * BLOCK_SIZE
+    engine.unpin_prompt("t1/desk")
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
