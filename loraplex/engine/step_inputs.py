@@ -131,6 +131,8 @@ class StepInputs:
         self.max_tokens, self.max_seqs, self.block_size = max_tokens, max_seqs, block_size
         self.device, self.families = device, families
         self.relay = relay if relay is not None else RelayRule("off")
+        self.num_relay_steps = self.num_relay_groups = self.num_relay_members = 0
+        """Decode steps filled with relay groups, and their groups and members, in all."""
         self.flora: FloraRows | None = None
         """The FLoRA rows of the step filled last (it runs eagerly: their number varies)."""
         lengths = {TOKENS: max_tokens, SEQS: max_seqs, QUERY_STARTS: max_seqs + 1, SAMPLES: max_seqs,
@@ -202,6 +204,10 @@ class StepInputs:
         blocks = batch.block_table[token_rows, positions // bs].astype(np.int64)
         groups = find_groups(batch.block_table[rows], start + num_new, bs,
                              self.relay if max_query_len == 1 else RelayRule("off"))
+        if groups.num_groups:
+            self.num_relay_steps += 1
+            self.num_relay_groups += groups.num_groups
+            self.num_relay_members += len(groups.members)
         values = {
             "input_ids": input_ids, "positions": positions, "token_rows": token_rows,
             "slot_mapping": blocks * bs + positions % bs,
