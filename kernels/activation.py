@@ -1,5 +1,10 @@
 """SiLU-and-mul for the gated MLP: grid (num_tokens, column blocks). silu(gate) is computed in
-float32 and rounded to x's dtype before the multiply, as torch's F.silu(gate) * up does."""
+float32 and rounded to x's dtype before the multiply, as torch's F.silu(gate) * up does.
+
+With adapters (IA3), the kernel also applies each token's vectors, gathered by its adapter slot:
+gate and up are scaled first (the output vectors of gate_proj and up_proj) and the product after
+(the input vector of down_proj), each rounded to x's dtype as the separate ops would round it.
+A token whose slot sets no flag reads no vector, so a batch without IA3 reads one flag a token."""
 
 from __future__ import annotations
 
@@ -7,36 +12,75 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels._common import FLOAT_DTYPES, cdiv, check_launchable, check_tensor
+from loraplex.kernels._common import FLOAT_DTYPES, INDEX_DTYPES, cdiv, check_launchable, check_tensor
 
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, intermediate, stride_x, stride_out,
-                         BLOCK_SIZE: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, slots_ptr, scale_ptr, scaled_ptr, in_scale_ptr,
+                         in_scaled_ptr, intermediate, stride_x, stride_out, stride_scale,
+                         stride_in_scale, HAS_SCALE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = cols < intermediate
+    dtype = x_ptr.dtype.element_ty
     gate = tl.load(x_ptr + tok * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + tok * stride_x + intermediate + cols, mask=mask, other=0.0)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + tok * stride_out + cols, silu * up.to(tl.float32), mask=mask)
+    up = tl.load(x_ptr + tok * stride_x + intermediate + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        slot = tl.load(slots_ptr + tok).to(tl.int64)
+        on = cols < tl.where(tl.load(scaled_ptr + slot) != 0, intermediate, 0)  # no bytes when off
+        row = scale_ptr + slot * stride_scale
+        gate = (gate * tl.load(row + cols, mask=on, other=1.0)).to(dtype).to(tl.float32)
+        up = (up * tl.load(row + intermediate + cols, mask=on, other=1.0)).to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    out = silu * up
+    if HAS_SCALE:
+        on_in = cols < tl.where(tl.load(in_scaled_ptr + slot) != 0, intermediate, 0)
+        out = out.to(dtype).to(tl.float32) * tl.load(in_scale_ptr + slot * stride_in_scale + cols,
+                                                      mask=on_in, other=1.0)
+    tl.store(out_ptr + tok * stride_out + cols, out, mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(
+    x: torch.Tensor, token_slots: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+    scaled: torch.Tensor | None = None, in_scale: torch.Tensor | None = None,
+    in_scaled: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x [num_tokens, 2 * intermediate] (gate | up) -> silu(gate) * up [num_tokens, intermediate]
-    in x's dtype. Rows may be strided; each row must be dense."""
+    in x's dtype. Rows may be strided; each row must be dense.
+    IA3, all five given or none: token_slots [num_tokens] int; scale [num_slots, 2 * intermediate]
+    float32 multiplies gate | up of the tokens whose slot sets scaled [num_slots] int32;
+    in_scale [num_slots, intermediate] float32 multiplies the result of the tokens whose slot sets
+    in_scaled [num_slots] int32. See reference.py."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     num_tokens, width = x.shape
     if width % 2:
         raise ValueError(f"x's last dim must be even (gate | up), got {width}")
-    check_launchable(_silu_and_mul_kernel, (x,))
     intermediate = width // 2
+    extra = (token_slots, scale, scaled, in_scale, in_scaled)
+    has_scale = token_slots is not None
+    if any((t is None) == has_scale for t in extra):
+        raise ValueError("give token_slots, scale, scaled, in_scale and in_scaled together, or none")
+    if has_scale:
+        check_tensor("token_slots", token_slots, ndim=1, dtypes=INDEX_DTYPES, shape=(num_tokens,),
+                     contiguous=True)
+        check_tensor("scale", scale, ndim=2, dtypes=(torch.float32,), shape=(None, width))
+        num_slots = scale.shape[0]
+        check_tensor("in_scale", in_scale, ndim=2, dtypes=(torch.float32,),
+                     shape=(num_slots, intermediate))
+        for name, flags in (("scaled", scaled), ("in_scaled", in_scaled)):
+            check_tensor(name, flags, ndim=1, dtypes=(torch.int32,), shape=(num_slots,), contiguous=True)
+        if scale.stride(1) != 1 or in_scale.stride(1) != 1:
+            raise ValueError("scale and in_scale must have unit stride in their last dim")
+    check_launchable(_silu_and_mul_kernel, (x, *(t for t in extra if t is not None)))
     out = torch.empty((num_tokens, intermediate), dtype=x.dtype, device=x.device)
     if num_tokens == 0 or intermediate == 0:
         return out
     grid = (num_tokens, cdiv(intermediate, BLOCK))
-    _silu_and_mul_kernel[grid](x, out, intermediate, x.stride(0), out.stride(0),
-                               BLOCK_SIZE=BLOCK, num_warps=4)
+    _silu_and_mul_kernel[grid](
+        x, out, token_slots if has_scale else x, scale if has_scale else x,
+        scaled if has_scale else x, in_scale if has_scale else x, in_scaled if has_scale else x,
+        intermediate, x.stride(0), out.stride(0), scale.stride(0) if has_scale else 0,
+        in_scale.stride(0) if has_scale else 0, HAS_SCALE=has_scale, BLOCK_SIZE=BLOCK, num_warps=4)
     return out

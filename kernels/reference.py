@@ -76,8 +76,20 @@ def store_kv(
 def rotary_store_kv(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cos_sin_cache: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
+    token_slots: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+    scaled: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rotary on q and k, then k and v written to the cache. Returns the rotated q."""
+    """Rotary on q and k, then k and v written to the cache. Returns the rotated q.
+    IA3 (token_slots [num_tokens], scale [num_slots, q_size + 2 * kv_size] float32, scaled
+    [num_slots] int32, given together): q | k | v of the tokens whose slot sets scaled are first
+    multiplied by scale[slot] (in float32, rounded to their dtype): the projections' output
+    vectors."""
+    if token_slots is not None:
+        num_tokens, shapes = q.shape[0], (q.shape, k.shape, v.shape)
+        qkv = torch.cat([t.reshape(num_tokens, -1) for t in (q, k, v)], dim=1)
+        qkv = _scale_flagged(qkv, scale, scaled, token_slots)
+        q, k, v = (t.view(shape) for t, shape in zip(
+            qkv.split([s[1] * s[2] for s in shapes], dim=1), shapes))
     q, k = rotary_embedding(positions, q, k, cos_sin_cache)
     store_kv(k, v, kv_layer, slot_mapping)
     return q
@@ -241,10 +253,33 @@ def relay_decode_attention(
     return out.to(q.dtype)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, 2 * intermediate] (gate | up) -> silu(gate) * up [num_tokens, intermediate]."""
+def silu_and_mul(
+    x: torch.Tensor, token_slots: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+    scaled: torch.Tensor | None = None, in_scale: torch.Tensor | None = None,
+    in_scaled: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [num_tokens, 2 * intermediate] (gate | up) -> silu(gate) * up [num_tokens, intermediate].
+    IA3 (token_slots [num_tokens] and the rest given together): gate | up of each token whose slot
+    sets scaled [num_slots] are multiplied by scale[slot] [num_slots, 2 * intermediate] first, and
+    the result of each token whose slot sets in_scaled by in_scale[slot] [num_slots,
+    intermediate] (float32 products rounded to x's dtype: gate_proj's and up_proj's output
+    vectors, down_proj's input vector)."""
+    if token_slots is not None:
+        x = _scale_flagged(x, scale, scaled, token_slots)
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    out = F.silu(gate) * up
+    if token_slots is not None:
+        out = _scale_flagged(out, in_scale, in_scaled, token_slots)
+    return out
+
+
+def _scale_flagged(x: torch.Tensor, scale: torch.Tensor, flags: torch.Tensor,
+                   token_slots: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, n] * scale[slot] [num_slots, n] for the tokens whose slot sets flags
+    [num_slots], in float32, rounded to x's dtype; other rows as they are."""
+    slots = token_slots.long()
+    on = (flags[slots] != 0).unsqueeze(1)  # [num_tokens, 1]
+    return torch.where(on, x.float() * scale[slots], x.float()).to(x.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -325,13 +360,13 @@ def flora_stack(
     max_rank, in] (FLoRA's A in its slots), row_tokens and row_ranks [num_rows] int64 (row j is
     component row_ranks[j] of token row_tokens[j]) -> [num_tokens + num_slices * num_rows, in]:
     x, then for each slice s the rows a[slot, s, k] * x[t] (zero where k is past the slot's
-    FLoRA rank of that slice)."""
+    FLoRA rank of that slice: padding rows carry a k past every rank)."""
     num_slices = lora_a.shape[1]
     tokens, ks = row_tokens.long(), row_ranks.long()
     slots = token_slots.long()[tokens]  # [num_rows]
     parts = [x]
     for s in range(num_slices):
-        a = lora_a[slots, s, ks].float()  # [num_rows, in]
+        a = lora_a[slots, s, ks.clamp(max=lora_a.shape[2] - 1)].float()  # [num_rows, in]
         live = (ks < flora_ranks[slots, s].long()).unsqueeze(1)
         parts.append(torch.where(live, a * x[tokens].float(), 0.0).to(x.dtype))
     return torch.cat(parts)
@@ -339,23 +374,28 @@ def flora_stack(
 
 def flora_combine(
     y: torch.Tensor, products: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor,
-    flora_ranks: torch.Tensor, row_tokens: torch.Tensor, row_ranks: torch.Tensor,
+    flora_ranks: torch.Tensor, row_ranks: torch.Tensor, bounds: torch.Tensor,
     slice_offsets: tuple[int, ...], bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [num_tokens, out], in place: the columns of each slice that a token's FLoRA adapter
     adapts become sum_k b[slot, col, k] * products[s * num_rows + j, col] over the token's rows
-    j (k = row_ranks[j]), plus bias [out]; products [num_slices * num_rows, out] is the base
-    weight times flora_stack's rows (no bias). lora_b [num_slots, out, max_rank]."""
-    num_rows = len(row_tokens)
-    if num_rows == 0:
+    j = bounds[t]:bounds[t + 1] (k = row_ranks[j]), plus bias [out]; products
+    [num_slices * num_rows, out] is the base weight times flora_stack's rows (no bias), row_ranks
+    [num_rows] (rows past bounds[num_tokens] are padding), bounds [num_tokens + 1]. lora_b
+    [num_slots, out, max_rank]."""
+    num_rows, num_used = len(row_ranks), int(bounds[-1])
+    if num_used == 0:
         return y
-    tokens, ks = row_tokens.long(), row_ranks.long()
+    counts = (bounds[1:] - bounds[:-1]).long()
+    tokens = torch.repeat_interleave(torch.arange(y.shape[0], device=y.device), counts)  # [num_used]
+    ks = row_ranks[:num_used].long()
     slots = token_slots.long()[tokens]
     for s in range(len(slice_offsets) - 1):
         lo, hi = slice_offsets[s], slice_offsets[s + 1]
-        live = ks < flora_ranks[slots, s].long()  # [num_rows]
-        terms = lora_b[slots, lo:hi, ks].float() * products[s * num_rows:(s + 1) * num_rows, lo:hi].float()
-        terms = torch.where(live.unsqueeze(1), terms, 0.0)
+        live = ks < flora_ranks[slots, s].long()  # [num_used]
+        rows = products[s * num_rows:s * num_rows + num_used, lo:hi].float()
+        terms = torch.where(live.unsqueeze(1), lora_b[slots, lo:hi, ks.clamp(max=lora_b.shape[2] - 1)]
+                            .float() * rows, 0.0)
         acc = torch.zeros(y.shape[0], hi - lo, dtype=torch.float32, device=y.device)
         acc.index_add_(0, tokens, terms)
         if bias is not None:

@@ -109,6 +109,12 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 ALL_SEVEN = ATTENTION + ("gate_proj", "up_proj", "down_proj")
 
 
+
+
+def make_adapters(base_model, folder: Path) -> dict[str, Path]:
+    """Every adapter of ADAPTERS for `base_model`, saved under `folder` (seeds 1, 2, ...)."""
+    return {spec.name: make_adapter(base_model, spec, folder, seed=i + 1) for i, spec in enumerate(ADAPTERS)}
+
 def make_dora_adapter(base_model, folder: Path, targets: tuple[str, ...], rank: int, alpha: float,
                       seed: int = 1) -> Path:
     """A PEFT DoRA adapter (use_dora) with random A, B and magnitudes away from the row norms,

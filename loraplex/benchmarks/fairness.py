@@ -1,6 +1,7 @@
 """`loraplex bench fairness`: one tenant floods, three send their share; light tenants' latency
 under VTC with KV swapping against running alone and against FCFS, throughput against FCFS,
-swap bandwidth both ways, and the cost of resuming a long swapped request against recomputing it.
+swap bandwidth both ways, the device idle time that swaps cause (steps waiting for copies),
+and the cost of resuming a long swapped request against recomputing it.
 
 Llama-3-8B shape with random weights (bf16 on CUDA), 4 tenants each with its own rank-16 adapter
 on all seven projections, Poisson arrivals; the heavy tenant sends `heavy_factor` times what each
@@ -73,15 +74,20 @@ def main(argv: list[str] | None = None) -> None:
         drain_s=args.drain_s, max_num_seqs=args.max_num_seqs, device=args.device,
         model=args.model_overrides, prompt_len=tuple(args.prompt_len), output_len=tuple(args.output_len),
         resume_tokens=args.resume_tokens, num_kv_blocks=args.num_kv_blocks)
-    result = run(config)
-    print(f"wrote {write(result, args.out, 'fairness')}")
+    path = write(run(config), args.out, "fairness")
+    print(f"wrote {path}")
+    try:
+        plot(path, path.with_suffix(".png"))
+        print(f"wrote {path.with_suffix('.png')}")
+    except ImportError:
+        print("matplotlib is not installed: no plot (run `python -m loraplex.benchmarks.plot` later)")
 
 
 def run(config: FairnessBenchConfig) -> dict[str, Any]:
     device = torch.device(config.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model_config = synthetic.model_config(config.model)
-    max_len = config.prompt_len[1] + config.output_len[1] + 16
+    max_len = max(config.prompt_len[1] + config.output_len[1], config.resume_tokens + 1) + 16
     model = synthetic.random_model(model_config, select_ops(device), dtype, device, max_len, seed=config.seed)
     engine = LLMEngine(EngineConfig(
         model="synthetic-llama-3-8b", device=config.device, dtype=str(dtype).removeprefix("torch."),
@@ -181,6 +187,7 @@ def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[tuple[fl
     swapped_in = after.swap_bytes_in - before.swap_bytes_in
     seconds_out = after.swap_seconds_out - before.swap_seconds_out
     seconds_in = after.swap_seconds_in - before.swap_seconds_in
+    stalled = after.swap_seconds_stalled - before.swap_seconds_stalled
     row = {
         "policy": policy, "elapsed_s": round(elapsed, 1), "output_tokens": tokens,
         "output_tokens_per_s": round(tokens / elapsed, 1), **per_tenant,
@@ -190,6 +197,7 @@ def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[tuple[fl
         "swap_out_gb_per_s": round(swapped_out / seconds_out / 1e9, 1) if seconds_out else None,
         "swap_in_gb_per_s": round(swapped_in / seconds_in / 1e9, 1) if seconds_in else None,
         "swap_out_s_share_of_run": round(seconds_out / elapsed, 4),
+        "swap_stall_s": round(stalled, 4), "swap_stall_share_of_run": round(stalled / elapsed, 5),
         "tenant_service": after.tenant_service,
     }
     print(json.dumps(row), flush=True)
@@ -240,6 +248,45 @@ def _swap_costs(engine: LLMEngine, config: FairnessBenchConfig, vocab: int) -> d
         "recompute_s": round(recompute_s, 5), "swap_in / recompute": round(swap_in_s / recompute_s, 3),
         "pinned_copy_ceiling": ceiling,
     }
+
+
+def plot(json_path: Path, png_path: Path) -> None:
+    """Light tenants' time to first token by policy, each tenant's service under VTC, and the
+    swaps against the pinned-copy ceiling (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    result = json.loads(json_path.read_text())
+    runs, swap = result["runs"], result["swap"]
+    fig, (ttft, share, swaps) = plt.subplots(1, 3, figsize=(15, 4.2))
+    names = list(runs)
+    for offset, (pct, color) in enumerate((("p50", "tab:blue"), ("p99", "tab:red"))):
+        values = [runs[name]["light"][f"ttft_{pct}_s"] for name in names]
+        ttft.bar([i + 0.4 * offset for i in range(len(names))], values, 0.4, label=pct, color=color)
+    ttft.set_xticks([i + 0.2 for i in range(len(names))], ["light alone", "FCFS", "VTC + swap"])
+    ttft.set_yscale("log")
+    ttft.set_ylabel("light tenants' time to first token (s)")
+    ttft.legend()
+    service = runs["vtc"]["tenant_service"]
+    tenants = sorted(service)
+    share.bar(tenants, [service[t] for t in tenants], color="tab:green")
+    share.set_ylabel("VTC service (prompt + 2 x generated tokens)")
+    share.set_title("light tenants get what they ask; the heavy one the rest")
+    vtc, ceiling = runs["vtc"], swap["pinned_copy_ceiling"]
+    labels = ["out", "in", "resume 2k"]
+    measured = [vtc["swap_out_gb_per_s"] or 0, vtc["swap_in_gb_per_s"] or 0, swap["swap_in_gb_per_s"]]
+    swaps.bar(labels, measured, color="tab:purple", label="swaps")
+    if ceiling:
+        swaps.axhline(ceiling["host_to_device_gb_per_s"], color="black", linestyle="--", label="pinned copy")
+    swaps.set_ylabel("GB/s")
+    swaps.set_title(f"resume by swap-in: {swap['swap_in / recompute']:.3f}x of recompute")
+    swaps.legend()
+    fig.suptitle(f"loraplex bench fairness, {result['device']}")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
 
 
 def _sync(device: torch.device) -> None:

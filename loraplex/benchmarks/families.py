@@ -84,7 +84,9 @@ def family_adapter(config: ModelConfig, family: str, rank: int, dtype: torch.dty
     return host
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, save: Any = None) -> dict[str, Any]:
+    """The rows and the crossover; `save(partial result)` is called after each row (so that a
+    run cut short keeps what it measured)."""
     batch_sizes = tuple(int(s) for s in args.batch_sizes.split(","))
     crossover_ranks = tuple(int(s) for s in args.crossover_ranks.split(",") if s)
     config = decode.DecodeBenchConfig(batch_sizes=batch_sizes, prompt_len=args.prompt_len,
@@ -127,15 +129,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                request_adapters, tag=f"{family}-r{rank}")
         row.update(family=family, rank=0 if family in ("none", "ia3") else rank)
         print(json.dumps(row), flush=True)
+        if save is not None:
+            save({"benchmark": "decode-families", "device": decode._device_name(device),
+                  "torch": torch.__version__, "config": vars(args), "rows": rows,
+                  "crossover": crossover, "partial": True})
         return row
 
-    rows = []
+    rows: list[dict] = []
+    crossover: list[dict] = []
     measure("none", batch_sizes[0], args.rank)  # warm-up (compiles, first copies)
     for batch in batch_sizes:
         for family in FAMILIES:
             rank = args.flora_rank if family == "flora" else args.rank
             rows.append(measure(family, batch, rank))
-    crossover = []
     for rank in crossover_ranks:
         for batch in batch_sizes:
             crossover += [measure("lora", batch, rank), measure("flora", batch, rank)]
@@ -186,12 +192,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
-    result = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    device = re.sub(r"[^a-z0-9]+", "-", result["device"].lower()).strip("-")
-    path = args.out / f"decode-families-{device}.json"
-    result["config"] = {k: str(v) for k, v in result["config"].items()}
-    path.write_text(json.dumps(result, indent=1))
+
+    def save(result: dict[str, Any]) -> Any:
+        device = re.sub(r"[^a-z0-9]+", "-", result["device"].lower()).strip("-")
+        path = args.out / f"decode-families-{device}.json"
+        path.write_text(json.dumps({**result, "config": {k: str(v) for k, v in result["config"].items()}},
+                                   indent=1))
+        return path
+
+    result = run(args, save)
+    path = save(result)
     print(json.dumps(result["summary"], indent=1))
     print(f"wrote {path}")
 

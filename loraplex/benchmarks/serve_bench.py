@@ -5,7 +5,7 @@ with streaming, the way vLLM's serving benchmark drives vLLM.
         [--num-prompts 500] [--request-rate inf] [--burstiness 1] [--max-concurrency N]
         [--prompt-len 256 --prompt-dist fixed|longtail] [--output-len 128 --output-dist ...]
         [--num-tenants 4] [--num-adapters 32] [--zipf-alpha 1.0] [--rank 8] [--seed 0]
-        [--ttft-slo-ms 1000] [--tpot-slo-ms 100] [--tag NAME] [--out bench/results]
+        [--ttft-slo-ms 1000] [--tpot-slo-ms 100] [--time-limit S] [--tag NAME] [--out bench/results]
 
 Requests (loraplex.benchmarks.serve_workload) arrive at `--request-rate` per second (Poisson, or
 gamma with `--burstiness`), or all at once (inf), optionally at most `--max-concurrency` at a
@@ -51,6 +51,8 @@ from loraplex.benchmarks.serve_workload import (
     tenant_name,
 )
 
+TIME_LIMIT_STATUS = -1
+"""RequestResult.status of a request dropped at --time-limit (0: no HTTP answer)."""
 PEFT_BLOCKS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 ENGINE_COUNTERS = {
@@ -143,7 +145,10 @@ async def stream_completion(url: str, key: str, body: dict) -> RequestResult:
 
 
 async def run_requests(target: Target, requests: list[BenchRequest], max_concurrency: int | None,
-                       progress: Progress) -> tuple[list[RequestResult], float]:
+                       progress: Progress, time_limit_s: float | None = None
+                       ) -> tuple[list[RequestResult], float]:
+    """Every request's result, and the time they took. Past `time_limit_s` the requests still
+    going (or not yet sent) are dropped: they fail with TIME_LIMIT_STATUS."""
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
 
     async def one(request: BenchRequest) -> RequestResult:
@@ -163,8 +168,20 @@ async def run_requests(target: Target, requests: list[BenchRequest], max_concurr
         return result
 
     started = time.perf_counter()
-    results = await asyncio.gather(*(one(r) for r in requests))
-    return list(results), time.perf_counter() - started
+    tasks = [asyncio.ensure_future(one(r)) for r in requests]
+    _, late = await asyncio.wait(tasks, timeout=time_limit_s)
+    for task in late:
+        task.cancel()
+    await asyncio.gather(*late, return_exceptions=True)
+    duration = time.perf_counter() - started
+    results = []
+    for request, task in zip(requests, tasks):
+        if task in late:
+            results.append(RequestResult(request.index, TIME_LIMIT_STATUS,
+                                         error=f"time limit ({time_limit_s} s)"))
+        else:
+            results.append(task.result())
+    return results, duration
 
 
 class Progress:
@@ -218,7 +235,8 @@ def report(results: list[RequestResult], duration_s: float, requests: list[Bench
     errors: dict[str, int] = {}
     for r in results:
         if r not in ok:
-            key = str(r.status) if r.status > 0 else "connection"
+            key = str(r.status) if r.status > 0 else "time_limit" if r.status == TIME_LIMIT_STATUS \
+                else "connection"
             errors[key] = errors.get(key, 0) + 1
     good = [r for r in ok if r.ttft_s <= ttft_slo_s and (r.tpot_s is None or r.tpot_s <= tpot_slo_s)]
     output_tokens = sum(r.output_tokens for r in ok)
@@ -339,17 +357,19 @@ def started_server(kind: str, data_dir: Path) -> Iterator[tuple[str, str]]:
 
 # Running -----------------------------------------------------------------------------------------
 def run(target: Target, workload: WorkloadConfig, *, max_concurrency: int | None, ttft_slo_s: float,
-        tpot_slo_s: float, label: str = "serve") -> dict[str, Any]:
+        tpot_slo_s: float, label: str = "serve", time_limit_s: float | None = None) -> dict[str, Any]:
     requests = make_workload(workload)
     before = scrape_counters(target.url)
     progress = Progress(len(requests), label)
     try:
-        results, duration = asyncio.run(run_requests(target, requests, max_concurrency, progress))
+        results, duration = asyncio.run(run_requests(target, requests, max_concurrency, progress,
+                                                     time_limit_s))
     finally:
         progress.close()
     after = scrape_counters(target.url)
     result = {
         "benchmark": "serve", "workload": _jsonable(asdict(workload)), "max_concurrency": max_concurrency,
+        "time_limit_s": time_limit_s,
         "url": target.url, "model": target.model_id,
         **report(results, duration, requests, ttft_slo_s, tpot_slo_s),
         "engine": engine_counters(before, after),
@@ -450,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttft-slo-ms", type=float, default=1000.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=100.0)
     parser.add_argument("--tag", default="cpu-demo", help="results file: serve-<tag>.json")
+    parser.add_argument("--time-limit", type=float, help="seconds; requests not done by then fail "
+                        "(`time_limit` in errors_by_status) and the results are written all the same")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
@@ -468,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
             target = prepare(url, admin_key, probe, args.rank)
         workload = workload_config(args, target.vocab_size)
         result = run(target, workload, max_concurrency=args.max_concurrency,
-                     ttft_slo_s=args.ttft_slo_ms / 1000, tpot_slo_s=args.tpot_slo_ms / 1000, label=args.tag)
+                     ttft_slo_s=args.ttft_slo_ms / 1000, tpot_slo_s=args.tpot_slo_ms / 1000, label=args.tag,
+                     time_limit_s=args.time_limit)
     result["tag"] = args.tag
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"serve-{args.tag}.json"

@@ -4,14 +4,16 @@ A Triton launch costs about 19 us of host time and a decode step has hundreds of
 from a graph, a small kernel costs about 1 us. A graph captures the runner's own forward pass
 over the step inputs (StepInputs), sliced to its padded size: a step fills those buffers and
 replays the graph of its size. One graph per (padded batch size, whether any token has an
-adapter, whether every row is greedy, whether an adapter scales a module's input): a batch
-without adapters launches no LoRA kernels, one without IA3 input vectors no input scaling, and
-an all-greedy batch takes an argmax instead of the sampling kernel; with relay attention on, also
-whether the step has relay groups (their members and prefixes live in fixed-size step inputs, so
-one graph replays any grouping). Steps with FLoRA tokens run
-eagerly: the rows they add to the base products vary from step to step. Every graph is captured up
-front (`capture_all`), largest first so that the smaller ones reuse its memory pool; a request
-never waits on a capture."""
+adapter, whether every row is greedy, whether an adapter scales o's input, whether one needs the
+LoRA shrink and expand, the FLoRA rows, and with relay attention on, whether the step has relay
+groups): a batch without adapters launches no adapter kernels;
+one of IA3 (on q/k/v, gate/up, down's input: the rotary and activation kernels apply those) and
+FLoRA adapters no shrink or expand; one without IA3 on o's input no row scaling; an all-greedy
+batch takes an argmax instead of the sampling kernel. A step's FLoRA rows are padded to the next
+of FLORA_ROW_BUCKETS (16, 64, 256; more run eagerly), each bucket captured up to the rows the
+batch size can have. Relay groups' members and prefixes live in fixed-size step inputs, so one
+graph replays any grouping. Every graph is captured up front (`capture_all`), largest first so
+that the smaller ones reuse its memory pool; a request never waits on a capture."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loraplex.engine.step_inputs import StepShape
+from loraplex.engine.step_inputs import FLORA_ROW_BUCKETS, StepShape
 
 if TYPE_CHECKING:
     from loraplex.engine.model_runner import ModelRunner
@@ -57,7 +59,7 @@ class DecodeGraphs:
         # Outputs live in static buffers, so the graphs' temporaries can share one pool.
         self.logits = torch.zeros(max_batch, vocab_size, dtype=torch.float32, device=device)
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self._graphs: dict[tuple[int, bool, bool, bool, bool, bool], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.report: CaptureReport | None = None
 
@@ -83,12 +85,12 @@ class DecodeGraphs:
         started, reserved = time.perf_counter(), torch.cuda.memory_reserved(device)
         relay = (False, True) if self.runner.inputs.relay.mode != "off" else (False,)
         for size in reversed(self.sizes):
-            for has_lora, has_input_scale in ((True, False), (True, True), (False, False)):
+            for variant in self.variants(size):
                 for is_greedy in (False, True):
                     for has_relay in relay if size >= 2 else (False,):
                         shape = self.runner.inputs.fill_dummy(
-                            size, 1, adapter_slot=0, is_greedy=is_greedy, has_lora=has_lora,
-                            has_input_scale=has_input_scale, has_relay=has_relay)
+                            size, 1, adapter_slot=0, is_greedy=is_greedy, has_relay=has_relay,
+                            **variant)
                         self.runner.inputs.upload()
                         self._graphs[shape.graph_key] = self._capture(shape)
         torch.cuda.synchronize(device)
@@ -103,6 +105,16 @@ class DecodeGraphs:
                     (self.report.pool_bytes + self.report.output_bytes) / 2**20)
         return self.report
 
+    def variants(self, size: int) -> list[dict]:
+        """fill_dummy's adapter switches of every graph of a batch size (greedy or not aside)."""
+        plain = [dict(has_lora=False), dict(has_lora=True, has_expand=False),
+                 dict(has_lora=True, has_expand=True), dict(has_lora=True, has_input_scale=True)]
+        max_rows = size * self.runner.lora.max_rank
+        buckets = [b for i, b in enumerate(FLORA_ROW_BUCKETS)
+                   if i == 0 or FLORA_ROW_BUCKETS[i - 1] < max_rows]
+        return plain + [dict(has_lora=True, has_expand=has_expand, flora_rows=rows)
+                        for rows in buckets for has_expand in (False, True)]
+
     def _run(self, shape: StepShape) -> None:
         logits, tokens, _ = self.runner.forward(shape)
         self.logits[:shape.num_seqs].copy_(logits)
@@ -115,7 +127,6 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 self._run(shape)
-        logger.debug("captured decode graph: batch %d, lora %s, greedy %s, input scale %s, flora %s, "
-                     "relay %s",
-                     *shape.graph_key)
+        logger.debug("captured decode graph: batch %d, lora %s, greedy %s, input scale %s, expand %s, "
+                     "flora rows %d, relay %s", *shape.graph_key)
         return graph

@@ -12,7 +12,11 @@ the copies run on their own stream:
   those steps may still touch) and run beside the step launched after them; the step after
   that, the first to read them, waits for them.
 
-On CPU the pool is plain memory and the copies run at once."""
+On CPU the pool is plain memory and the copies run at once.
+
+The device time these waits cost the steps is measured (events on the step stream before and
+after each wait): it is the device idle time that swapping causes. On CPU the copies hold up
+the step for as long as they take."""
 
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ class SwapStats:
     seconds_out: float
     seconds_in: float
     """Time the copies took on the device (their stream's events), or on the host on CPU."""
+    seconds_stalled: float = 0.0
+    """Time the steps waited for the copies (the device idle time swapping caused)."""
 
 
 def runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -56,7 +62,7 @@ class KvSwapper:
         self._swapped_in: torch.cuda.Event | None = None
         self._timings: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._bytes = {"out": 0, "in": 0}
-        self._seconds = {"out": 0.0, "in": 0.0}
+        self._seconds = {"out": 0.0, "in": 0.0, "stalled": 0.0}
 
     @staticmethod
     def host_blocks_for(swap_space_gib: float, block_bytes: int) -> int:
@@ -66,12 +72,14 @@ class KvSwapper:
         """Queue a step's swaps, and the waits that keep the step (launched next) and them in
         order."""
         if self._stream is None:
+            started = time.perf_counter()
             self._copy("out", swap_out, self.host, self.kv_cache)
             self._copy("in", swap_in, self.kv_cache, self.host)
+            self._seconds["stalled"] += time.perf_counter() - started
             return
         main = torch.cuda.current_stream(self.kv_cache.device)
         if self._swapped_in is not None:  # the previous step's swap-ins: this step reads them
-            main.wait_event(self._swapped_in)
+            self._wait(main, self._swapped_in)
             self._swapped_in = None
         if not swap_out and not swap_in:
             return
@@ -79,11 +87,21 @@ class KvSwapper:
         with torch.cuda.stream(self._stream):
             self._copy("out", swap_out, self.host, self.kv_cache)
             if swap_out:
-                main.wait_stream(self._stream)
+                done = torch.cuda.Event()
+                done.record()
+                self._wait(main, done)
             self._copy("in", swap_in, self.kv_cache, self.host)
             if swap_in:
                 self._swapped_in = torch.cuda.Event()
                 self._swapped_in.record()
+
+    def _wait(self, main: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        """Make the step stream wait for `event`, timing the wait on that stream."""
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(main)
+        main.wait_event(event)
+        after.record(main)
+        self._timings.append(("stalled", before, after))
 
     def _copy(self, direction: str, pairs: list[tuple[int, int]], dst: torch.Tensor, src: torch.Tensor
               ) -> None:
@@ -114,4 +132,5 @@ class KvSwapper:
             else:
                 pending.append((direction, start, end))
         self._timings = pending
-        return SwapStats(self._bytes["out"], self._bytes["in"], self._seconds["out"], self._seconds["in"])
+        return SwapStats(self._bytes["out"], self._bytes["in"], self._seconds["out"], self._seconds["in"],
+                         self._seconds["stalled"])

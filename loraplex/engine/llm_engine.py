@@ -49,6 +49,7 @@ from loraplex.engine.sizing import (
     resolve_max_model_len,
 )
 from loraplex.engine.stats import EngineStats
+from loraplex.engine.step_inputs import FLORA_ROW_BUCKETS
 from loraplex.engine.tenants import DEFAULT_TENANT, TenantTable
 from loraplex.engine_config import EngineConfig
 from loraplex.errors import InvalidRequestError, UnknownAdapterError
@@ -182,7 +183,9 @@ class LLMEngine:
         graphs = 0
         if use_graphs:
             max_batch = config.scheduler.max_num_seqs
-            graphs = scratch.measure_peak_bytes(max_batch, 1) + max_batch * model.vocab_size * 4
+            graphs = max(scratch.measure_peak_bytes(max_batch, 1),
+                         scratch.measure_peak_bytes(max_batch, 1, flora_rows=FLORA_ROW_BUCKETS[-1]))
+            graphs += max_batch * model.vocab_size * 4
         del scratch
         budget = cuda_budget(config, self.device, activations, graphs)
         return plan_memory(config, model, self.dtype, self.max_model_len, slot_bytes, budget,
@@ -305,9 +308,23 @@ class LLMEngine:
             return False
         self._detokenizers.pop(request_id, None)
         self.scheduler.finish(request, "abort")
+        if (key := self._pin_by_request.pop(request_id, None)) is not None:
+            self._pins.pop(key, None)  # its warm-up never ended: the next request pins it anew
         if self._orphans:
             self._drop_orphans()
         return True
+
+    def abort_all(self) -> int:
+        """Stop every request (after the step in flight, if any, is collected): the engine is
+        left idle, every block and slot free (pinned prompts' included). Returns how many were
+        stopped."""
+        self.drain()
+        request_ids = list(self._requests)
+        for request_id in request_ids:
+            self.abort(request_id)
+        for key in list(self._pins):
+            self.unpin_prompt(key)
+        return len(request_ids)
 
     def preempt(self, request_id: str) -> bool:
         """Preempt a running request at the next step, as the scheduling policy would: its KV is
@@ -549,6 +566,7 @@ class LLMEngine:
             num_host_pool_blocks_used=host.num_used_blocks if host else 0,
             swap_bytes_out=swaps.bytes_out, swap_bytes_in=swaps.bytes_in,
             swap_seconds_out=swaps.seconds_out, swap_seconds_in=swaps.seconds_in,
+            swap_seconds_stalled=swaps.seconds_stalled,
             running_by_adapter=dict(Counter(r.adapter for r in scheduler.running if r.adapter)),
             waiting_by_adapter=dict(Counter(r.adapter for r in waiting if r.adapter)),
         )

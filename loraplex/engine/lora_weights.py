@@ -9,10 +9,14 @@ Per group (qkv, o, gate_up, down), over all layers:
   scale       [num_layers, num_slots + 1, out_features] float32   per-row output scale (DoRA's
               magnitude over the row norm, IA3's output vector), read where `scaled` is set
   scaled      [num_layers, num_slots + 1] int32              1 = the expand applies scale (and shift)
+  fused_scaled [num_layers, num_slots + 1] int32   qkv and gate_up only: 1 = the kernel that reads
+              the group's output applies scale (IA3's vector: rotary for qkv, the activation for
+              gate_up), so an IA3 step need not run the expand
   shift       [num_layers, num_slots + 1, out_features] float32   groups with a bias only:
               (1 - scale) * bias, so that DoRA scales the product and not the bias
   in_scale    [num_layers, num_slots + 1, in_features] float32   o and down only: IA3's input
-              vector (1 elsewhere)
+              vector (1 elsewhere); the activation kernel applies down's, a row scaling o's
+  in_scaled   [num_layers, num_slots + 1] int32   down only: 1 = the activation applies in_scale
 Slot 0 stays empty: it means "no adapter". A DoRA slot's scale is computed when the adapter is
 copied in, from the base weights (the row norms of W0 + s B A)."""
 
@@ -30,6 +34,10 @@ from loraplex.model.model_config import ModelConfig
 
 INPUT_SCALE_GROUPS = tuple(g for g, modules in LORA_GROUPS.items() if set(modules) <= set(IA3_INPUT_MODULES))
 """Groups whose input an IA3 vector may scale (o, down)."""
+FUSED_OUTPUT_GROUPS = ("qkv", "gate_up")
+"""Groups whose IA3 output vectors the next kernel applies (rotary, the activation), not the expand."""
+FUSED_INPUT_GROUPS = ("down",)
+"""Groups whose IA3 input vector the activation kernel applies."""
 DORA_NORM_ROWS = 2048
 """Rows of W0 + s B A formed at once when a DoRA adapter's row norms are computed."""
 
@@ -81,6 +89,8 @@ class SlotGroup:
     scaled: torch.Tensor | None = None
     shift: torch.Tensor | None = None
     in_scale: torch.Tensor | None = None
+    fused_scaled: torch.Tensor | None = None
+    in_scaled: torch.Tensor | None = None
 
 
 @dataclass
@@ -117,9 +127,25 @@ class HostAdapter:
             return (self.out_scale[group] != 1).any(dim=1).to(torch.int32)
         return torch.zeros(len(self.ranks[group]), dtype=torch.int32)
 
+    def input_scaled(self, group: str) -> torch.Tensor:
+        """[num_layers] int32: the layers where this adapter scales the group's input (IA3)."""
+        if self.in_scale is None or group not in self.in_scale:
+            return torch.zeros(len(self.ranks[group]), dtype=torch.int32)
+        return (self.in_scale[group] != 1).any(dim=1).to(torch.int32)
+
     @property
-    def has_input_scale(self) -> bool:
-        return self.in_scale is not None and any(bool((v != 1).any()) for v in self.in_scale.values())
+    def needs_expand(self) -> bool:
+        """Whether a step with this adapter runs the LoRA shrink and expand: an additive rank
+        (LoRA, DoRA), or an IA3 vector that no fused kernel applies (outputs of o and down,
+        o's input)."""
+        if self.family in ("lora", "dora"):
+            return any(bool((r > 0).any()) for r in self.ranks.values())
+        if self.family == "ia3":
+            unfused = [g for g in self.ranks if g not in FUSED_OUTPUT_GROUPS]
+            return any(bool(self.scaled(g).any()) for g in unfused) or \
+                any(bool(self.input_scaled(g).any()) for g in (self.in_scale or {})
+                    if g not in FUSED_INPUT_GROUPS)
+        return False
 
 
 def make_host_adapter(
@@ -182,6 +208,7 @@ class LoraSlotBuffers:
         L, S = config.num_layers, num_slots + 1
         self.a, self.b, self.ranks, self.flora_ranks = {}, {}, {}, {}
         self.scale, self.scaled, self.shift, self.in_scale = {}, {}, {}, {}
+        self.fused_scaled, self.in_scaled = {}, {}
         self._views: list[dict[str, SlotGroup]] = [{} for _ in range(L)]
         has_bias = {"qkv": config.qkv_bias, "o": config.o_bias}
         for group, modules in LORA_GROUPS.items():
@@ -196,16 +223,25 @@ class LoraSlotBuffers:
                 self.shift[group] = torch.zeros(L, S, offsets[-1], dtype=torch.float32, device=device)
             if group in INPUT_SCALE_GROUPS:
                 self.in_scale[group] = torch.ones(L, S, in_features, dtype=torch.float32, device=device)
+            if group in FUSED_OUTPUT_GROUPS:
+                self.fused_scaled[group] = torch.zeros(L, S, dtype=torch.int32, device=device)
+            if group in FUSED_INPUT_GROUPS:
+                self.in_scaled[group] = torch.zeros(L, S, dtype=torch.int32, device=device)
             for layer in range(L):
-                shift, in_scale = self.shift.get(group), self.in_scale.get(group)
+                views = {name: None if t is None else t[layer] for name, t in (
+                    ("shift", self.shift.get(group)), ("in_scale", self.in_scale.get(group)),
+                    ("fused_scaled", self.fused_scaled.get(group)),
+                    ("in_scaled", self.in_scaled.get(group)))}
                 self._views[layer][group] = SlotGroup(
                     self.a[group][layer], self.b[group][layer], self.ranks[group][layer], offsets,
                     flora_ranks=self.flora_ranks[group][layer], scale=self.scale[group][layer],
-                    scaled=self.scaled[group][layer], shift=None if shift is None else shift[layer],
-                    in_scale=None if in_scale is None else in_scale[layer])
+                    scaled=self.scaled[group][layer], **views)
         # What each slot holds, on the host.
         self.slot_flora_rank = np.zeros(S, dtype=np.int64)
         self.slot_input_scaled = np.zeros(S, dtype=bool)
+        """The adapter scales o's input (IA3): a step with it runs a row scaling on o."""
+        self.slot_needs_expand = np.zeros(S, dtype=bool)
+        """A step with the adapter runs the LoRA shrink and expand (HostAdapter.needs_expand)."""
         self.slot_family = ["lora"] * S
 
     def group(self, layer: int, name: str) -> SlotGroup:
@@ -231,7 +267,12 @@ class LoraSlotBuffers:
             additive, flora = self.ranks[group][:, slot], self.flora_ranks[group][:, slot]
             (flora if is_flora else additive).copy_(host.ranks[group], non_blocking=True)
             (additive if is_flora else flora).zero_()
-            self.scaled[group][:, slot].copy_(host.scaled(group), non_blocking=True)
+            is_fused = host.family == "ia3" and group in FUSED_OUTPUT_GROUPS
+            self.scaled[group][:, slot].copy_(host.scaled(group) * (not is_fused), non_blocking=True)
+            if group in self.fused_scaled:
+                self.fused_scaled[group][:, slot].copy_(host.scaled(group) * is_fused, non_blocking=True)
+            if group in self.in_scaled:
+                self.in_scaled[group][:, slot].copy_(host.input_scaled(group), non_blocking=True)
             scale = self.scale[group][:, slot]
             if host.family == "ia3":
                 scale.copy_(host.out_scale[group], non_blocking=True)
@@ -252,7 +293,9 @@ class LoraSlotBuffers:
                     in_scale.fill_(1.0)
         self.slot_family[slot] = host.family
         self.slot_flora_rank[slot] = r if is_flora else 0
-        self.slot_input_scaled[slot] = host.has_input_scale
+        self.slot_input_scaled[slot] = any(bool(host.input_scaled(g).any()) for g in INPUT_SCALE_GROUPS
+                                           if g not in FUSED_INPUT_GROUPS)
+        self.slot_needs_expand[slot] = host.needs_expand
 
     def _dora_scale(self, slot: int, group: str, host: HostAdapter) -> None:
         """scale[:, slot] <- magnitude / ||W0 + s B A|| per output row of each adapted slice

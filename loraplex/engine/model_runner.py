@@ -78,7 +78,8 @@ class ModelRunner:
         self.batch = InputBatch(max_num_seqs, max_blocks_per_seq)
         self.inputs = StepInputs(max(max_num_batched_tokens, max_num_seqs), max_num_seqs,
                                  max_blocks_per_seq, kv_cache.shape[3], self.device,
-                                 SlotFamilies(lora.slot_flora_rank, lora.slot_input_scaled), relay)
+                                 SlotFamilies(lora.slot_flora_rank, lora.slot_input_scaled,
+                                              lora.slot_needs_expand), relay)
         # [max_num_seqs + 1]: the last token sampled for each row; the spare row takes padding's.
         self.row_tokens = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=self.device)
         self.on_logits: Callable[[list[str], torch.Tensor], None] | None = None
@@ -154,7 +155,7 @@ class ModelRunner:
         lora = None
         if shape.has_lora:
             lora = LoraMetadata(s.token_slots[:t], self.lora, has_input_scale=shape.has_input_scale,
-                                flora=s.flora if shape.has_flora else None)
+                                has_expand=shape.has_expand, flora=s.flora if shape.has_flora else None)
         with forward_context(ForwardContext(self.kv_cache, attention, lora)):
             input_ids = s.input_ids[:t]
             input_ids = torch.where(input_ids == PENDING, self.row_tokens[s.token_rows[:t]], input_ids)
@@ -246,14 +247,14 @@ class ModelRunner:
         return len(variants)
 
     # Memory --------------------------------------------------------------------------------
-    def measure_peak_bytes(self, num_seqs: int, tokens_per_seq: int) -> int:
+    def measure_peak_bytes(self, num_seqs: int, tokens_per_seq: int, flora_rows: int = 0) -> int:
         """Device memory a step of that shape takes beyond what is allocated now (a dummy step,
-        with LoRA and sampling, that stores nothing)."""
+        with LoRA and sampling, and `flora_rows` padding FLoRA rows, that stores nothing)."""
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         shape = self.inputs.fill_dummy(num_seqs, tokens_per_seq, adapter_slot=1, is_greedy=False,
-                                       has_lora=True)
+                                       has_lora=True, flora_rows=flora_rows)
         self.inputs.upload()
         with torch.inference_mode():
             self.forward(shape)

@@ -60,6 +60,11 @@ class SchedulingPolicy(ABC):
         and kept out by a lack of running places or KV blocks) can run; None to let it wait."""
         return None
 
+    def prefills_first(self, request: Request) -> bool:
+        """Whether the rest of running `request`'s prompt takes the step's token budget before
+        waiting requests are admitted (True), or only what they leave (False)."""
+        return True
+
     def counters(self) -> dict[str, float]:
         """Each tenant's service as the policy counts it (empty if it counts none)."""
         return {}
@@ -173,6 +178,15 @@ class VtcPolicy(SchedulingPolicy):
         victim = self.choose_victim(running)
         gap = self._counters.get(victim.tenant, 0.0) - self._counters.get(blocked.tenant, 0.0)
         return victim if gap > self.bound else None
+
+    def prefills_first(self, request: Request) -> bool:
+        """A running prompt goes before the waiting requests only if its tenant is less served
+        than every other backlogged one (a tenant back from idle is level with the least served
+        active one: it goes first): otherwise a flooding tenant's long prompts, chunk after
+        chunk, would take the budget that a light tenant's new request needs now. Within a
+        tenant, running prompts go first."""
+        own = self._counters.get(request.tenant, 0.0)
+        return all(own < self._counters[tenant] for tenant in self._queues if tenant != request.tenant)
 
     def charge(self, request: Request, prompt_tokens: int, output_tokens: int) -> None:
         service = PROMPT_PRICE * prompt_tokens + OUTPUT_PRICE * output_tokens

@@ -1,8 +1,10 @@
 """Continuous batching to a per-step token budget. Running decodes first, then the rest of
 prompts already being prefilled, then chunks of waiting prompts; requests join and leave at
 every step. The scheduling policy orders the waiting queue and picks who is preempted: when KV
-blocks run out, and when it judges that a waiting request should displace a running one. Pure
-Python.
+blocks run out, and when it judges that a waiting request should displace a running one (whose
+blocks and place then admit it in the same step). It may also put a running prompt behind the
+waiting ones (its tenant has had more than its share): that prompt then takes only the budget
+they leave. Pure Python.
 
 A victim's KV is swapped out to the host pool when the pool has room (else dropped, and
 recomputed when it resumes). A swapped request resumes by copying it back: it is admitted in
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from loraplex.engine.adapter_cache import AdapterCache, Wait
 from loraplex.engine.block_manager import BlockManager, HostBlockPool
@@ -89,7 +91,9 @@ class Scheduler:
         active = [r for r in self.running if r.has_tokens_to_compute]
         decodes = [r for r in active if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in active if r.num_tokens - r.num_computed_tokens > 1]
-        for request in decodes + prefills:
+        first = [r for r in prefills if self.policy.prefills_first(r)]
+        later = [r for r in prefills if not self.policy.prefills_first(r)]
+        for request in decodes + first:
             if budget == 0:
                 break
             if request.request_id in preempted:
@@ -99,9 +103,22 @@ class Scheduler:
                 scheduled[request.request_id] = num_new
                 budget -= num_new
         if not preempted:
-            blocked = self._admit_waiting(budget, plan, scheduled)
+            budget, blocked = self._admit_waiting(budget, plan, scheduled)
             if blocked is not None:
-                self._make_room(blocked, plan, scheduled)
+                freed = self._make_room(blocked, plan, scheduled)
+                if freed is not None:  # the victim's blocks and place are free now: admit again
+                    victim_id, victim_tokens = freed
+                    preempted.add(victim_id)
+                    budget, _ = self._admit_waiting(budget + victim_tokens, plan, scheduled, skip=preempted)
+        for request in later:  # what the admitted requests left, without preempting for it
+            if budget == 0:
+                break
+            if request.request_id in preempted or request.status is not RequestStatus.RUNNING:
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._reserve(request, num_new, plan):
+                scheduled[request.request_id] = num_new
+                budget -= num_new
         self._fill(plan, scheduled)
         return plan
 
@@ -109,15 +126,19 @@ class Scheduler:
         """Preempt `request` at the next step if it still runs then (as the policy would)."""
         self._asked.append(request)
 
-    def _make_room(self, blocked: Request, plan: StepPlan, scheduled: dict[str, int]) -> None:
+    def _make_room(self, blocked: Request, plan: StepPlan, scheduled: dict[str, int]
+                   ) -> tuple[str, int] | None:
         """`blocked` found no running place or KV blocks: let the policy preempt a request
-        that ran before this step for it (it is admitted from the next step on)."""
+        that ran before this step for it. Returns the victim's id and the tokens it had been
+        given in this step, or None if the policy lets `blocked` wait."""
         new = {seq.request_id for seq in plan.new}
         candidates = [r for r in self.running if r.request_id not in new]
         victim = self.policy.fairness_victim(candidates, blocked) if candidates else None
-        if victim is not None and victim.tenant != blocked.tenant:
-            scheduled.pop(victim.request_id, None)
-            self._preempt(victim, plan, "fairness")
+        if victim is None or victim.tenant == blocked.tenant:
+            return None
+        tokens = scheduled.pop(victim.request_id, 0)
+        self._preempt(victim, plan, "fairness")
+        return victim.request_id, tokens
 
     def _reserve_running(
         self, request: Request, num_new: int, plan: StepPlan, scheduled: dict[str, int],
@@ -134,10 +155,12 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, budget: int, plan: StepPlan, scheduled: dict[str, int]) -> Request | None:
-        """Admit waiting requests in the policy's order while the budget, the running places
-        and the KV cache allow; then start host loads for the adapters of those next in line.
-        Returns the first request kept out for want of a running place or KV blocks."""
+    def _admit_waiting(self, budget: int, plan: StepPlan, scheduled: dict[str, int],
+                       skip: Collection[str] = ()) -> tuple[int, Request | None]:
+        """Admit waiting requests in the policy's order (but those in `skip`) while the budget,
+        the running places and the KV cache allow; then start host loads for the adapters of
+        those next in line. Returns the budget left and the first request kept out for want of
+        a running place or KV blocks."""
         no_slots = no_host_room = False  # someone ahead waits for a slot / for host room
         self.adapter_waits = waits = {}
         waiting = self.policy.waiting()
@@ -146,8 +169,8 @@ class Scheduler:
             if budget == 0 or full:
                 if not no_host_room:
                     self._prefetch(itertools.chain([request], waiting))
-                return request if full else None
-            if request.num_pending:  # preempted with a token still in flight
+                return budget, request if full else None
+            if request.num_pending or request.request_id in skip:  # a token in flight, or just preempted
                 continue
             if not self._share_prompt(request):  # its donor has not computed the shared blocks yet
                 continue
@@ -175,7 +198,7 @@ class Scheduler:
                 if slot:
                     self.adapters.release(request.adapter)
                 self._return_cached_prefix(request, cached, swapped)
-                return request
+                return budget, request
             if swapped:  # copied back beside this step (all but its cached prefix); it computes from the next
                 plan.swap_in += zip(request.host_block_ids, request.block_ids[cached:])
                 self.num_blocks_swapped_in += len(request.block_ids) - cached
@@ -183,7 +206,7 @@ class Scheduler:
             if not swapped:
                 scheduled[request.request_id] = num_new
                 budget -= num_new
-        return None
+        return budget, None
 
     def _share_prompt(self, request: Request) -> bool:
         """For a sample of a prompt that another sample (its donor) computes: take references to

@@ -47,6 +47,8 @@ class EngineStats:
     swap_seconds_out: float
     swap_seconds_in: float
     """Time the swap copies took (on their own CUDA stream, beside the steps)."""
+    swap_seconds_stalled: float
+    """Time the steps waited for swap copies: the device idle time that swapping caused."""
     running_by_adapter: dict[str, int]
     """Running requests per adapter digest (base-model requests are not counted)."""
     waiting_by_adapter: dict[str, int]

@@ -28,8 +28,19 @@ PENDING = -1
 """A token id the host does not know yet (sampled by a step still in flight): the device reads
 it from the runner's `row_tokens`."""
 
-TOKENS, SEQS, QUERY_STARTS, SAMPLES = "tokens", "seqs", "query_starts", "samples"
+TOKENS, SEQS, QUERY_STARTS, SAMPLES, FLORA_ROWS = "tokens", "seqs", "query_starts", "samples", "flora_rows"
 MEMBERS, GROUP_STARTS = "members", "group_starts"
+FLORA_ROW_BUCKETS = (16, 64, 256)
+"""The FLoRA rows a decode graph is captured with (a step's rows are padded to the next one):
+few enough graphs to capture, at most 4x the rows, which a memory-bound product hardly notices.
+A decode step with more rows runs eagerly."""
+PAD_RANK = 1 << 30
+"""The rank component of a padding FLoRA row: past every slot's rank, so the row reads nothing."""
+
+
+def flora_bucket(num_rows: int) -> int | None:
+    """The FLoRA rows of the decode graph that a step with `num_rows` rows runs (None: eager)."""
+    return next((b for b in FLORA_ROW_BUCKETS if num_rows <= b), None)
 
 
 @dataclass(frozen=True)
@@ -38,8 +49,9 @@ class Field:
     dtype: torch.dtype
     axis: str
     """TOKENS (one value per scheduled token), SEQS (per scheduled sequence), QUERY_STARTS (per
-    sequence, plus one), SAMPLES (per token that samples), MEMBERS (per relay group member, as
-    many places as sequences), GROUP_STARTS (per relay group, plus one: sequences // 2 + 1)."""
+    sequence, plus one), SAMPLES (per token that samples), FLORA_ROWS (per FLoRA row of a
+    decode step), MEMBERS (per relay group member, as many places as sequences), GROUP_STARTS
+    (per relay group, plus one: sequences // 2 + 1)."""
     pad: float | str
     """Value of padding entries ("spare row": the spare row of row_tokens)."""
 
@@ -62,6 +74,10 @@ FIELDS = (
     Field("prefix_lens", torch.int32, SEQS, 0),  # tokens of its relay group's prefix; 0: none
     Field("relay_members", torch.int32, MEMBERS, 0),  # sequences, relay group by group
     Field("group_starts", torch.int32, GROUP_STARTS, "members"),  # padding: empty groups at the end
+    # A decode step's FLoRA rows (FloraRows), padded to its graph's count: written by `fill`.
+    Field("flora_row_tokens", torch.int64, FLORA_ROWS, 0),
+    Field("flora_row_ranks", torch.int64, FLORA_ROWS, PAD_RANK),
+    Field("flora_bounds", torch.int64, QUERY_STARTS, 0),  # decode: a token a sequence
 )
 
 
@@ -78,16 +94,23 @@ class StepShape:
     is_padded_decode: bool
     """A decode step laid out for a graph: every sequence samples, padding included."""
     has_input_scale: bool = False
-    """Some token's adapter scales a module's input (IA3): one more launch on o and down."""
-    has_flora: bool = False
-    """Some token carries a FLoRA adapter (its rows, `StepInputs.flora`, vary by step)."""
+    """Some token's adapter scales o's input (IA3): one more launch on o."""
+    has_expand: bool = True
+    """Some token's adapter needs the LoRA shrink and expand (see LoraMetadata.has_expand)."""
+    flora_rows: int = 0
+    """FLoRA rows the step adds to each base product (`StepInputs.flora`; a decode step's
+    padded to a FLORA_ROW_BUCKETS count); 0: no FLoRA token."""
     has_relay: bool = False
     """A decode step with relay groups (prefix_lens, relay_members, group_starts)."""
 
     @property
-    def graph_key(self) -> tuple[int, bool, bool, bool, bool, bool]:
-        return (self.num_seqs, self.has_lora, self.is_greedy, self.has_input_scale, self.has_flora,
-                self.has_relay)
+    def has_flora(self) -> bool:
+        return self.flora_rows > 0
+
+    @property
+    def graph_key(self) -> tuple[int, bool, bool, bool, bool, int, bool]:
+        return (self.num_seqs, self.has_lora, self.is_greedy, self.has_input_scale, self.has_expand,
+                self.flora_rows, self.has_relay)
 
     @property
     def num_group_starts(self) -> int:
@@ -118,7 +141,9 @@ class SlotFamilies:
     flora_rank: np.ndarray
     """int64: the FLoRA adapter's rank (0: not FLoRA)."""
     input_scaled: np.ndarray
-    """bool: the adapter scales some module's input (IA3)."""
+    """bool: the adapter scales o's input (IA3)."""
+    needs_expand: np.ndarray
+    """bool: the adapter needs the LoRA shrink and expand."""
 
 
 class StepInputs:
@@ -134,9 +159,11 @@ class StepInputs:
         self.num_relay_steps = self.num_relay_groups = self.num_relay_members = 0
         """Decode steps filled with relay groups, and their groups and members, in all."""
         self.flora: FloraRows | None = None
-        """The FLoRA rows of the step filled last (it runs eagerly: their number varies)."""
+        """The FLoRA rows of the step filled last: views of the flora_* buffers for a decode step
+        (padded; fixed addresses for the graphs), tensors of their own for other steps."""
         lengths = {TOKENS: max_tokens, SEQS: max_seqs, QUERY_STARTS: max_seqs + 1, SAMPLES: max_seqs,
-                   MEMBERS: max_seqs, GROUP_STARTS: max_seqs // 2 + 1}
+                   FLORA_ROWS: FLORA_ROW_BUCKETS[-1], MEMBERS: max_seqs,
+                   GROUP_STARTS: max_seqs // 2 + 1}
         pin = device.type == "cuda"
         # One buffer per dtype on each side; each field is a slice of its dtype's buffer.
         sizes: dict[torch.dtype, int] = {}
@@ -237,29 +264,45 @@ class StepInputs:
         self._host_blocks[self._turn].numpy()[:n] = batch.block_table[rows]
         self._num_block_rows = size
         has_lora = bool(token_slots.any())
-        has_input_scale, self.flora = False, None
+        has_input_scale, has_expand, flora_rows, self.flora = False, has_lora, 0, None
         if has_lora and self.families is not None:
             has_input_scale = bool(self.families.input_scaled[token_slots].any())
-            self.flora = self._flora_rows(self.families.flora_rank[token_slots])
+            has_expand = has_input_scale or bool(self.families.needs_expand[token_slots].any())
+            ranks = self.families.flora_rank[token_slots]
+            if ranks.any():
+                flora_rows = self._fill_flora(host, ranks, size if decode else num_tokens, decode)
         shape = StepShape(
             num_tokens=size if decode else num_tokens, num_seqs=size,
             num_samples=size if decode else len(sample_rows), max_query_len=max_query_len,
             has_lora=has_lora, is_greedy=not batch.temperature[sample_rows].any(),
-            is_padded_decode=decode, has_input_scale=has_input_scale, has_flora=self.flora is not None,
-            has_relay=groups.num_groups > 0)
+            is_padded_decode=decode, has_input_scale=has_input_scale, has_expand=has_expand,
+            flora_rows=flora_rows, has_relay=groups.num_groups > 0)
         return FilledStep(shape, rows, samples, n, start, num_new, query_start)
 
-    def _flora_rows(self, ranks: np.ndarray) -> FloraRows | None:
-        """The FLoRA rows of tokens whose slots have FLoRA ranks `ranks` [num_tokens]: each such
-        token's rank components in turn."""
+    def _fill_flora(self, host: dict[str, np.ndarray], ranks: np.ndarray, num_tokens: int,
+                    decode: bool) -> int:
+        """Set `self.flora` to the FLoRA rows of tokens whose slots have FLoRA ranks `ranks`
+        [num_real_tokens] (each such token's rank components in turn) in a step of `num_tokens`
+        tokens (padding included); returns the number of rows. A decode step's rows go into the
+        flora_* buffers, padded to their graph's count; other steps' (and a decode step past the
+        largest count: it runs eagerly) are tensors of their own."""
         num_rows = int(ranks.sum())
-        if num_rows == 0:
-            return None
         row_tokens = np.repeat(np.arange(len(ranks)), ranks)
-        firsts = np.repeat(np.cumsum(ranks) - ranks, ranks)
-        row_ranks = np.arange(num_rows) - firsts
-        return FloraRows(torch.from_numpy(row_tokens).to(self.device),
-                         torch.from_numpy(row_ranks).to(self.device))
+        row_ranks = np.arange(num_rows) - np.repeat(np.cumsum(ranks) - ranks, ranks)
+        bounds = np.full(num_tokens + 1, num_rows, dtype=np.int64)
+        bounds[0] = 0
+        np.cumsum(ranks, out=bounds[1:len(ranks) + 1])
+        bucket = flora_bucket(num_rows) if decode else None
+        if bucket is None:
+            arrays = (row_tokens, row_ranks, bounds)
+            self.flora = FloraRows(*(torch.from_numpy(a).to(self.device) for a in arrays))
+            return num_rows
+        host["flora_row_tokens"][:num_rows], host["flora_row_tokens"][num_rows:bucket] = row_tokens, 0
+        host["flora_row_ranks"][:num_rows], host["flora_row_ranks"][num_rows:bucket] = row_ranks, PAD_RANK
+        host["flora_bounds"][:num_tokens + 1] = bounds
+        self.flora = FloraRows(self.flora_row_tokens[:bucket], self.flora_row_ranks[:bucket],
+                               self.flora_bounds[:num_tokens + 1])
+        return bucket
 
     def upload(self) -> None:
         """Copy the filled host buffers to the device (queued on CUDA; nothing to do on CPU)."""
@@ -275,11 +318,13 @@ class StepInputs:
             self._copied[self._turn].record()
 
     def fill_dummy(self, num_seqs: int, tokens_per_seq: int, adapter_slot: int, is_greedy: bool,
-                   has_lora: bool, has_input_scale: bool = False, has_relay: bool = False) -> StepShape:
+                   has_lora: bool, has_input_scale: bool = False, has_expand: bool = True,
+                   flora_rows: int = 0, has_relay: bool = False) -> StepShape:
         """A step of dummy sequences that store nothing, to capture a graph (one token each:
         padding, attention reads nothing; with `has_relay`, empty relay groups) or to measure a
         step's memory (several tokens each: attention reads block 0 over and over). Every
-        sequence samples."""
+        sequence samples. `flora_rows` (a decode step's, at most FLORA_ROW_BUCKETS[-1]): that many
+        padding FLoRA rows."""
         host = self._next_host_set()
         num_tokens = num_seqs * tokens_per_seq
         ends = np.arange(1, num_seqs + 1) * tokens_per_seq
@@ -299,9 +344,20 @@ class StepInputs:
         self._host_blocks[self._turn][:num_seqs] = 0
         self._num_block_rows = num_seqs
         self.flora = None
+        if has_lora and flora_rows:
+            if tokens_per_seq != 1 or flora_rows > FLORA_ROW_BUCKETS[-1]:
+                raise ValueError("dummy FLoRA rows are for decode steps of at most "
+                                 f"{FLORA_ROW_BUCKETS[-1]} rows")
+            host["flora_row_tokens"][:flora_rows] = 0
+            host["flora_row_ranks"][:flora_rows] = PAD_RANK
+            host["flora_bounds"][:num_tokens + 1] = 0
+            self.flora = FloraRows(self.flora_row_tokens[:flora_rows], self.flora_row_ranks[:flora_rows],
+                                   self.flora_bounds[:num_tokens + 1])
         return StepShape(num_tokens, num_seqs, num_seqs, tokens_per_seq, has_lora=has_lora,
                          is_greedy=is_greedy, is_padded_decode=tokens_per_seq == 1,
                          has_input_scale=has_lora and has_input_scale,
+                         has_expand=has_lora and (has_expand or has_input_scale),
+                         flora_rows=flora_rows if has_lora else 0,
                          has_relay=has_relay and tokens_per_seq == 1 and num_seqs >= 2)
 
     def _next_host_set(self) -> dict[str, np.ndarray]:

@@ -59,6 +59,10 @@ class LoraSlotWeights(Protocol):
     scaled: torch.Tensor  # [num_slots] int32: 1 where the scale applies
     shift: torch.Tensor | None  # [num_slots, out_features] float32 (groups with a bias)
     in_scale: torch.Tensor | None  # [num_slots, in_features] float32 (o and down)
+    fused_scaled: torch.Tensor | None  # [num_slots] int32 (qkv, gate_up): IA3 output vector
+    # applied by the kernel that reads the output (rotary, the activation)
+    in_scaled: torch.Tensor | None  # [num_slots] int32 (down): IA3 input vector, applied by the
+    # activation
 
 
 class LoraBuffers(Protocol):
@@ -68,12 +72,15 @@ class LoraBuffers(Protocol):
 @dataclass
 class FloraRows:
     """The rows that FLoRA tokens add to a step's base products: row j is rank component
-    row_ranks[j] of token row_tokens[j] (each FLoRA token's components in turn)."""
+    row_ranks[j] of token row_tokens[j] (each FLoRA token's components in turn). A graph's rows
+    are padded to a fixed count: padding rows name token 0 and a rank past every slot's."""
 
     row_tokens: torch.Tensor
     """[num_rows] int64."""
     row_ranks: torch.Tensor
     """[num_rows] int64."""
+    bounds: torch.Tensor
+    """[num_tokens + 1] int64: token t's rows are bounds[t]:bounds[t + 1]."""
 
 
 @dataclass
@@ -82,7 +89,10 @@ class LoraMetadata:
     """[num_tokens] int32: adapter slot of each token, 0 = none."""
     buffers: LoraBuffers
     has_input_scale: bool = False
-    """Some token's adapter scales a module's input (IA3 on o or down)."""
+    """Some token's adapter scales o's input (IA3; down's is the activation kernel's)."""
+    has_expand: bool = True
+    """Some token's adapter needs the LoRA shrink and expand (LoRA, DoRA, IA3 on o or down's
+    output); IA3 on q/k/v, gate/up and down's input, and FLoRA, do not."""
     flora: FloraRows | None = None
     """Set when some token carries a FLoRA adapter."""
 

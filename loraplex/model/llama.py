@@ -29,19 +29,20 @@ def _empty(*shape: int) -> nn.Parameter:
 def project(layer: int, group: str, ops: Ops, x: torch.Tensor, weight: torch.Tensor,
             bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [num_tokens, in] @ weight.T + bias, each token through its adapter:
-    - IA3 on a feed-forward module scales the token's input first (steps that carry one);
+    - IA3 on o's input scales the token's input first (steps that carry one);
     - FLoRA tokens (steps that carry one) get (W0 * (B A)) x = sum_k b_k * (W0 (a_k * x)): their
       rows a_k * x are stacked under the batch's rows into one product with W0, then combined;
-    - the LoRA expand adds s B A x and, for DoRA and IA3 slots, scales each output row in its
-      epilogue (DoRA: magnitude / ||W0 + s B A||; IA3: the vector).
-    A step without adapters is one product; a step of LoRA, DoRA or IA3 on outputs adds the
-    usual two launches."""
+    - the LoRA expand (steps that need it) adds s B A x and, for DoRA and IA3 slots, scales each
+      output row in its epilogue (DoRA: magnitude / ||W0 + s B A||; IA3 on o and down).
+    IA3's other vectors are applied by the kernels after the product (rotary, the activation).
+    A step without adapters is one product; LoRA and DoRA add two launches; FLoRA two more
+    (stack, combine) around a taller product."""
     lora = get_forward_context().lora
     if lora is None:
         return ops.linear(x, weight, bias)
     w = lora.buffers.group(layer, group)
     slots = lora.token_slots
-    if lora.has_input_scale and w.in_scale is not None:
+    if lora.has_input_scale and group == "o":
         x = ops.scale_rows(x, w.in_scale, slots)
     if lora.flora is None:
         y = ops.linear(x, weight, bias)
@@ -52,8 +53,10 @@ def project(layer: int, group: str, ops: Ops, x: torch.Tensor, weight: torch.Ten
         y = products[:x.shape[0]]
         if bias is not None:
             y = y + bias
-        y = ops.flora_combine(y, products[x.shape[0]:], w.b, slots, w.flora_ranks, f.row_tokens,
-                              f.row_ranks, w.slice_offsets, bias)
+        y = ops.flora_combine(y, products[x.shape[0]:], w.b, slots, w.flora_ranks, f.row_ranks,
+                              f.bounds, w.slice_offsets, bias)
+    if not lora.has_expand:
+        return y
     shrunk = ops.lora_shrink(x, w.a, slots, w.ranks)
     return ops.lora_expand(y, shrunk, w.b, slots, w.ranks, w.slice_offsets, w.scale, w.scaled, w.shift)
 
@@ -81,7 +84,11 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         kv_layer = context.kv_cache[:, self.layer]  # [num_blocks, 2, block_size, kv_heads, head_dim]
-        q = self.ops.rotary_store_kv(positions, q, k, v, cos_sin, kv_layer, meta.slot_mapping)
+        ia3 = ()
+        if context.lora is not None:  # IA3's q/k/v vectors (a flag a token when none)
+            w = context.lora.buffers.group(self.layer, "qkv")
+            ia3 = (context.lora.token_slots, w.scale, w.fused_scaled)
+        q = self.ops.rotary_store_kv(positions, q, k, v, cos_sin, kv_layer, meta.slot_mapping, *ia3)
         if meta.is_decode and meta.relay is not None:
             relay = meta.relay
             out = self.ops.relay_decode_attention(q, kv_layer, meta.block_tables, meta.seq_lens,
@@ -107,7 +114,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = project(self.layer, "gate_up", self.ops, x, self.gate_up_weight)  # [tokens, 2 * inter]
-        hidden = self.ops.silu_and_mul(gate_up)
+        lora = get_forward_context().lora
+        ia3 = ()
+        if lora is not None:  # IA3's gate/up output and down input vectors (a flag a token when none)
+            w, down = lora.buffers.group(self.layer, "gate_up"), lora.buffers.group(self.layer, "down")
+            ia3 = (lora.token_slots, w.scale, w.fused_scaled, down.in_scale, down.in_scaled)
+        hidden = self.ops.silu_and_mul(gate_up, *ia3)
         return project(self.layer, "down", self.ops, hidden, self.down_weight)
 
 

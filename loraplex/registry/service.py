@@ -21,6 +21,7 @@ from loraplex.registry.key_service import KeyService
 from loraplex.registry.migrate import current_revision, ensure_schema, head_revision
 from loraplex.registry.model_service import ServedModelService
 from loraplex.registry.prompt_service import PromptService
+from loraplex.registry.rate_windows import RateWindowService
 from loraplex.registry.records import ReconcileReport
 from loraplex.registry.registry_config import RegistryConfig
 from loraplex.registry.registry_errors import RegistryError
@@ -29,8 +30,8 @@ from loraplex.registry.usage_service import UsageService
 
 
 class Registry:
-    """Tenants, keys, adapters, system prompts, usage, audit log and the served model record.
-    Thread-safe: each call opens its own session and transaction."""
+    """Tenants, keys, adapters, system prompts, usage, audit log, the served model record and the
+    replicas' rate windows. Thread-safe: each call opens its own session and transaction."""
 
     def __init__(self, config: RegistryConfig, db: Database, blobs: BlobStore) -> None:
         self.config = config
@@ -43,6 +44,7 @@ class Registry:
         self.prompts = PromptService(db)
         self.usage = UsageService(db)
         self.audit = AuditService(db)
+        self.rate_windows = RateWindowService(db)
 
     @classmethod
     def open(cls, config: RegistryConfig, *, migrate: bool = True) -> Registry:

@@ -192,3 +192,21 @@ class ServedModel(Base):
     head_dim: Mapped[int] = mapped_column(Integer)
     max_lora_rank: Mapped[int] = mapped_column(Integer)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class RateWindow(Base):
+    """Each replica's admissions per tenant and time slot (whole seconds since the epoch,
+    `loraplex.registry.rate_windows.SLOT_S` long), only ever incremented; with the requests it
+    had in flight when it last wrote the slot. Replicas that share a database add up each
+    other's rows to enforce tenant limits together (loraplex.server.shared_limits)."""
+
+    __tablename__ = "rate_windows"
+
+    tenant_id: Mapped[int] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    replica: Mapped[str] = mapped_column(String(NAME_LENGTH), primary_key=True)
+    slot: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False, index=True)
+    num_requests: Mapped[int] = mapped_column(BigInteger)
+    num_tokens: Mapped[int] = mapped_column(BigInteger)
+    num_in_flight: Mapped[int] = mapped_column(Integer)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
@@ -274,8 +274,14 @@ def token_logprobs(output: RequestOutput, newest_only: bool) -> list[TokenLogpro
 
 def usage_of(outputs: list[RequestOutput]) -> Usage:
     """The usage of a job's choices: the prompt once, every choice's completion."""
-    prompt, completion = len(outputs[0].prompt_token_ids), sum(len(o.token_ids) for o in outputs)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return Usage(**usage_counts(len(outputs[0].prompt_token_ids), outputs))
+
+
+def usage_counts(num_prompt_tokens: int, outputs: Iterable[RequestOutput]) -> dict[str, int]:
+    """`usage_of` as a plain dict (a stream sends one with every chunk)."""
+    completion = sum(len(o.token_ids) for o in outputs)
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": completion,
+            "total_tokens": num_prompt_tokens + completion}
 
 
 async def prompt_logprobs_of(services: Services, output: RequestOutput, num_top: int) -> PromptLogprobs:

@@ -206,6 +206,10 @@ def _swapping(labels: list[str], stats: EngineStats) -> Iterator:
         family.add_metric([*labels, "out"], out)
         family.add_metric([*labels, "in"], back)
         yield family
+    stalled = CounterMetricFamily("loraplex:kv_swap_stall_seconds", "Time steps waited for KV swap "
+                                  "copies (the device idle time swapping caused).", labels=["model_name"])
+    stalled.add_metric(labels, stats.swap_seconds_stalled)
+    yield stalled
     for name, documentation, value in (
             ("loraplex:kv_host_pool_blocks_used", "Host pool blocks holding swapped KV.",
              stats.num_host_pool_blocks_used),

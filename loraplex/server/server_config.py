@@ -28,6 +28,10 @@ class ServerConfig:
     """How long API keys, tenant limits and adapter records read from the registry are reused.
     Changes made through this server's admin API apply at once; those made by other processes
     (the CLI, other replicas) within this time."""
+    limits_sync_interval_s: float = 0.25
+    """With a PostgreSQL registry (several replicas), how often this replica sends what it
+    admitted to the registry and reads the others' counts: tenant limits hold across replicas
+    up to what the others admit in about two of these intervals. Unused on SQLite."""
     tokenizer_threads: int = 2
     """Threads that tokenize prompts, each with its own copy of the tokenizer. A tenant uses
     one at a time (with one thread: that one, in turn with the others)."""
@@ -51,5 +55,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be positive")
         if self.registry_cache_ttl_s < 0 or self.engine_poll_interval_s <= 0:
             raise ValueError("registry_cache_ttl_s must be >= 0 and engine_poll_interval_s > 0")
+        if self.limits_sync_interval_s <= 0:
+            raise ValueError("limits_sync_interval_s must be positive")
         if not self.model_id:
             raise ValueError("model_id must not be empty")

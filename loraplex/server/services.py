@@ -14,11 +14,12 @@ from loraplex.engine.llm_engine import LLMEngine
 from loraplex.registry import Registry
 from loraplex.server.adapter_names import AdapterNames
 from loraplex.server.codec import TextCodec
-from loraplex.server.limits import Limiter
+from loraplex.server.limits import WINDOW_S, Limiter
 from loraplex.server.metrics import Metrics
 from loraplex.server.monitor import EngineMonitor
 from loraplex.server.principals import Principals
 from loraplex.server.server_config import ServerConfig
+from loraplex.server.shared_limits import SharedLimits
 from loraplex.server.tenant_weights import TenantWeights
 from loraplex.server.usage_recorder import UsageRecorder
 
@@ -57,7 +58,9 @@ class Services:
         llm.set_adapter_loader(adapters.load)
         engine = AsyncEngine(llm)
         monitor = EngineMonitor(engine, config.engine_poll_interval_s)
-        limiter = Limiter(config.max_requests_in_flight, config.retry_after_s)
+        shared = None if registry.db.is_sqlite else SharedLimits(
+            registry.rate_windows.exchange, config.limits_sync_interval_s, WINDOW_S)
+        limiter = Limiter(config.max_requests_in_flight, config.retry_after_s, shared=shared)
         services = cls(
             config=config, registry=registry, llm=llm, engine=engine,
             principals=Principals(registry, config.registry_cache_ttl_s),
@@ -71,6 +74,8 @@ class Services:
         for tenant in registry.tenants.list():
             services.tenant_weights.sync(tenant)
         monitor.start()
+        if shared is not None:
+            shared.start()
         return services
 
     def begin_drain(self) -> None:
@@ -83,6 +88,8 @@ class Services:
     async def stop(self) -> None:
         self.is_stopping = True
         await self.monitor.stop()
+        if self.limiter.shared is not None:
+            await self.limiter.shared.stop()
         await run_in_threadpool(self.usage.close)
         await run_in_threadpool(self.engine.shutdown)
         self.codec.close()

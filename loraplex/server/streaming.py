@@ -19,11 +19,27 @@ from starlette.types import Receive, Scope, Send
 T = TypeVar("T")
 
 DONE = "data: [DONE]\n\n"
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+"""Stateless; built once (json.dumps with options builds an encoder per call)."""
+_OMIT: Any = object()
 
 
 def sse(data: Any) -> str:
     """One event: `data: <json>` and a blank line."""
-    return f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    return f"data: {_ENCODER.encode(data)}\n\n"
+
+
+class ChunkEvents:
+    """The events of one streamed answer, `data: {<fixed fields>, "choices": [...]}` with
+    `"usage"` after them if given: the fields that never change (id, model, ...) are encoded
+    once, not at every token. The text is what `sse` makes of the whole object."""
+
+    def __init__(self, fixed: dict[str, Any]) -> None:
+        self._head = f'data: {_ENCODER.encode(fixed)[:-1]},"choices":'
+
+    def event(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = _OMIT) -> str:
+        tail = "}\n\n" if usage is _OMIT else f',"usage":{_ENCODER.encode(usage)}}}\n\n'
+        return f"{self._head}{_ENCODER.encode(choices)}{tail}"
 
 
 class ClientDisconnected(Exception):

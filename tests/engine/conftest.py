@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.factories import ADAPTERS, make_adapter, make_hf_model
+from tests.factories import make_adapters, make_hf_model
 
 
 @pytest.fixture(scope="session")
@@ -11,6 +11,5 @@ def tiny_llama(tmp_path_factory):
     (model folder, {adapter name: folder})."""
     folder = tmp_path_factory.mktemp("tiny-llama")
     hf = make_hf_model("llama", folder / "model")
-    adapters = {spec.name: make_adapter(hf, spec, folder / "adapters", seed=i + 1)
-                for i, spec in enumerate(ADAPTERS)}
+    adapters = make_adapters(hf, folder / "adapters")
     return folder / "model", adapters

@@ -13,6 +13,7 @@ import torch
 
 from loraplex import LLM, SamplingParams
 from loraplex.demo.flora import merge_flora
+from tests.engine.test_hf_parity import _run as _run_recording_logits
 from tests.factories import (
     ALL_SEVEN,
     ATTENTION,
@@ -40,6 +41,9 @@ def _make_adapters(hf, folder):
         "ia3-attn": make_ia3_adapter(hf, folder / "ia3-attn", ("k_proj", "v_proj", "o_proj"),
                                      feedforward=("o_proj",), seed=5),
         "ia3-all": make_ia3_adapter(hf, folder / "ia3-all", ALL_SEVEN, feedforward=("down_proj",), seed=6),
+        # PEFT's default for Llama: the fused kernels apply it all (no shrink or expand).
+        "ia3-default": make_ia3_adapter(hf, folder / "ia3-default", ("k_proj", "v_proj", "down_proj"),
+                                        feedforward=("down_proj",), seed=12),
         "flora1-attn": make_flora_adapter(hf, folder / "flora1-attn", ATTENTION, rank=1, seed=7),
         "flora4-all": make_flora_adapter(hf, folder / "flora4-all", ALL_SEVEN, rank=4, seed=8),
         "flora16-attn": make_flora_adapter(hf, folder / "flora16-attn", ATTENTION, rank=16, seed=9),
@@ -75,23 +79,15 @@ def case(request, tmp_path_factory):
 
 
 def _run(model_dir, adapters, prompts, **options):
-    llm = LLM(model_dir, device="cpu", dtype="float32", **options)
-    for name, path in adapters.items():
-        llm.add_adapter(name, path)
-    logits: dict[str, list[torch.Tensor]] = {}
-
-    def record(sampled_ids, step_logits):
-        for request_id, row in zip(sampled_ids, step_logits):
-            logits.setdefault(request_id, []).append(row.clone())
-
-    llm.engine.runner.on_logits = record
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, adapters=list(NAMES))
-    return llm, outputs, [torch.stack(logits[o.request_id]) for o in outputs]
+    return _run_recording_logits(model_dir, adapters, prompts, list(NAMES), MAX_TOKENS, **options)
 
 
 def _check(outputs, logits, references):
-    for name, output, ours, (tokens, ref) in zip(NAMES, outputs, logits, references):
+    _check_named(NAMES, outputs, logits, references)
+
+
+def _check_named(names, outputs, logits, references):
+    for name, output, ours, (tokens, ref) in zip(names, outputs, logits, references):
         assert output.token_ids == tokens, f"request with adapter {name}"
         error = ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
         assert error < 1e-4, f"adapter {name}: logits differ by {error:.2e} relative"
@@ -130,16 +126,88 @@ def test_few_slots_reload_families(case):
     _check(outputs, logits, references)
 
 
+IA3_FLORA = (None, "ia3-default", "flora1-attn", "flora4-all", "flora16-attn", "ia3-default", None)
+"""A batch that needs no LoRA shrink or expand (IA3 as PEFT's default, FLoRA)."""
+
+
+def _references_for(model_dir, adapters, names, prompts):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return [_reference(hf, adapters, name, prompt) for name, prompt in zip(names, prompts)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_mixed_families_on_the_gpu_kernels(case):
-    """The same batch through the Triton kernels (float32 on CUDA, decode graphs for the steps
-    without FLoRA, eager steps with it): the same greedy tokens as each request alone."""
+@pytest.mark.parametrize("families", ["all", "ia3-flora"])
+def test_mixed_families_on_the_gpu_kernels(case, families):
+    """The same batch through the Triton kernels (float32 on CUDA, decode graphs, FLoRA's rows
+    padded in them; IA3 in the rotary and activation kernels): the same greedy tokens as each
+    request alone."""
     model_dir, adapters, prompts, references = case
+    names = list(NAMES)
+    if families == "ia3-flora":
+        names, prompts = list(IA3_FLORA), prompts[:len(IA3_FLORA)]
+        references = _references_for(model_dir, adapters, names, prompts)
     llm = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=16, max_num_batched_tokens=64)
     for name, path in adapters.items():
         llm.add_adapter(name, path)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, adapters=list(NAMES))
-    for name, output, (tokens, _) in zip(NAMES, outputs, references):
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, adapters=names)
+    for name, output, (tokens, _) in zip(names, outputs, references):
         assert output.token_ids == tokens, f"request with adapter {name}"
+    graphs = llm.engine.runner.graphs
+    assert any(key[5] for key in graphs._graphs), "no FLoRA graph was captured"
+
+
+@pytest.mark.parametrize("families", ["all", "ia3-flora"])
+def test_padded_decode_path_with_families(case, families):
+    """The decode steps the CUDA graphs replay, run eagerly on CPU at padded batch sizes: FLoRA
+    rows padded to a graph's count (padding rows inert), and batches of IA3 and FLoRA alone
+    skipping the LoRA shrink and expand, give the same tokens and logits as each request alone."""
+    from loraplex.engine.cuda_graphs import DecodeGraphs
+
+    model_dir, adapters, prompts, references = case
+    if families == "all":
+        names, prompts = list(NAMES), prompts
+    else:
+        names, prompts = list(IA3_FLORA), prompts[:len(IA3_FLORA)]
+        references = _references_for(model_dir, adapters, names, prompts)
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_num_seqs=16, block_size=4)
+    for name, path in adapters.items():
+        llm.add_adapter(name, path)
+    runner = llm.engine.runner
+    runner.graphs = DecodeGraphs(runner, max_batch=16, vocab_size=runner.model.config.vocab_size,
+                                 capture=False)
+    shapes, logits, original = [], {}, runner.forward
+
+    def forward(shape, prompt=None):
+        if shape.is_padded_decode:
+            shapes.append(shape)
+        return original(shape, prompt)
+
+    def record(sampled_ids, step_logits):
+        for request_id, row in zip(sampled_ids, step_logits):
+            logits.setdefault(request_id, []).append(row.clone())
+
+    runner.forward, runner.on_logits = forward, record
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, adapters=names)
+    _check_named(names, outputs, [torch.stack(logits[o.request_id]) for o in outputs], references)
+    flora_shapes = [s for s in shapes if s.has_flora]
+    assert flora_shapes and all(s.flora_rows in (16, 64, 256) for s in flora_shapes)
+    assert all(runner.graphs.padded_size(s.num_seqs) == s.num_seqs for s in shapes)
+    if families == "ia3-flora":  # no LoRA, DoRA or IA3 on o: no shrink or expand
+        assert shapes and not any(s.has_expand for s in shapes)
+    else:
+        assert any(s.has_expand for s in shapes)
+    variants = {tuple(sorted(v.items())) for v in runner.graphs.variants(16)}
+    for s in shapes:  # each step has a graph to replay on CUDA (IA3 on o's input with FLoRA: eager)
+        if s.has_input_scale and s.has_flora:
+            continue
+        key = dict(has_lora=s.has_lora)
+        if s.has_input_scale:
+            key = dict(has_lora=True, has_input_scale=True)
+        elif s.has_lora:
+            key.update(has_expand=s.has_expand, **({"flora_rows": s.flora_rows} if s.flora_rows else {}))
+        assert tuple(sorted(key.items())) in variants, s

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -35,12 +36,29 @@ def test_concurrent_streams_match_offline_results(engine):
             _collect(engine, f"r{i}", [5 + i, 6, 7], adapter="all8" if i % 2 else None) for i in range(6)))
 
     streams = asyncio.run(main())
-    for outputs in streams:
-        assert [len(o.token_ids) for o in outputs] == [1, 2, 3, 4, 5, 6]
+    for outputs in streams:  # one output a step, or several merged if the caller fell behind
+        lengths = [len(o.token_ids) for o in outputs]
+        assert lengths == sorted(set(lengths)) and lengths[-1] == 6
         assert outputs[-1].finished and outputs[-1].finish_reason == "length"
         assert [t for o in outputs for t in o.new_token_ids] == outputs[-1].token_ids
     expected = asyncio.run(_collect(engine, "again", [6, 6, 7], adapter="all8"))
     assert streams[1][-1].token_ids == expected[-1].token_ids
+
+
+def test_outputs_that_pile_up_come_merged(engine):
+    async def main():
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        stream = engine.generate("behind", prompt_token_ids=[5, 6, 7], params=params)
+        outputs = [await anext(stream)]
+        await engine.call(lambda e: None)
+        time.sleep(1.0)  # the event loop is busy: the engine's outputs pile up
+        return outputs + [o async for o in stream]
+
+    outputs = asyncio.run(main())
+    assert len(outputs) < 40
+    assert max(len(o.new_token_ids) for o in outputs) > 1
+    assert [t for o in outputs for t in o.new_token_ids] == outputs[-1].token_ids
+    assert len(outputs[-1].token_ids) == 40 and outputs[-1].finished
 
 
 def test_invalid_requests_raise_to_the_caller(engine):
@@ -83,3 +101,13 @@ def test_shutdown_ends_streams_that_are_still_waiting(tiny_llama):
 
     asyncio.run(asyncio.wait_for(main(), timeout=30))
     assert not engine.is_alive
+    # The thread left the engine idle: a new one (a new server's) starts clean and serves.
+    llm = engine.engine
+    assert llm.num_requests == 0 and not llm.has_unfinished_requests()
+    assert llm.blocks.num_free_blocks == llm.blocks.num_blocks
+    successor = AsyncEngine(llm)
+    try:
+        outputs = asyncio.run(_collect(successor, "next", [5, 6, 7], max_tokens=3))
+        assert outputs[-1].finished and len(outputs[-1].token_ids) == 3
+    finally:
+        successor.shutdown()

@@ -66,7 +66,7 @@ class Simulation:
         self.scheduler.add(request)
 
     def step(self) -> None:
-        plan = self.scheduler.schedule()
+        plan = self.last_plan = self.scheduler.schedule()
         by_id = {r.request_id: r for r in self.scheduler.running}
         before = {rid: by_id[rid].num_prompt_charged for rid in plan.request_ids}
         for request in self.scheduler.advance(plan):
@@ -213,3 +213,40 @@ def test_light_tenants_first_tokens_come_soon_although_one_tenant_floods():
 
     assert run("vtc") <= 20
     assert run("fcfs") == float("inf")
+
+
+@pytest.mark.parametrize("policy", ["vtc", "fcfs"])
+def test_a_light_prompt_goes_before_the_chunks_of_a_heavier_tenants_running_prompt(policy):
+    """A heavy tenant's 2,000-token prompt is being prefilled in chunks of the whole budget
+    when a light tenant's short prompt arrives. VTC gives the budget to the light prompt first
+    (its tenant is less served), so it samples in the step after it arrives; FCFS lets the
+    running prompt take the budget until it is done."""
+    sim = Simulation(policy, {})
+    sim.add("heavy", 2000, 4)
+    sim.step()
+    sim.add("light", 64, 4)
+    while "light-1" not in sim.first_token:
+        sim.step()
+        sim.check_accounting()
+    wait = sim.first_token["light-1"] - sim.arrived_at["light-1"]
+    assert wait == (0 if policy == "vtc" else 3), wait
+    heavy = sim.unfinished["heavy-0"]
+    assert heavy.num_prompt_charged == (512 + 448 if policy == "vtc" else 2000)  # vtc: the rest of the budget
+
+
+def test_a_fairness_victims_blocks_admit_the_waiting_request_in_the_same_step():
+    """The heavy tenant holds nearly every KV block when a light tenant's prompt arrives; once
+    the heavy tenant is more than the bound ahead, one step swaps a heavy request out and
+    starts the light one in its blocks."""
+    sim = Simulation("vtc", {}, bound=64.0)
+    for _ in range(10):
+        sim.add("heavy", 240, 200)  # 15 blocks and growing each: 10 of them fill the 160 blocks
+    while sim.blocks.num_free_blocks > 8:
+        sim.step()
+    sim.add("light", 200, 4)  # 13 blocks
+    while "light-10" not in {seq.request_id for seq in sim.last_plan.new}:
+        sim.step()
+        sim.check_accounting()
+        assert sim.tick < 100
+    assert sim.last_plan.swap_out and "light-10" in sim.last_plan.request_ids
+    assert sim.scheduler.preemptions["fairness", "swap"] == 1, sim.scheduler.preemptions

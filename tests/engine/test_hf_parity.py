@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from loraplex import LLM, SamplingParams
-from tests.factories import ADAPTERS, make_adapter, make_hf_model
+from tests.factories import make_adapters, make_hf_model
 
 MAX_TOKENS = 8
 CHUNK = 16
@@ -23,8 +23,7 @@ ADAPTER_CYCLE = (None, "qv4", "all8", "mlp16", "pattern")
 def case(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     hf = make_hf_model(request.param, folder / "model")
-    adapters = {spec.name: make_adapter(hf, spec, folder / "adapters", seed=i + 1)
-                for i, spec in enumerate(ADAPTERS)}
+    adapters = make_adapters(hf, folder / "adapters")
     generator = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
     names = [ADAPTER_CYCLE[i % len(ADAPTER_CYCLE)] for i in range(len(prompts))]
@@ -57,7 +56,7 @@ def _hf_references(hf, adapters, prompts, names):
     return references
 
 
-def _run(model_dir, adapters, prompts, names, **options):
+def _run(model_dir, adapters, prompts, names, max_tokens=MAX_TOKENS, **options):
     llm = LLM(model_dir, device="cpu", dtype="float32", **options)
     for name, path in adapters.items():
         llm.add_adapter(name, path)
@@ -68,7 +67,7 @@ def _run(model_dir, adapters, prompts, names, **options):
             logits.setdefault(request_id, []).append(row.clone())
 
     llm.engine.runner.on_logits = record
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, adapters=names)
     return llm, outputs, [torch.stack(logits[o.request_id]) for o in outputs]
 

@@ -12,7 +12,7 @@ import torch
 
 from loraplex import LLM, SamplingParams
 from loraplex.engine import prompt_logprobs
-from tests.factories import ADAPTERS, make_adapter, make_hf_model
+from tests.factories import make_adapters, make_hf_model
 
 TOP = 3
 PROMPT_LENGTHS = (1, 2, 5, 16, 17, 33, 40, 9, 24, 3)
@@ -23,8 +23,7 @@ ADAPTER_CYCLE = (None, "qv4", "all8", "mlp16", "pattern")
 def case(tmp_path_factory):
     folder = tmp_path_factory.mktemp("prompt-logprobs")
     hf = make_hf_model("llama", folder / "model")
-    adapters = {spec.name: make_adapter(hf, spec, folder / "adapters", seed=i + 1)
-                for i, spec in enumerate(ADAPTERS)}
+    adapters = make_adapters(hf, folder / "adapters")
     generator = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
     names = [ADAPTER_CYCLE[i % len(ADAPTER_CYCLE)] for i in range(len(prompts))]

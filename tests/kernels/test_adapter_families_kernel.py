@@ -15,11 +15,13 @@ from tests.kernels.kernel_testing import (
     gpu,
     guarded_1d,
     guarded_rows,
+    poisoned_allocations,
     skip_without_cuda,
 )
 from tests.kernels.test_lora_kernel import RANKS, _slot_buffers
 
 SLOTS = [0, 2, 1, 2, 0, 3, 1, 1, 2]
+PAD_RANK = 1 << 30  # the rank of a padding FLoRA row (as the step inputs pad a decode graph's)
 SLICES = (24, 8, 16)
 
 
@@ -107,9 +109,10 @@ def test_scale_rows_matches_reference(dtype):
     assert torch.equal(out[0], x[0])
 
 
-def _flora_case(dtype, seed=5):
+def _flora_case(dtype, seed=5, num_padding=0):
     """Slots: 1 FLoRA of rank 3 on slices 0 and 2, 2 FLoRA of rank 1 on every slice; tokens of
-    slot 0 and a plain slot (3, FLoRA rank 0) between them."""
+    slot 0 and a plain slot (3, FLoRA rank 0) between them. `num_padding` padding rows after
+    the real ones (as a decode graph pads them: token 0, a rank past every slot's)."""
     flora = [[8, 8, 8], [3, 0, 3], [1, 1, 1], [0, 0, 0]]
     a, b, fr, offsets = _slot_buffers(flora, 40, SLICES, 8, dtype, DEVICE, seed=seed)
     slot_list = [1, 0, 2, 3, 1, 2]
@@ -117,26 +120,37 @@ def _flora_case(dtype, seed=5):
     rank_of = {1: 3, 2: 1}
     row_tokens = [t for t, s in enumerate(slot_list) for _ in range(rank_of.get(s, 0))]
     row_ranks = [k for s in slot_list for k in range(rank_of.get(s, 0))]
+    bounds = [0]
+    for s in slot_list:
+        bounds.append(bounds[-1] + rank_of.get(s, 0))
+    row_tokens += [0] * num_padding
+    row_ranks += [PAD_RANK] * num_padding
     as_t = (lambda v: torch.tensor(v, dtype=torch.int64, device=DEVICE))
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(len(slot_list), 40, generator=g).to(DEVICE, dtype)
-    return x, a, b, slots, fr, as_t(row_tokens), as_t(row_ranks), offsets
+    return x, a, b, slots, fr, as_t(row_tokens), as_t(row_ranks), as_t(bounds), offsets
 
 
 @pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
-def test_flora_stack_and_combine_match_reference_and_the_explicit_product(dtype):
-    x, a, b, slots, fr, row_tokens, row_ranks, offsets = _flora_case(dtype)
-    stacked = fam.flora_stack(guarded_rows(x), a, slots, fr, row_tokens, row_ranks)
+@pytest.mark.parametrize("num_padding", [0, 5])
+def test_flora_stack_and_combine_match_reference_and_the_explicit_product(dtype, num_padding):
+    x, a, b, slots, fr, row_tokens, row_ranks, bounds, offsets = _flora_case(dtype, num_padding=num_padding)
+    num_rows = 8 + num_padding
+    with poisoned_allocations(fam):
+        stacked = fam.flora_stack(guarded_rows(x), a, slots, fr, row_tokens, row_ranks)
     expected = ref.flora_stack(x, a, slots, fr, row_tokens, row_ranks)
-    assert stacked.shape == (6 + 3 * 8, 40)
+    assert stacked.shape == (6 + 3 * num_rows, 40)
     torch.testing.assert_close(stacked, expected, atol=1e-3, rtol=1e-3)
+    assert torch.equal(stacked[:6], x)
+    for s in range(3):  # padding rows are zero
+        assert not stacked[6 + s * num_rows + 8:6 + (s + 1) * num_rows].any()
     g = torch.Generator().manual_seed(6)
     w0 = torch.randn(offsets[-1], 40, generator=g).to(DEVICE, dtype)
     bias = torch.randn(offsets[-1], generator=g).to(DEVICE, dtype)
     products = ref.linear(expected, w0)
     y = ref.linear(x, w0, bias)
-    out = fam.flora_combine(guarded_rows(y), products[6:], b, slots, fr, row_tokens, row_ranks, offsets, bias)
-    want = ref.flora_combine(y.clone(), products[6:], b, slots, fr, row_tokens, row_ranks, offsets, bias)
+    out = fam.flora_combine(guarded_rows(y), products[6:], b, slots, fr, row_ranks, bounds, offsets, bias)
+    want = ref.flora_combine(y.clone(), products[6:], b, slots, fr, row_ranks, bounds, offsets, bias)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out, want, atol=tol, rtol=tol)
     # The oracle: token 0 (slot 1) through W0 * (B A) on slices 0 and 2, W0 on slice 1.
@@ -155,12 +169,36 @@ def test_flora_stack_and_combine_match_reference_and_the_explicit_product(dtype)
 def test_families_bf16_on_gpu(monkeypatch):
     out, expected, _ = _check_epilogue(torch.bfloat16, "gemv", True, monkeypatch)
     assert_close_bf16(out, expected, atol=6e-2, rtol=6e-2)
-    x, a, b, slots, fr, row_tokens, row_ranks, offsets = _flora_case(torch.bfloat16)
+    x, a, b, slots, fr, row_tokens, row_ranks, bounds, offsets = _flora_case(torch.bfloat16, num_padding=8)
     stacked = fam.flora_stack(x, a, slots, fr, row_tokens, row_ranks)
     assert_close_bf16(stacked, ref.flora_stack(x, a, slots, fr, row_tokens, row_ranks), atol=1e-2, rtol=1e-2)
     w0 = torch.randn(offsets[-1], 40, device=DEVICE, dtype=torch.bfloat16)
     products = ref.linear(stacked, w0)
     y = ref.linear(x, w0)
-    out = fam.flora_combine(y.clone(), products[6:], b, slots, fr, row_tokens, row_ranks, offsets)
-    assert_close_bf16(out, ref.flora_combine(y.clone(), products[6:], b, slots, fr, row_tokens, row_ranks,
+    out = fam.flora_combine(y.clone(), products[6:], b, slots, fr, row_ranks, bounds, offsets)
+    assert_close_bf16(out, ref.flora_combine(y.clone(), products[6:], b, slots, fr, row_ranks, bounds,
                                              offsets), atol=6e-2, rtol=6e-2)
+
+
+@gpu
+@skip_without_cuda
+def test_flora_bf16_llama_shapes():
+    """Llama-3-8B's qkv at batch 16, FLoRA rank 4 on every token, 64 rows (a graph's bucket)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    num_tokens, rank, hidden, offsets = 16, 4, 4096, (0, 4096, 5120, 6144)
+    a = torch.randn(9, 3, 16, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(9, offsets[-1], 16, device="cuda", generator=g).to(torch.bfloat16)
+    fr = torch.full((9, 3), rank, dtype=torch.int32, device="cuda")
+    slots = torch.arange(num_tokens, device="cuda", dtype=torch.int32) % 8 + 1
+    row_tokens = torch.arange(num_tokens, device="cuda").repeat_interleave(rank)
+    row_ranks = torch.arange(rank, device="cuda").repeat(num_tokens)
+    bounds = torch.arange(num_tokens + 1, device="cuda") * rank
+    x = torch.randn(num_tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    stacked = fam.flora_stack(x, a, slots, fr, row_tokens, row_ranks)
+    assert_close_bf16(stacked, ref.flora_stack(x, a, slots, fr, row_tokens, row_ranks), atol=1e-2, rtol=1e-2)
+    w0 = torch.randn(offsets[-1], hidden, device="cuda", generator=g).to(torch.bfloat16) / 64
+    products = ref.linear(stacked, w0)
+    y = products[:num_tokens].clone()
+    out = fam.flora_combine(y.clone(), products[num_tokens:], b, slots, fr, row_ranks, bounds, offsets)
+    want = ref.flora_combine(y.clone(), products[num_tokens:], b, slots, fr, row_ranks, bounds, offsets)
+    assert_close_bf16(out, want, atol=6e-2, rtol=6e-2)

@@ -94,3 +94,70 @@ def test_rotary_store_kv_bf16_llama_shapes(num_tokens):
                                      expected_cache[:, 0], slots)
     assert_close_bf16(out_q, expected_q, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(cache.float(), expected_cache, atol=1e-2, rtol=1e-2, equal_nan=True)
+
+
+def _ia3_scales(num_slots, width, scaled_slots, device, seed=9):
+    """IA3 vectors [num_slots, width] (NaN in the rows of slots that set no flag: never read)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.full((num_slots, width), float("nan"))
+    scaled = torch.zeros(num_slots, dtype=torch.int32)
+    for slot in scaled_slots:
+        scale[slot] = 1 + 0.5 * torch.randn(width, generator=g)
+        scaled[slot] = 1
+    return scale.to(device), scaled.to(device)
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+def test_rotary_store_kv_applies_ia3_vectors(dtype):
+    """q | k | v of the tokens whose slot is scaled are multiplied by the slot's vector first,
+    as if the projection's output had been; other tokens are as without vectors."""
+    head_dim = 16
+    positions, q, k, v, cache, slots = _case(7, 4, 2, head_dim, 4, dtype, DEVICE)
+    cos_sin = _cos_sin(64, head_dim, DEVICE)
+    token_slots = torch.tensor([0, 1, 3, 1, 2, 0, 3], dtype=torch.int32, device=DEVICE)
+    scale, scaled = _ia3_scales(4, (4 + 2 * 2) * head_dim, (1, 3), DEVICE)
+    expected_cache = cache.clone()
+    expected_q = ref.rotary_store_kv(positions, q, k, v, cos_sin, expected_cache[:, 1], slots,
+                                     token_slots, scale, scaled)
+    with poisoned_allocations(rotary):
+        out_q = rotary.rotary_store_kv(guarded_1d(positions), q, k, v, cos_sin, cache[:, 1],
+                                       guarded_1d(slots), guarded_1d(token_slots), scale, scaled)
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(out_q, expected_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(cache, expected_cache, atol=tol, rtol=tol, equal_nan=True)
+    # The oracle: scaling q, k, v by hand, then the plain op.
+    qkv = torch.cat([t.reshape(7, -1) for t in (q, k, v)], dim=1).float()
+    on = scaled[token_slots.long()].bool().unsqueeze(1)
+    qkv = torch.where(on, qkv * scale[token_slots.long()], qkv).to(dtype)
+    q2, k2, v2 = qkv.split((4 * head_dim, 2 * head_dim, 2 * head_dim), dim=1)
+    plain_cache = torch.full_like(cache, float("nan"))
+    plain_q = ref.rotary_store_kv(positions, q2.reshape(q.shape), k2.reshape(k.shape), v2.reshape(v.shape),
+                                  cos_sin, plain_cache[:, 1], slots)
+    torch.testing.assert_close(out_q, plain_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(cache[:, 1], plain_cache[:, 1], atol=tol, rtol=tol, equal_nan=True)
+    assert not torch.allclose(out_q[1], ref.rotary_store_kv(positions, q, k, v, cos_sin, cache[:, 0].clone(),
+                                                            slots)[1], atol=1e-2)
+
+
+def test_rotary_store_kv_rejects_partial_ia3_arguments():
+    positions, q, k, v, cache, slots = _case(3, 4, 2, 16, 4, torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="together"):
+        rotary.rotary_store_kv(positions, q, k, v, _cos_sin(64, 16, DEVICE), cache[:, 0], slots,
+                               token_slots=torch.zeros(3, dtype=torch.int32, device=DEVICE))
+
+
+@gpu
+@skip_without_cuda
+def test_rotary_store_kv_ia3_bf16_llama_shapes():
+    positions, q, k, v, cache, slots = _case(64, 32, 8, 128, 16, torch.bfloat16, "cuda")
+    cos_sin = _cos_sin(64, 128, "cuda")
+    token_slots = (torch.arange(64, device="cuda", dtype=torch.int32) % 5)
+    scale, scaled = _ia3_scales(5, (32 + 16) * 128, (1, 2, 4), "cuda")
+    expected_cache = cache.clone()
+    expected_q = ref.rotary_store_kv(positions, q, k, v, cos_sin, expected_cache[:, 1], slots,
+                                     token_slots, scale, scaled)
+    out_q = rotary.rotary_store_kv(positions, q, k, v, cos_sin, cache[:, 1], slots, token_slots, scale,
+                                   scaled)
+    assert_close_bf16(out_q, expected_q, atol=2e-2, rtol=1e-2)
+    assert_close_bf16(cache.nan_to_num(), expected_cache.nan_to_num(), atol=2e-2, rtol=1e-2)
+

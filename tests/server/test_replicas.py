@@ -1,7 +1,8 @@
 """Two replicas (each its own engine and app, under uvicorn) on one PostgreSQL registry and one
 blob store: an adapter uploaded through one is served by the other without a restart; a key
 revoked or an adapter deleted through one stops working on the other within the registry cache's
-time to live (the stated bound); usage recorded by both adds up in the registry."""
+time to live (the stated bound); usage recorded by both adds up in the registry; a tenant's
+requests per minute, admitted through either, add up to one limit."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ CACHE_TTL_S = 0.5
 key or a deleted adapter."""
 SLACK_S = 1.0
 """Scheduling on a busy two-core machine, on top of the bound."""
+SYNC_S = 0.2
+"""limits_sync_interval_s of both replicas."""
 
 
 @pytest.fixture
@@ -47,7 +50,8 @@ def replica(config: RegistryConfig, model_dir: Path) -> Iterator[tuple[str, obje
     with Registry.open(config) as registry:
         registry.models.set(MODEL_ID, engine.model_config.shape, engine.config.lora.max_lora_rank)
         app = create_app(ServerConfig(model_id=MODEL_ID, registry_cache_ttl_s=CACHE_TTL_S,
-                                      engine_poll_interval_s=0.2), registry, engine)
+                                      engine_poll_interval_s=0.2, limits_sync_interval_s=SYNC_S),
+                         registry, engine)
         with run_uvicorn(app) as url:
             yield url, app
     engine.close()
@@ -67,6 +71,8 @@ def test_two_replicas_share_one_registry(shared_registry: RegistryConfig, model_
     with Registry.open(shared_registry) as setup:
         setup.tenants.create("acme")
         key = setup.keys.create(tenant="acme").secret
+        setup.tenants.create("capped", max_requests_per_minute=4)
+        capped_key = setup.keys.create(tenant="capped").secret
         admin_key = setup.keys.create(admin=True).secret
     with replica(shared_registry, model_dir) as (url_a, app_a), \
             replica(shared_registry, model_dir) as (url_b, app_b):
@@ -100,6 +106,20 @@ def test_two_replicas_share_one_registry(shared_registry: RegistryConfig, model_
         assert after["num_requests"] - before["num_requests"] == 3 + 2
         assert after["completion_tokens"] - before["completion_tokens"] == (3 + 2) * 3
 
+        # Limits add up: 3 requests through A and 1 through B are capped's 4 of the minute, and
+        # then both refuse (each alone has seen fewer than 4).
+        capped_a, capped_b = (openai.OpenAI(base_url=f"{url}/v1", api_key=capped_key, max_retries=0)
+                              for url in (url_a, url_b))
+        for _ in range(3):
+            capped_a.completions.create(model=MODEL_ID, prompt="x", max_tokens=1)
+        _wait_for_exchanges(app_a, app_b)
+        capped_b.completions.create(model=MODEL_ID, prompt="x", max_tokens=1)
+        _wait_for_exchanges(app_b, app_a)
+        for client in (capped_b, capped_a):
+            with pytest.raises(openai.RateLimitError) as caught:
+                client.completions.create(model=MODEL_ID, prompt="x", max_tokens=1)
+            assert caught.value.response.headers["x-ratelimit-remaining-requests"] == "0"
+
         # Deleted through A: B stops serving it within the bound.
         admin_a.delete("/admin/api/adapters/acme/style").raise_for_status()
         refused_within(lambda: not _served(client_b, "style"), CACHE_TTL_S)
@@ -110,6 +130,18 @@ def test_two_replicas_share_one_registry(shared_registry: RegistryConfig, model_
         admin_a.post(f"/admin/api/keys/{key_id}/revoke").raise_for_status()
         refused_within(lambda: _refused(client_b), CACHE_TTL_S)
         assert _refused(client_a)
+
+
+def _wait_for_exchanges(*apps) -> None:
+    """Until each app in turn has finished two exchanges of tenant load begun after the call
+    (so what the first had counted reaches the last)."""
+    for app in apps:
+        shared = app.state.services.limiter.shared
+        target = shared.num_exchanges + 2
+        started = time.monotonic()
+        while shared.num_exchanges < target:
+            assert time.monotonic() - started < 4 * SYNC_S + SLACK_S, "no exchange of tenant load"
+            time.sleep(0.02)
 
 
 def _served(client: openai.OpenAI, model: str) -> bool:

@@ -370,5 +370,6 @@ def test_tenant_weights_reach_the_engine_and_fairness_shows_in_metrics(sqlite_se
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("loraplex:tenant_requests_running", "loraplex:tenant_requests_waiting",
                  "loraplex:tenant_requests_swapped", "loraplex:kv_swap_bytes_total",
-                 "loraplex:kv_swap_seconds_total", "loraplex:kv_host_pool_blocks"):
+                 "loraplex:kv_swap_seconds_total", "loraplex:kv_swap_stall_seconds_total",
+                 "loraplex:kv_host_pool_blocks"):
         assert name in text, name

@@ -19,6 +19,7 @@ from loraplex.server.generation import (
     sampling_params,
     token_logprobs,
     truncated,
+    usage_counts,
     usage_of,
 )
 from loraplex.server.http_errors import stream_error
@@ -33,10 +34,9 @@ from loraplex.server.schemas.openai import (
     ChatLogprobs,
     TokenLogprob,
     TopLogprob,
-    Usage,
 )
 from loraplex.server.services import Services
-from loraplex.server.streaming import DONE, sse
+from loraplex.server.streaming import DONE, ChunkEvents, sse
 from loraplex.server.system_prompts import find_system_prompt, pin_system_prompt, reject_own_system_message
 from loraplex.types import RequestOutput
 
@@ -88,8 +88,8 @@ async def create_chat_completion(body: ChatCompletionRequest, principal: TenantD
 
 async def _events(services: Services, job: Job, body: ChatCompletionRequest, first: Choice,
                   rest: AsyncIterator[Choice]) -> AsyncIterator[str]:
-    base = {"id": f"chatcmpl-{job.request_id}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": job.model, "system_fingerprint": FINGERPRINT}
+    events = ChunkEvents({"id": f"chatcmpl-{job.request_id}", "object": "chat.completion.chunk",
+                          "created": int(time.time()), "model": job.model, "system_fingerprint": FINGERPRINT})
     num_prompt = len(first[1].prompt_token_ids)
     latest: dict[int, RequestOutput] = {}  # each choice's latest output: the usage so far counts all
 
@@ -97,10 +97,10 @@ async def _events(services: Services, job: Job, body: ChatCompletionRequest, fir
               logprobs: ChatLogprobs | None = None) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs.model_dump() if logprobs else None,
                   "finish_reason": finish_reason}
-        usage = usage_of(list(latest.values())) if latest else Usage(
-            prompt_tokens=num_prompt, completion_tokens=0, total_tokens=num_prompt)
-        usage_field = {"usage": usage.model_dump() if body.continuous_usage else None}
-        return sse(base | {"choices": [choice]} | (usage_field if body.include_usage else {}))
+        if not body.include_usage:
+            return events.event([choice])
+        usage = usage_counts(num_prompt, latest.values()) if body.continuous_usage else None
+        return events.event([choice], usage)
 
     for index in range(job.n):
         yield chunk(index, {"role": "assistant", "content": ""})
@@ -116,7 +116,7 @@ async def _events(services: Services, job: Job, body: ChatCompletionRequest, fir
                 yield chunk(index, {}, output.finish_reason)
             choice = await anext(rest, None)
         if body.include_usage:
-            yield sse(base | {"choices": [], "usage": usage_of(list(latest.values())).model_dump()})
+            yield events.event([], usage_counts(num_prompt, latest.values()))
     except Exception as exc:  # after the stream began: an error event, then the end
         yield sse(stream_error(exc, job.request_id))
     yield DONE

@@ -22,6 +22,7 @@ from loraplex.server.generation import (
     sampling_params,
     token_logprobs,
     truncated,
+    usage_counts,
     usage_of,
 )
 from loraplex.server.http_errors import stream_error
@@ -34,7 +35,7 @@ from loraplex.server.schemas.openai import (
     CompletionRequest,
 )
 from loraplex.server.services import Services
-from loraplex.server.streaming import DONE, sse
+from loraplex.server.streaming import DONE, ChunkEvents, sse
 from loraplex.server.system_prompts import find_system_prompt, pin_system_prompt
 from loraplex.types import RequestOutput, TokenLogprob
 
@@ -139,8 +140,9 @@ async def _prompt_token_ids(services: Services, prompt: str | list[int], tenant:
 
 async def _events(services: Services, job: Job, body: CompletionRequest, first: Choice,
                   rest: AsyncIterator[Choice]) -> AsyncIterator[str]:
-    base = {"id": f"cmpl-{job.request_id}", "object": "text_completion", "created": int(time.time()),
-            "model": job.model, "system_fingerprint": FINGERPRINT}
+    events = ChunkEvents({"id": f"cmpl-{job.request_id}", "object": "text_completion",
+                          "created": int(time.time()), "model": job.model, "system_fingerprint": FINGERPRINT})
+    num_prompt = len(first[1].prompt_token_ids)
     echo = await _echo(services, body, first[1])  # goes before each choice's first text
     echoed: set[int] = set()
     latest: dict[int, RequestOutput] = {}  # each choice's latest output: the usage so far counts all
@@ -160,12 +162,15 @@ async def _events(services: Services, job: Job, body: CompletionRequest, first: 
                 item = {"index": index, "text": prefix.text + output.new_text, "finish_reason":
                         output.finish_reason if output.finished else None,
                         "logprobs": logprobs.model_dump() if logprobs else None}
-                usage = usage_of(list(latest.values())).model_dump() if body.continuous_usage else None
-                yield sse(base | {"choices": [item]} | ({"usage": usage} if body.include_usage else {}))
+                if body.include_usage:
+                    usage = usage_counts(num_prompt, latest.values()) if body.continuous_usage else None
+                    yield events.event([item], usage)
+                else:
+                    yield events.event([item])
                 echoed.add(index)
             choice = await anext(rest, None)
         if body.include_usage:
-            yield sse(base | {"choices": [], "usage": usage_of(list(latest.values())).model_dump()})
+            yield events.event([], usage_counts(num_prompt, latest.values()))
     except Exception as exc:  # after the stream began: an error event, then the end
         yield sse(stream_error(exc, job.request_id))
     yield DONE

@@ -229,6 +229,7 @@ class EngineState(BaseModel):
     swap_bytes_in: int
     swap_seconds_out: float
     swap_seconds_in: float
+    swap_seconds_stalled: float = Field(description="Time steps waited for swap copies (device idle).")
     num_adapter_slots: int
     adapters_resident: list[ResidentAdapter] = Field(description="Adapters in device slots.")
     num_adapters_on_host: int = Field(description="Adapters in the engine's host tier.")

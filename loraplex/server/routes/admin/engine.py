@@ -45,7 +45,7 @@ async def get_engine_state(admin: AdminDep, services: ServicesDep) -> EngineStat
         preemptions=stats.preemptions, host_pool_blocks=stats.num_host_pool_blocks,
         host_pool_blocks_used=stats.num_host_pool_blocks_used, swap_bytes_out=stats.swap_bytes_out,
         swap_bytes_in=stats.swap_bytes_in, swap_seconds_out=stats.swap_seconds_out,
-        swap_seconds_in=stats.swap_seconds_in,
+        swap_seconds_in=stats.swap_seconds_in, swap_seconds_stalled=stats.swap_seconds_stalled,
         num_adapter_slots=stats.num_lora_slots,
         adapters_resident=[ResidentAdapter(digest=digest, names=list(names[digest]))
                            for digest in stats.adapters_in_slots],
