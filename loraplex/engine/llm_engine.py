@@ -90,6 +90,8 @@ class PinnedPrompt:
     """Adapter digest (None: the base model)."""
     block_ids: list[int] = field(default_factory=list)
     """Held blocks; empty until its warm-up request has computed them."""
+    hashes: list[bytes] = field(default_factory=list)
+    """The held blocks' prefix-cache hashes."""
 
 
 class LLMEngine:
@@ -257,11 +259,15 @@ class LLMEngine:
         params = params or SamplingParams()
         token_ids = self._prompt_ids(prompt, prompt_token_ids)
         digest = self._resolve_adapter(adapter) if adapter is not None else None
+        tenant = tenant or DEFAULT_TENANT
+        room = self._room_beside_pins(token_ids, tenant, digest)
+        if len(token_ids) >= room:
+            raise self._no_room_error(len(token_ids), room)
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, params=params,
             seed=params.seed if params.seed is not None else self._seeds.getrandbits(62),
-            arrival=self._arrivals, tenant=tenant or DEFAULT_TENANT, adapter=digest, adapter_name=adapter,
-            max_num_tokens=min(len(token_ids) + params.max_tokens, self.max_model_len),
+            arrival=self._arrivals, tenant=tenant, adapter=digest, adapter_name=adapter,
+            max_num_tokens=min(len(token_ids) + params.max_tokens, room),
         )
         if sample_of is not None:
             request.prompt_donor = self._prompt_donor(request, sample_of)
@@ -349,8 +355,12 @@ class LLMEngine:
         request_id = f"pin-{key}"
         self._pins[key] = PinnedPrompt(list(token_ids), tenant or DEFAULT_TENANT, digest)
         self._pin_by_request[request_id] = key
-        self.add_request(request_id, prompt_token_ids=list(token_ids), adapter=adapter, tenant=tenant,
-                         params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        try:
+            self.add_request(request_id, prompt_token_ids=list(token_ids), adapter=adapter, tenant=tenant,
+                             params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        except Exception:  # e.g. no room beside the other pins: nothing pinned
+            del self._pins[key], self._pin_by_request[request_id]
+            raise
 
     def unpin_prompt(self, key: str) -> None:
         """Let a pinned prompt's blocks go (cached, evictable once nobody else holds them)."""
@@ -371,6 +381,39 @@ class LLMEngine:
             return
         hashes = block_hashes(pin.token_ids, self.blocks.block_size, pin.tenant, pin.adapter)
         pin.block_ids = self.blocks.match(hashes, len(hashes))
+        pin.hashes = hashes[:len(pin.block_ids)]
+
+    def _room_beside_pins(self, token_ids: list[int], tenant: str, adapter: str | None) -> int:
+        """Tokens of KV a request of this prompt, tenant and adapter digest can hold: the
+        context, less the blocks pinned prompts hold that its prompt does not start with."""
+        pinned = {block: block_hash for pin in self._pins.values()
+                  for block, block_hash in zip(pin.block_ids, pin.hashes)}
+        if not pinned:
+            return self.max_model_len
+        own = set(block_hashes(token_ids, self.blocks.block_size, tenant, adapter))
+        num_apart = sum(block_hash not in own for block_hash in pinned.values())
+        return min(self.max_model_len, (self.blocks.num_blocks - num_apart) * self.blocks.block_size)
+
+    def _no_room_error(self, num_prompt_tokens: int, room: int) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"the prompt has {num_prompt_tokens} tokens; beside the KV blocks that registered system "
+            f"prompts hold, the KV cache has room for {room} tokens of this request", param="prompt")
+
+    def _refit_beside_pins(self) -> list[RequestOutput]:
+        """A pin took its blocks: a request whose tokens no longer fit fails (it would wait
+        forever); the others generate at most what fits (as if the context were that much
+        shorter)."""
+        failed = []
+        for request in list(self._requests.values()):
+            if request.request_id in self._pin_by_request:
+                continue
+            room = self._room_beside_pins(request.prompt_token_ids, request.tenant, request.adapter)
+            if request.num_tokens >= room:
+                error = self._no_room_error(request.num_prompt_tokens, room)
+                failed += self._fail([request.request_id], error)
+            else:
+                request.max_num_tokens = min(request.max_num_tokens, room)
+        return failed
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._in_flight is not None
@@ -399,13 +442,14 @@ class LLMEngine:
         """Outputs of callers' requests: pin warm-ups end here, holding their blocks."""
         if not self._pin_by_request:
             return outputs
-        kept = []
+        kept, has_held = [], False
         for output in outputs:
             if output.request_id not in self._pin_by_request:
                 kept.append(output)
             elif output.finished:
                 self._hold_pin(output.request_id)
-        return kept
+                has_held = True
+        return kept + self._refit_beside_pins() if has_held else kept
 
     def drain(self) -> list[RequestOutput]:
         """Collect the step in flight, if any (afterwards nothing runs on the device)."""

@@ -17,6 +17,7 @@ from loraplex.engine import step_inputs
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.relay_groups import RelayGroups
 from loraplex.engine_config import EngineConfig
+from loraplex.errors import InvalidRequestError
 from loraplex.kernels import select_ops
 from tests.engine.test_hf_parity import MAX_TOKENS, _hf_references
 from tests.factories import ADAPTERS, make_adapter, make_hf_model
@@ -262,3 +263,30 @@ def test_a_pinned_prompt_survives_pressure_until_unpinned(case):
     assert engine.blocks.num_hit_tokens - hits == (SYSTEM_LEN // BLOCK_SIZE) * BLOCK_SIZE
     engine.unpin_prompt("t1/desk")
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_a_request_that_never_fits_beside_the_pins_is_refused(case):
+    """24 blocks of 4, 9 of them pinned: a prompt of another tenant has room for 15 blocks (60
+    tokens), one that starts with the pinned prompt shares them (the whole cache); output stops
+    where the room ends; a request queued before the pin landed fails instead of waiting."""
+    _, _, prompts, _ = case
+    llm = _llm(case, num_kv_blocks=24, max_num_seqs=4)
+    engine = llm.engine
+    long = [7 + i % 200 for i in range(70)]  # 18 blocks: fits now, not beside the pin
+    engine.pin_prompt("t1/desk", prompts["a0"][:SYSTEM_LEN], tenant="t1", adapter="qv4")
+    engine.add_request("queued", prompt_token_ids=long, params=_params(), tenant="t2")
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step())
+    assert engine.pinned_prompts() == {"t1/desk": 9}
+    assert outputs["queued"].finish_reason == "error" and "room for 60 tokens" in outputs["queued"].error
+    with pytest.raises(InvalidRequestError, match="room for 60 tokens"):
+        engine.add_request("long", prompt_token_ids=long, params=_params(), tenant="t2")
+    engine.add_request("capped", prompt_token_ids=long[:56], params=_params(), tenant="t2")
+    engine.add_request("shares", prompt_token_ids=prompts["a0"] + long[:40], params=_params(),
+                       adapter="qv4", tenant="t1")
+    tokens = _run_all(llm)
+    assert len(tokens["capped"]) == 60 - 56 and len(tokens["shares"]) == MAX_TOKENS
+    engine.unpin_prompt("t1/desk")
+    engine.add_request("long", prompt_token_ids=long, params=_params(), tenant="t2")
+    assert len(_run_all(llm)["long"]) == MAX_TOKENS
