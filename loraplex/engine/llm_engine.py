@@ -613,6 +613,9 @@ class LLMEngine:
             swap_seconds_stalled=swaps.seconds_stalled,
             running_by_adapter=dict(Counter(r.adapter for r in scheduler.running if r.adapter)),
             waiting_by_adapter=dict(Counter(r.adapter for r in waiting if r.adapter)),
+            prefix_queried_tokens=self.blocks.num_queried_tokens,
+            prefix_hit_tokens=self.blocks.num_hit_tokens,
+            prefix_evicted_blocks=self.blocks.num_evicted_blocks,
         )
 
     def close(self) -> None:

@@ -6,6 +6,8 @@ system message."""
 
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 
@@ -26,6 +28,13 @@ def test_a_registered_prompt_answers_as_its_text_does(sqlite_server: Server, eng
     assert named.usage.prompt_tokens == sent.usage.prompt_tokens
     held = [n for key, n in engine.pinned_prompts().items() if key.startswith("acme/desk/")]
     assert held == [len(TEXT) // engine.config.cache.block_size]  # its full blocks, held
+    deadline = time.monotonic() + 10  # /metrics shows the engine's latest sampled stats
+    while server.metric("loraplex:prefix_cache_hits_total") < engine.blocks.num_hit_tokens:
+        assert time.monotonic() < deadline, "prefix cache hits never reached /metrics"
+        time.sleep(0.1)
+    assert 0 < server.metric("loraplex:prefix_cache_hits_total") <= server.metric(
+        "loraplex:prefix_cache_queries_total")
+    assert server.metric("loraplex:prefix_cache_evicted_blocks_total") >= 0
     messages = [{"role": "user", "content": "Hi!"}]
     chat = client.chat.completions.create(model="style", messages=messages,
                                           extra_body={"system_prompt": "desk"}, **GREEDY)
