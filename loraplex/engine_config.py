@@ -36,6 +36,11 @@ class CacheConfig:
     """Host memory, in GiB, that preempted requests' KV is swapped to (pinned on CUDA); when it
     is full, or 0, a preempted request's KV is dropped and recomputed when it resumes."""
 
+    enable_prefix_caching: bool = True
+    """Find full prompt blocks again by content (chained over tokens, keyed by tenant and
+    adapter): a request whose prompt starts with cached blocks shares them and prefills only
+    the rest; blocks nobody holds stay cached until the free list runs dry (LRU)."""
+
     def __post_init__(self) -> None:
         _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
                "block_size", "must be a power of two")
@@ -114,6 +119,11 @@ class EngineConfig:
     work hides behind the device's (default: on CUDA only, where it pays)."""
     kernels: Literal["auto", "triton", "reference"] = "auto"
     """Op set: "auto" is Triton on CUDA and the torch reference on CPU."""
+    relay_attention: Literal["auto", "always", "off"] = "auto"
+    """Decode steps read a prefix that several requests share (same cached blocks: same tenant,
+    adapter and prompt start) once per group (RelayAttention): "auto" where measured to pay
+    (prefix >= 2048 tokens and >= 4 requests, or >= 512 and >= 16); "always" for every group of
+    two or more; "off" never."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -126,6 +136,8 @@ class EngineConfig:
         _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be positive")
         _check(self.kernels in ("auto", "triton", "reference"), "kernels",
                f"must be auto, triton or reference, not {self.kernels!r}")
+        _check(self.relay_attention in ("auto", "always", "off"), "relay_attention",
+               f"must be auto, always or off, not {self.relay_attention!r}")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Issue 12's kernel pass on a lent GPU machine (torch 2.11, triton 3.6, nothing downloadable),
-# run from the repository root; about 4 minutes. Stages, in order, as named on the command line
-# (default: all four):
+# run from the repository root; about 4 minutes a stage group. Stages, in order, as named on the
+# command line (default: the first four; `engine` alone is its own ~4-minute command):
 #   tests   the relay kernel's bf16 GPU tests, plus plain decode's and the CUDA-graph replays
 #           (the plain path must be unchanged)
 #   bench   loraplex bench relay-kernels: group size x prefix length x batch, and the crossover
 #   plain   loraplex bench kernels for paged decode (the plain path's speed, to compare with
 #           bench/results/kernels-h100-attention-tiles.json)
 #   sweep   the prefix kernel's candidate launch configs at a few cases
+#   engine  loraplex bench relay: 4 tenants' pinned 2,048/4,096-token prompts, batches 64-256,
+#           relay decode vs prefix cache + plain decode vs no sharing, next to their floors;
+#           and a request joining a warm prompt against a cold one
 # Logs and JSON go to $OUT (the device tool's folder that comes back), else
 # bench/results/gpu-issue-12/; the JSON is also copied under bench/results/.
 set -uo pipefail
@@ -38,6 +41,10 @@ for stage in $stages; do
         sweep)
             timeout 90 python3 -m loraplex.benchmarks relay-kernels --sweep --out "$OUT" 2>&1 \
                 | tee "$OUT/relay-kernels-sweep.log" | tail -40
+            ;;
+        engine)
+            timeout 230 python3 -m loraplex.benchmarks relay --out "$OUT" 2>&1 \
+                | tee "$OUT/relay-engine.log" | tail -40
             ;;
         *)
             echo "unknown stage $stage" >&2

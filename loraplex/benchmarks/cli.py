@@ -17,6 +17,8 @@ SCRIPTS = {
     "skinny-gemm": ("skinny_gemm_vs_cublas", "the skinny GEMM against cuBLAS at decode sizes"),
     "relay-kernels": ("relay_kernels", "RelayAttention decode against plain paged decode: "
                       "group size x prefix length x batch, and the crossover"),
+    "relay": ("relay", "tenants' shared system prompts: relay decode against the prefix cache with "
+              "plain paged decode and against no sharing, next to their floors"),
     "decode-gaps": ("decode_gaps", "where a decode step's wall time goes beyond its kernels"),
     "decode-families": ("families", "decode by adapter family: LoRA, DoRA, IA3, FLoRA, mixed"),
     "flora-products": ("flora_products", "FLoRA's base products: rows through the fused weight "

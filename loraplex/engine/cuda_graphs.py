@@ -5,15 +5,18 @@ from a graph, a small kernel costs about 1 us. A graph captures the runner's own
 over the step inputs (StepInputs), sliced to its padded size: a step fills those buffers and
 replays the graph of its size. One graph per (padded batch size, whether any token has an
 adapter, whether every row is greedy, whether an adapter scales o's input, whether one needs the
-LoRA shrink and expand, the FLoRA rows): a batch without adapters launches no adapter kernels;
+LoRA shrink and expand, the FLoRA rows, and with relay attention on, whether the step has relay
+groups): a batch without adapters launches no adapter kernels;
 one of IA3 (on q/k/v, gate/up, down's input: the rotary and activation kernels apply those) and
 FLoRA adapters no shrink or expand; one without IA3 on o's input no row scaling; an all-greedy
 batch takes an argmax instead of the sampling kernel. A step's FLoRA rows are padded to the next
 of FLORA_ROW_BUCKETS (16, 64, 256, 1024; more run eagerly), each bucket captured up to the
 rows the batch size can have, and only when the engine asks for FLoRA graphs
 (LoRAConfig.flora_graphs): 8 graphs a batch size without them, up to 24 with them (64 slots of
-max rank 16: 88 against 228). Every graph is captured up front (`capture_all`), largest first so that the
-smaller ones reuse its memory pool; a request never waits on a capture."""
+max rank 16: 88 against 228); with relay attention on, each also with relay groups (their
+members and prefixes live in fixed-size step inputs, so one graph replays any grouping). Every
+graph is captured up front (`capture_all`), largest first so that the smaller ones reuse its
+memory pool; a request never waits on a capture."""
 
 from __future__ import annotations
 
@@ -85,13 +88,16 @@ class DecodeGraphs:
         device = self.runner.device
         torch.cuda.synchronize(device)
         started, reserved = time.perf_counter(), torch.cuda.memory_reserved(device)
+        relay = (False, True) if self.runner.inputs.relay.mode != "off" else (False,)
         for size in reversed(self.sizes):
             for variant in self.variants(size):
                 for is_greedy in (False, True):
-                    shape = self.runner.inputs.fill_dummy(size, 1, adapter_slot=0, is_greedy=is_greedy,
-                                                          **variant)
-                    self.runner.inputs.upload()
-                    self._graphs[shape.graph_key] = self._capture(shape)
+                    for has_relay in relay if size >= 2 else (False,):
+                        shape = self.runner.inputs.fill_dummy(
+                            size, 1, adapter_slot=0, is_greedy=is_greedy, has_relay=has_relay,
+                            **variant)
+                        self.runner.inputs.upload()
+                        self._graphs[shape.graph_key] = self._capture(shape)
         torch.cuda.synchronize(device)
         self.report = CaptureReport(
             num_graphs=len(self._graphs), batch_sizes=tuple(self.sizes),
@@ -129,5 +135,5 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self._pool):
                 self._run(shape)
         logger.debug("captured decode graph: batch %d, lora %s, greedy %s, input scale %s, expand %s, "
-                     "flora rows %d", *shape.graph_key)
+                     "flora rows %d, relay %s", *shape.graph_key)
         return graph

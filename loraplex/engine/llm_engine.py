@@ -34,7 +34,9 @@ from loraplex.engine.lora_weights import HostAdapter, LoraSlotBuffers, adapter_b
 from loraplex.engine.model_runner import LaunchedStep, ModelRunner
 from loraplex.engine.plan import StepPlan, StepResult
 from loraplex.engine.policy import FcfsPolicy, SchedulingPolicy, VtcPolicy
+from loraplex.engine.prefix_cache import block_hashes
 from loraplex.engine.prompt_logprobs import SLICE_BYTES
+from loraplex.engine.relay_groups import RelayRule
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.sizing import (
@@ -78,6 +80,20 @@ class InFlight:
     """Requests that generate nothing and whose prompt this step completes."""
 
 
+@dataclass
+class PinnedPrompt:
+    """A registered system prompt whose full KV blocks the engine holds (never evicted)."""
+
+    token_ids: list[int]
+    tenant: str
+    adapter: str | None
+    """Adapter digest (None: the base model)."""
+    block_ids: list[int] = field(default_factory=list)
+    """Held blocks; empty until its warm-up request has computed them."""
+    hashes: list[bytes] = field(default_factory=list)
+    """The held blocks' prefix-cache hashes."""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM | None = None) -> None:
         """Load the model folder `config.model`, or serve `model` (already on its device, e.g.
@@ -104,7 +120,8 @@ class LLMEngine:
         block_size = config.cache.block_size
         self.kv_cache = make_kv_cache(self.memory, self.model_config, block_size, self.dtype, self.device)
         self.max_model_len = min(self.max_model_len, self.memory.num_kv_blocks * block_size)
-        self.blocks = BlockManager(self.memory.num_kv_blocks, block_size)
+        self.blocks = BlockManager(self.memory.num_kv_blocks, block_size,
+                                   enable_prefix_caching=config.cache.enable_prefix_caching)
         block_bytes = self.kv_cache[0].numel() * self.kv_cache.element_size()
         num_host_blocks = KvSwapper.host_blocks_for(config.cache.swap_space, block_bytes)
         self.local_adapters = LocalAdapters(self.model_config.shape, max_rank)
@@ -123,7 +140,7 @@ class LLMEngine:
             self.model, self.kv_cache, self.lora, ops, config.scheduler.max_num_seqs,
             config.scheduler.max_num_batched_tokens, max_blocks_per_seq=-(-self.max_model_len // block_size),
             use_cuda_graphs=use_graphs, num_host_blocks=num_host_blocks,
-            flora_graphs=config.lora.flora_graphs)
+            flora_graphs=config.lora.flora_graphs, relay=RelayRule(config.relay_attention))
         self.graphs: CaptureReport | None = self.runner.graphs.capture_all() if use_graphs else None
         if self.device.type == "cuda":  # compiles kernels now, not on the first requests' time
             started = time.perf_counter()
@@ -141,6 +158,8 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self._pins: dict[str, PinnedPrompt] = {}
+        self._pin_by_request: dict[str, str] = {}  # warm-up request id -> pin key
 
     def _policy(self) -> SchedulingPolicy:
         config = self.config.scheduler
@@ -240,11 +259,15 @@ class LLMEngine:
         params = params or SamplingParams()
         token_ids = self._prompt_ids(prompt, prompt_token_ids)
         digest = self._resolve_adapter(adapter) if adapter is not None else None
+        tenant = tenant or DEFAULT_TENANT
+        room = self._room_beside_pins(token_ids, tenant, digest)
+        if len(token_ids) >= room:
+            raise self._no_room_error(len(token_ids), room)
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, params=params,
             seed=params.seed if params.seed is not None else self._seeds.getrandbits(62),
-            arrival=self._arrivals, tenant=tenant or DEFAULT_TENANT, adapter=digest, adapter_name=adapter,
-            max_num_tokens=min(len(token_ids) + params.max_tokens, self.max_model_len),
+            arrival=self._arrivals, tenant=tenant, adapter=digest, adapter_name=adapter,
+            max_num_tokens=min(len(token_ids) + params.max_tokens, room),
         )
         if sample_of is not None:
             request.prompt_donor = self._prompt_donor(request, sample_of)
@@ -291,17 +314,22 @@ class LLMEngine:
             return False
         self._detokenizers.pop(request_id, None)
         self.scheduler.finish(request, "abort")
+        if (key := self._pin_by_request.pop(request_id, None)) is not None:
+            self._pins.pop(key, None)  # its warm-up never ended: the next request pins it anew
         if self._orphans:
             self._drop_orphans()
         return True
 
     def abort_all(self) -> int:
         """Stop every request (after the step in flight, if any, is collected): the engine is
-        left idle, every block and slot free. Returns how many were stopped."""
+        left idle, every block and slot free (pinned prompts' included). Returns how many were
+        stopped."""
         self.drain()
         request_ids = list(self._requests)
         for request_id in request_ids:
             self.abort(request_id)
+        for key in list(self._pins):
+            self.unpin_prompt(key)
         return len(request_ids)
 
     def preempt(self, request_id: str) -> bool:
@@ -313,6 +341,79 @@ class LLMEngine:
             return False
         self.scheduler.preempt(request)
         return True
+
+    # Registered system prompts ------------------------------------------------------------
+    def pin_prompt(self, key: str, token_ids: list[int], tenant: str | None = None,
+                   adapter: str | None = None) -> None:
+        """Prefill a system prompt's tokens (under `tenant` and `adapter`, a name or a digest)
+        and hold its full KV blocks, so that requests starting with those tokens find them in
+        the prefix cache whatever the pressure. Nothing to do if `key` is pinned already; with
+        the prefix cache off, nothing at all."""
+        if key in self._pins or not self.blocks.enable_prefix_caching:
+            return
+        digest = self._resolve_adapter(adapter) if adapter is not None else None
+        request_id = f"pin-{key}"
+        self._pins[key] = PinnedPrompt(list(token_ids), tenant or DEFAULT_TENANT, digest)
+        self._pin_by_request[request_id] = key
+        try:
+            self.add_request(request_id, prompt_token_ids=list(token_ids), adapter=adapter, tenant=tenant,
+                             params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        except Exception:  # e.g. no room beside the other pins: nothing pinned
+            del self._pins[key], self._pin_by_request[request_id]
+            raise
+
+    def unpin_prompt(self, key: str) -> None:
+        """Let a pinned prompt's blocks go (cached, evictable once nobody else holds them)."""
+        pin = self._pins.pop(key, None)
+        if pin is not None:
+            self.blocks.free(pin.block_ids)
+            pin.block_ids = []
+
+    def pinned_prompts(self) -> dict[str, int]:
+        """Each pinned prompt's key -> the KV blocks it holds (0 while its warm-up runs)."""
+        return {key: len(pin.block_ids) for key, pin in list(self._pins.items())}
+
+    def _hold_pin(self, request_id: str) -> None:
+        """A warm-up request ended (its blocks are cached, nobody holds them): hold the
+        prompt's full blocks."""
+        pin = self._pins.get(self._pin_by_request.pop(request_id, ""))
+        if pin is None or pin.block_ids:
+            return
+        hashes = block_hashes(pin.token_ids, self.blocks.block_size, pin.tenant, pin.adapter)
+        pin.block_ids = self.blocks.match(hashes, len(hashes))
+        pin.hashes = hashes[:len(pin.block_ids)]
+
+    def _room_beside_pins(self, token_ids: list[int], tenant: str, adapter: str | None) -> int:
+        """Tokens of KV a request of this prompt, tenant and adapter digest can hold: the
+        context, less the blocks pinned prompts hold that its prompt does not start with."""
+        pinned = {block: block_hash for pin in self._pins.values()
+                  for block, block_hash in zip(pin.block_ids, pin.hashes)}
+        if not pinned:
+            return self.max_model_len
+        own = set(block_hashes(token_ids, self.blocks.block_size, tenant, adapter))
+        num_apart = sum(block_hash not in own for block_hash in pinned.values())
+        return min(self.max_model_len, (self.blocks.num_blocks - num_apart) * self.blocks.block_size)
+
+    def _no_room_error(self, num_prompt_tokens: int, room: int) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"the prompt has {num_prompt_tokens} tokens; beside the KV blocks that registered system "
+            f"prompts hold, the KV cache has room for {room} tokens of this request", param="prompt")
+
+    def _refit_beside_pins(self) -> list[RequestOutput]:
+        """A pin took its blocks: a request whose tokens no longer fit fails (it would wait
+        forever); the others generate at most what fits (as if the context were that much
+        shorter)."""
+        failed = []
+        for request in list(self._requests.values()):
+            if request.request_id in self._pin_by_request:
+                continue
+            room = self._room_beside_pins(request.prompt_token_ids, request.tenant, request.adapter)
+            if request.num_tokens >= room:
+                error = self._no_room_error(request.num_prompt_tokens, room)
+                failed += self._fail([request.request_id], error)
+            else:
+                request.max_num_tokens = min(request.max_num_tokens, room)
+        return failed
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._in_flight is not None
@@ -335,12 +436,25 @@ class LLMEngine:
             outputs += self.collect(launched)
         if launched is None and self._in_flight is None and not outputs:
             time.sleep(IDLE_WAIT_S)  # only waiting for adapter loads: let their threads run
-        return outputs
+        return self._without_pins(outputs)
+
+    def _without_pins(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Outputs of callers' requests: pin warm-ups end here, holding their blocks."""
+        if not self._pin_by_request:
+            return outputs
+        kept, has_held = [], False
+        for output in outputs:
+            if output.request_id not in self._pin_by_request:
+                kept.append(output)
+            elif output.finished:
+                self._hold_pin(output.request_id)
+                has_held = True
+        return kept + self._refit_beside_pins() if has_held else kept
 
     def drain(self) -> list[RequestOutput]:
         """Collect the step in flight, if any (afterwards nothing runs on the device)."""
         step, self._in_flight = self._in_flight, None
-        return self.collect(step) if step is not None else []
+        return self._without_pins(self.collect(step)) if step is not None else []
 
     def launch(self, plan: StepPlan, failed: list[RequestOutput]) -> InFlight | None:
         """Queue a planned step on the device and count its work as done. If the model fails,
@@ -499,6 +613,9 @@ class LLMEngine:
             swap_seconds_stalled=swaps.seconds_stalled,
             running_by_adapter=dict(Counter(r.adapter for r in scheduler.running if r.adapter)),
             waiting_by_adapter=dict(Counter(r.adapter for r in waiting if r.adapter)),
+            prefix_queried_tokens=self.blocks.num_queried_tokens,
+            prefix_hit_tokens=self.blocks.num_hit_tokens,
+            prefix_evicted_blocks=self.blocks.num_evicted_blocks,
         )
 
     def close(self) -> None:

@@ -24,9 +24,16 @@ from loraplex.engine.input_batch import InputBatch
 from loraplex.engine.kv_swap import KvSwapper
 from loraplex.engine.lora_weights import LoraSlotBuffers
 from loraplex.engine.plan import StepPlan, StepResult
+from loraplex.engine.relay_groups import RelayRule
 from loraplex.engine.step_inputs import PENDING, FilledStep, SlotFamilies, StepInputs, StepShape
 from loraplex.kernels import Ops
-from loraplex.model.context import AttentionMetadata, ForwardContext, LoraMetadata, forward_context
+from loraplex.model.context import (
+    AttentionMetadata,
+    ForwardContext,
+    LoraMetadata,
+    RelayMetadata,
+    forward_context,
+)
 from loraplex.model.llama import LlamaForCausalLM
 from loraplex.types import TokenLogprob
 
@@ -62,9 +69,11 @@ class ModelRunner:
         self, model: LlamaForCausalLM, kv_cache: torch.Tensor, lora: LoraSlotBuffers, ops: Ops,
         max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
         use_cuda_graphs: bool = False, num_host_blocks: int = 0, flora_graphs: bool = False,
+        relay: RelayRule | None = None,
     ) -> None:
         """`num_host_blocks`: the host pool that preempted requests' KV is swapped to;
-        `flora_graphs`: capture the decode graphs of steps with FLoRA rows too."""
+        `flora_graphs`: capture the decode graphs of steps with FLoRA rows too; `relay`: when
+        decode steps read shared prefixes once per relay group (None: never)."""
         self.model, self.kv_cache, self.lora, self.ops = model, kv_cache, lora, ops
         self.swapper = KvSwapper(kv_cache, num_host_blocks) if num_host_blocks else None
         self.device = kv_cache.device
@@ -72,7 +81,7 @@ class ModelRunner:
         self.inputs = StepInputs(max(max_num_batched_tokens, max_num_seqs), max_num_seqs,
                                  max_blocks_per_seq, kv_cache.shape[3], self.device,
                                  SlotFamilies(lora.slot_flora_rank, lora.slot_input_scaled,
-                                              lora.slot_needs_expand))
+                                              lora.slot_needs_expand), relay)
         # [max_num_seqs + 1]: the last token sampled for each row; the spare row takes padding's.
         self.row_tokens = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=self.device)
         self.on_logits: Callable[[list[str], torch.Tensor], None] | None = None
@@ -142,6 +151,9 @@ class ModelRunner:
             slot_mapping=s.slot_mapping[:t], block_tables=s.block_tables[:shape.num_seqs],
             query_start_loc=s.query_start_loc[:shape.num_seqs + 1], seq_lens=s.seq_lens[:shape.num_seqs],
             max_query_len=shape.max_query_len)
+        if shape.has_relay:
+            attention.relay = RelayMetadata(s.prefix_lens[:shape.num_seqs], s.relay_members[:shape.num_seqs],
+                                            s.group_starts[:shape.num_group_starts])
         lora = None
         if shape.has_lora:
             lora = LoraMetadata(s.token_slots[:t], self.lora, has_input_scale=shape.has_input_scale,

@@ -47,6 +47,10 @@ class Request:
     swap-in so that the next swap-out copies only what was written since)."""
     num_host_tokens: int = 0
     """Tokens whose K/V the host copy holds."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Prefix cache identities of the prompt's full blocks (empty with the cache off)."""
+    num_swap_prefix_blocks: int = 0
+    """Leading cached blocks that its host copy leaves out (they stay on the device, shared)."""
     num_prompt_charged: int = 0
     """Prompt tokens counted as service to the tenant (recomputing them is not counted again)."""
     prompt_donor: Request | None = None

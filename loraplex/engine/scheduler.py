@@ -34,6 +34,7 @@ from loraplex.engine.adapter_cache import AdapterCache, Wait
 from loraplex.engine.block_manager import BlockManager, HostBlockPool
 from loraplex.engine.plan import NewSequence, StepPlan
 from loraplex.engine.policy import SchedulingPolicy
+from loraplex.engine.prefix_cache import block_hashes
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine_config import SchedulerConfig
 from loraplex.types import FinishReason
@@ -69,6 +70,9 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
+        if self.blocks.enable_prefix_caching:
+            request.block_hashes = block_hashes(request.prompt_token_ids, self.blocks.block_size,
+                                                request.tenant, request.adapter)
         if request.adapter is not None:
             self.adapters.need(request.adapter)
         self.policy.add(request)
@@ -123,29 +127,17 @@ class Scheduler:
         """Preempt `request` at the next step if it still runs then (as the policy would)."""
         self._asked.append(request)
 
-    def _make_room(self, blocked: Request, plan: StepPlan, scheduled: dict[str, int]
-                   ) -> tuple[str, int] | None:
-        """`blocked` found no running place or KV blocks: let the policy preempt a request
-        that ran before this step for it. Returns the victim's id and the tokens it had been
-        given in this step, or None if the policy lets `blocked` wait."""
+    def _make_room(self, blocked: Request, plan: StepPlan, scheduled: dict[str, int],
+                   for_slot: bool = False) -> tuple[str, int] | None:
+        """`blocked` found no running place or KV blocks (`for_slot`: no device slot): let the
+        policy preempt a request that ran before this step for it (for a slot, one that holds
+        its slot alone, so that the slot frees). Returns the victim's id and the tokens it had
+        been given in this step, or None if the policy lets `blocked` wait."""
         new = {seq.request_id for seq in plan.new}
         candidates = [r for r in self.running if r.request_id not in new]
-        victim = self.policy.fairness_victim(candidates, blocked) if candidates else None
-        if victim is None or victim.tenant == blocked.tenant:
-            return None
-        tokens = scheduled.pop(victim.request_id, 0)
-        self._preempt(victim, plan, "fairness")
-        return victim.request_id, tokens
-
-    def _free_slot(self, blocked: Request, plan: StepPlan, scheduled: dict[str, int]
-                   ) -> tuple[str, int] | None:
-        """`blocked` waits for a device slot that running requests hold: let the policy preempt
-        a request that holds a slot alone (so that the slot frees) for it, as for KV blocks.
-        Returns the victim's id and the tokens it had been given in this step, or None."""
-        new = {seq.request_id for seq in plan.new}
-        holders = Counter(r.adapter for r in self.running)
-        candidates = [r for r in self.running
-                      if r.adapter is not None and holders[r.adapter] == 1 and r.request_id not in new]
+        if for_slot:
+            holders = Counter(r.adapter for r in self.running)
+            candidates = [r for r in candidates if r.adapter is not None and holders[r.adapter] == 1]
         victim = self.policy.fairness_victim(candidates, blocked) if candidates else None
         if victim is None or victim.tenant == blocked.tenant:
             return None
@@ -187,6 +179,8 @@ class Scheduler:
                 continue
             if not self._share_prompt(request):  # its donor has not computed the shared blocks yet
                 continue
+            if self._waits_for_prefix(request):  # another request is computing its next block
+                continue
             slot = 0
             if request.adapter is not None:
                 if no_slots or (no_host_room and not self.adapters.slot_of(request.adapter)):
@@ -194,7 +188,7 @@ class Scheduler:
                     continue
                 acquired = self.adapters.acquire(request.adapter)
                 if acquired is Wait.NO_SLOT and not no_slots:
-                    freed = self._free_slot(request, plan, scheduled)
+                    freed = self._make_room(request, plan, scheduled, for_slot=True)
                     if freed is not None:  # the victim's slot is free now
                         budget += freed[1]
                         acquired = self.adapters.acquire(request.adapter)
@@ -207,14 +201,17 @@ class Scheduler:
                     continue
                 slot = acquired
             swapped = request.is_swapped
+            cached = self._take_cached_prefix(request)
+            swapped = swapped and request.num_computed_tokens > 0  # (its prefix may be evicted)
             num_new = 0 if swapped else min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._reserve(request, num_new, plan):
                 if slot:
                     self.adapters.release(request.adapter)
+                self._return_cached_prefix(request, cached, swapped)
                 return budget, request
-            if swapped:  # copied back beside this step; it computes from the next
-                plan.swap_in += zip(request.host_block_ids, request.block_ids)
-                self.num_blocks_swapped_in += len(request.block_ids)
+            if swapped:  # copied back beside this step (all but its cached prefix); it computes from the next
+                plan.swap_in += zip(request.host_block_ids, request.block_ids[cached:])
+                self.num_blocks_swapped_in += len(request.block_ids) - cached
             self._start(request, slot, plan)
             if not swapped:
                 scheduled[request.request_id] = num_new
@@ -239,6 +236,53 @@ class Scheduler:
         self.blocks.share(request.block_ids)
         request.num_computed_tokens = needed
         return True
+
+    def _max_cached_blocks(self, request: Request) -> int:
+        """Prompt blocks a fresh request may take from the prefix cache: it computes at least
+        its last prompt token (it samples from it); one that scores its prompt takes none."""
+        if request.params.prompt_logprobs is not None:
+            return 0
+        return (request.num_prompt_tokens - 1) // self.blocks.block_size
+
+    def _waits_for_prefix(self, request: Request) -> bool:
+        """A fresh request waits while a running request's step is about to write its next
+        prompt block: it finds that block cached at the next step instead of computing it."""
+        if request.block_ids or request.num_computed_tokens or not request.block_hashes:
+            return False
+        hashes = request.block_hashes[:self._max_cached_blocks(request)]
+        num_hits = self.blocks.num_hits(hashes)
+        return num_hits < len(hashes) and self.blocks.is_computing(hashes[num_hits])
+
+    def _take_cached_prefix(self, request: Request) -> int:
+        """References to the cached blocks that start a request holding no blocks; returns how
+        many it took. A swapped request takes back the prefix it left on the device (its host
+        copy holds the rest), or, if that was evicted since, drops its host copy and computes
+        again."""
+        if request.block_ids or not request.block_hashes:
+            return 0
+        if request.is_swapped:
+            num_prefix = request.num_swap_prefix_blocks
+            if num_prefix == 0:
+                return 0
+            request.block_ids = self.blocks.match(request.block_hashes, num_prefix)
+            if len(request.block_ids) == num_prefix:
+                return num_prefix
+            self.blocks.free(request.block_ids)
+            request.block_ids, request.num_computed_tokens = [], 0
+            self._drop_host_copy(request)
+        if request.num_computed_tokens:
+            return 0
+        request.block_ids = self.blocks.match(request.block_hashes, self._max_cached_blocks(request))
+        request.num_computed_tokens = len(request.block_ids) * self.blocks.block_size
+        return len(request.block_ids)
+
+    def _return_cached_prefix(self, request: Request, num_cached: int, swapped: bool) -> None:
+        """Undo `_take_cached_prefix` for a request that stays waiting."""
+        if num_cached:
+            self.blocks.free(request.block_ids)
+            request.block_ids = []
+            if not swapped:
+                request.num_computed_tokens = 0
 
     def _prefetch(self, upcoming: Iterator[Request]) -> None:
         """Start host loads of the adapters of the next requests in line, while there is room."""
@@ -266,6 +310,9 @@ class Scheduler:
         new_blocks = self.blocks.allocate(needed)
         if new_blocks is None:
             return False
+        first = len(request.block_ids)
+        if first * self.blocks.block_size >= request.num_computed_tokens:  # blocks this step writes
+            self.blocks.register(new_blocks, request.block_hashes[first:])
         request.block_ids.extend(new_blocks)
         plan.new_block_ids.setdefault(request.request_id, []).extend(new_blocks)
         return True
@@ -286,6 +333,10 @@ class Scheduler:
         sampling = []
         for request_id, num_new, samples in zip(plan.request_ids, plan.num_scheduled_tokens, plan.samples):
             request = by_id[request_id]
+            if request.block_hashes:  # cached prompt blocks this step completes
+                bs, computed = self.blocks.block_size, request.num_computed_tokens
+                end = min((computed + num_new) // bs, len(request.block_hashes))
+                self.blocks.mark_computed(request.block_ids[computed // bs:end])
             request.num_computed_tokens += num_new
             prompt = max(0, min(request.num_computed_tokens, request.num_prompt_tokens)
                          - request.num_prompt_charged)
@@ -346,18 +397,25 @@ class Scheduler:
     # Swapping ------------------------------------------------------------------------------
     def _swap_out(self, request: Request, plan: StepPlan) -> bool:
         """Queue the copy of a victim's computed KV to the host pool: only the blocks its host
-        copy does not hold yet. False (nothing queued) if the pool has no room."""
-        num_blocks = -(-request.num_computed_tokens // self.blocks.block_size)
+        copy does not hold yet, and none of its leading cached prefix blocks (shared blocks
+        stay on the device; it finds them again when it resumes). False (nothing queued) if the
+        pool has no room."""
+        bs = self.blocks.block_size
+        num_blocks = -(-request.num_computed_tokens // bs)
         if self.host_blocks is None or num_blocks == 0:
             return False
-        more = num_blocks - len(request.host_block_ids)
+        if not request.num_host_tokens:
+            request.num_swap_prefix_blocks = min(self.blocks.num_cached_prefix(request.block_ids),
+                                                 len(request.block_hashes), num_blocks)
+        prefix = request.num_swap_prefix_blocks
+        more = num_blocks - prefix - len(request.host_block_ids)
         if more > 0:
             blocks = self._allocate_host(more)
             if blocks is None:
                 return False
             request.host_block_ids += blocks
-        valid = min(request.num_host_tokens, request.num_computed_tokens) // self.blocks.block_size
-        plan.swap_out += zip(request.block_ids[valid:num_blocks], request.host_block_ids[valid:num_blocks])
+        valid = max(prefix, min(request.num_host_tokens, request.num_computed_tokens) // bs)
+        plan.swap_out += zip(request.block_ids[valid:num_blocks], request.host_block_ids[valid - prefix:])
         self.num_blocks_swapped_out += num_blocks - valid
         request.num_host_tokens = request.num_computed_tokens
         request.prompt_donor = None  # its own blocks from now on

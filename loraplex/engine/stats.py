@@ -53,6 +53,12 @@ class EngineStats:
     """Running requests per adapter digest (base-model requests are not counted)."""
     waiting_by_adapter: dict[str, int]
     """Waiting requests per adapter digest."""
+    prefix_queried_tokens: int = 0
+    """Prompt tokens looked up in the prefix cache."""
+    prefix_hit_tokens: int = 0
+    """Prompt tokens found there (their KV not computed again)."""
+    prefix_evicted_blocks: int = 0
+    """Cached blocks nobody held, handed out again."""
 
     @property
     def kv_cache_usage(self) -> float:

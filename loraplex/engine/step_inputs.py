@@ -21,6 +21,7 @@ import torch
 from loraplex.engine.input_batch import InputBatch
 from loraplex.engine.plan import StepPlan
 from loraplex.engine.prompt_logprobs import PromptSelection
+from loraplex.engine.relay_groups import RelayRule, find_groups
 from loraplex.model.context import FloraRows
 
 PENDING = -1
@@ -28,6 +29,7 @@ PENDING = -1
 it from the runner's `row_tokens`."""
 
 TOKENS, SEQS, QUERY_STARTS, SAMPLES, FLORA_ROWS = "tokens", "seqs", "query_starts", "samples", "flora_rows"
+MEMBERS, GROUP_STARTS = "members", "group_starts"
 FLORA_ROW_BUCKETS = (16, 64, 256, 1024)
 """The FLoRA rows a decode graph is captured with (a step's rows are padded to the next one):
 few enough graphs to capture, at most 4x the rows (padding rows cost their share of the
@@ -47,7 +49,8 @@ class Field:
     axis: str
     """TOKENS (one value per scheduled token), SEQS (per scheduled sequence), QUERY_STARTS (per
     sequence, plus one), SAMPLES (per token that samples), FLORA_ROWS (per FLoRA row of a
-    decode step)."""
+    decode step), MEMBERS (per relay group member, as many places as sequences), GROUP_STARTS
+    (per relay group, plus one: sequences // 2 + 1)."""
     pad: float | str
     """Value of padding entries ("spare row": the spare row of row_tokens)."""
 
@@ -67,6 +70,9 @@ FIELDS = (
     Field("top_p", torch.float32, SAMPLES, 1.0),
     Field("seeds", torch.int64, SAMPLES, 0),
     Field("offsets", torch.int64, SAMPLES, 0),  # index of the output token sampled next
+    Field("prefix_lens", torch.int32, SEQS, 0),  # tokens of its relay group's prefix; 0: none
+    Field("relay_members", torch.int32, MEMBERS, 0),  # sequences, relay group by group
+    Field("group_starts", torch.int32, GROUP_STARTS, "members"),  # padding: empty groups at the end
     # A decode step's FLoRA rows (FloraRows), padded to its graph's count: written by `fill`.
     # Padding rows: token 0, slot 0 (whose FLoRA ranks are 0), component 0: they read nothing.
     Field("flora_row_tokens", torch.int64, FLORA_ROWS, 0),
@@ -95,15 +101,22 @@ class StepShape:
     flora_rows: int = 0
     """FLoRA rows the step adds to each base product (`StepInputs.flora`; a decode step's
     padded to a FLORA_ROW_BUCKETS count); 0: no FLoRA token."""
+    has_relay: bool = False
+    """A decode step with relay groups (prefix_lens, relay_members, group_starts)."""
 
     @property
     def has_flora(self) -> bool:
         return self.flora_rows > 0
 
     @property
-    def graph_key(self) -> tuple[int, bool, bool, bool, bool, int]:
+    def graph_key(self) -> tuple[int, bool, bool, bool, bool, int, bool]:
         return (self.num_seqs, self.has_lora, self.is_greedy, self.has_input_scale, self.has_expand,
-                self.flora_rows)
+                self.flora_rows, self.has_relay)
+
+    @property
+    def num_group_starts(self) -> int:
+        """Entries of group_starts the step reads (room for every possible group)."""
+        return self.num_seqs // 2 + 1
 
 
 @dataclass
@@ -136,16 +149,22 @@ class SlotFamilies:
 
 class StepInputs:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device, families: SlotFamilies | None = None) -> None:
+                 device: torch.device, families: SlotFamilies | None = None,
+                 relay: RelayRule | None = None) -> None:
         """Room for `max_tokens` tokens and `max_seqs` sequences; the spare row of row_tokens
-        (padding's destination) is `max_seqs`."""
+        (padding's destination) is `max_seqs`. `relay`: when decode steps form relay groups
+        (None: never)."""
         self.max_tokens, self.max_seqs, self.block_size = max_tokens, max_seqs, block_size
         self.device, self.families = device, families
+        self.relay = relay if relay is not None else RelayRule("off")
+        self.num_relay_steps = self.num_relay_groups = self.num_relay_members = 0
+        """Decode steps filled with relay groups, and their groups and members, in all."""
         self.flora: FloraRows | None = None
         """The FLoRA rows of the step filled last: views of the flora_* buffers for a decode step
         (padded; fixed addresses for the graphs), tensors of their own for other steps."""
         lengths = {TOKENS: max_tokens, SEQS: max_seqs, QUERY_STARTS: max_seqs + 1, SAMPLES: max_seqs,
-                   FLORA_ROWS: FLORA_ROW_BUCKETS[-1]}
+                   FLORA_ROWS: FLORA_ROW_BUCKETS[-1], MEMBERS: max_seqs,
+                   GROUP_STARTS: max_seqs // 2 + 1}
         pin = device.type == "cuda"
         # One buffer per dtype on each side; each field is a slice of its dtype's buffer.
         sizes: dict[torch.dtype, int] = {}
@@ -211,6 +230,12 @@ class StepInputs:
             sample_of, sample_rows = np.flatnonzero(samples), rows[samples]
         token_slots = batch.adapter_slot[token_rows]
         blocks = batch.block_table[token_rows, positions // bs].astype(np.int64)
+        groups = find_groups(batch.block_table[rows], start + num_new, bs,
+                             self.relay if max_query_len == 1 else RelayRule("off"))
+        if groups.num_groups:
+            self.num_relay_steps += 1
+            self.num_relay_groups += groups.num_groups
+            self.num_relay_members += len(groups.members)
         values = {
             "input_ids": input_ids, "positions": positions, "token_rows": token_rows,
             "slot_mapping": blocks * bs + positions % bs,
@@ -219,16 +244,22 @@ class StepInputs:
             "temperature": batch.temperature[sample_rows], "top_k": batch.top_k[sample_rows],
             "top_p": batch.top_p[sample_rows], "seeds": batch.seed[sample_rows],
             "offsets": batch.num_tokens_of(sample_rows) - batch.num_prompt_tokens[sample_rows],
+            "prefix_lens": groups.prefix_lens, "relay_members": groups.members,
+            "group_starts": groups.group_starts,
         }
         size = pad_to if decode else n
         counts = {TOKENS: (num_tokens, size if decode else num_tokens), SEQS: (n, size),
-                  QUERY_STARTS: (n + 1, size + 1), SAMPLES: (len(sample_rows), size)}
+                  QUERY_STARTS: (n + 1, size + 1), SAMPLES: (len(sample_rows), size),
+                  MEMBERS: (len(groups.members), size),
+                  GROUP_STARTS: (groups.num_groups + 1, size // 2 + 1)}
         for name, value in values.items():
             used, padded = counts[self._axes[name]]
             out = host[name]
             out[:used] = value
             if name == "query_start_loc":  # padding sequences own one (padding) token each
                 out[used:padded] = num_tokens + np.arange(1, padded - used + 1)
+            elif name == "group_starts":
+                out[used:padded] = len(groups.members)
             else:
                 out[used:padded] = self._pads[name]
         self._host_blocks[self._turn].numpy()[:n] = batch.block_table[rows]
@@ -247,7 +278,7 @@ class StepInputs:
             num_samples=size if decode else len(sample_rows), max_query_len=max_query_len,
             has_lora=has_lora, is_greedy=not batch.temperature[sample_rows].any(),
             is_padded_decode=decode, has_input_scale=has_input_scale, has_expand=has_expand,
-            flora_rows=flora_rows)
+            flora_rows=flora_rows, has_relay=groups.num_groups > 0)
         return FilledStep(shape, rows, samples, n, start, num_new, query_start)
 
     def _fill_flora(self, host: dict[str, np.ndarray], token_slots: np.ndarray, ranks: np.ndarray,
@@ -292,11 +323,12 @@ class StepInputs:
 
     def fill_dummy(self, num_seqs: int, tokens_per_seq: int, adapter_slot: int, is_greedy: bool,
                    has_lora: bool, has_input_scale: bool = False, has_expand: bool = True,
-                   flora_rows: int = 0) -> StepShape:
+                   flora_rows: int = 0, has_relay: bool = False) -> StepShape:
         """A step of dummy sequences that store nothing, to capture a graph (one token each:
-        padding, attention reads nothing) or to measure a step's memory (several tokens each:
-        attention reads block 0 over and over). Every sequence samples. `flora_rows` (a decode
-        step's, at most FLORA_ROW_BUCKETS[-1]): that many padding FLoRA rows."""
+        padding, attention reads nothing; with `has_relay`, empty relay groups) or to measure a
+        step's memory (several tokens each: attention reads block 0 over and over). Every
+        sequence samples. `flora_rows` (a decode step's, at most FLORA_ROW_BUCKETS[-1]): that many
+        padding FLoRA rows."""
         host = self._next_host_set()
         num_tokens = num_seqs * tokens_per_seq
         ends = np.arange(1, num_seqs + 1) * tokens_per_seq
@@ -306,9 +338,11 @@ class StepInputs:
             "seq_lens": 0 if tokens_per_seq == 1 else tokens_per_seq,
             "query_start_loc": np.concatenate(([0], ends)), "logits_indices": ends - 1,
             "sample_rows": self.max_seqs, "temperature": 0.0 if is_greedy else 1.0, "top_k": 0,
-            "top_p": 1.0, "seeds": 0, "offsets": 0,
+            "top_p": 1.0, "seeds": 0, "offsets": 0, "prefix_lens": 0, "relay_members": 0,
+            "group_starts": 0,
         }
-        counts = {TOKENS: num_tokens, SEQS: num_seqs, QUERY_STARTS: num_seqs + 1, SAMPLES: num_seqs}
+        counts = {TOKENS: num_tokens, SEQS: num_seqs, QUERY_STARTS: num_seqs + 1, SAMPLES: num_seqs,
+                  MEMBERS: num_seqs, GROUP_STARTS: num_seqs // 2 + 1}
         for name, value in values.items():
             host[name][:counts[self._axes[name]]] = value
         self._host_blocks[self._turn][:num_seqs] = 0
@@ -327,7 +361,8 @@ class StepInputs:
                          is_greedy=is_greedy, is_padded_decode=tokens_per_seq == 1,
                          has_input_scale=has_lora and has_input_scale,
                          has_expand=has_lora and (has_expand or has_input_scale),
-                         flora_rows=flora_rows if has_lora else 0)
+                         flora_rows=flora_rows if has_lora else 0,
+                         has_relay=has_relay and tokens_per_seq == 1 and num_seqs >= 2)
 
     def _next_host_set(self) -> dict[str, np.ndarray]:
         self._turn ^= 1

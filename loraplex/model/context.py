@@ -14,6 +14,19 @@ import torch
 
 
 @dataclass
+class RelayMetadata:
+    """Sequences of a decode step that read a shared prefix once per group (see
+    kernels/relay_attention.py)."""
+
+    prefix_lens: torch.Tensor
+    """[num_seqs] int32: tokens of the sequence's group prefix; 0 = in no group."""
+    members: torch.Tensor
+    """[num_seqs] int32: sequences, group by group."""
+    group_starts: torch.Tensor
+    """[num_seqs // 2 + 1] int32: group g owns members[group_starts[g]:group_starts[g + 1]]."""
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor
     """[num_tokens] int64: cache slot of each new token (negative = padding, not stored)."""
@@ -25,6 +38,8 @@ class AttentionMetadata:
     """[num_seqs] int32: tokens of each sequence including the new ones."""
     max_query_len: int
     """Longest run of new tokens of one sequence; 1 means a pure decode step."""
+    relay: RelayMetadata | None = None
+    """Relay groups of a decode step (None: every sequence takes the plain path)."""
 
     @property
     def is_decode(self) -> bool:

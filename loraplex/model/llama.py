@@ -110,7 +110,12 @@ class Attention(nn.Module):
             w = context.lora.buffers.group(self.layer, "qkv")
             ia3 = (context.lora.token_slots, w.scale, w.fused_scaled)
         q = self.ops.rotary_store_kv(positions, q, k, v, cos_sin, kv_layer, meta.slot_mapping, *ia3)
-        if meta.is_decode:
+        if meta.is_decode and meta.relay is not None:
+            relay = meta.relay
+            out = self.ops.relay_decode_attention(q, kv_layer, meta.block_tables, meta.seq_lens,
+                                                  relay.prefix_lens, relay.members, relay.group_starts,
+                                                  self.scale)
+        elif meta.is_decode:
             out = self.ops.paged_decode_attention(q, kv_layer, meta.block_tables, meta.seq_lens, self.scale)
         else:
             out = self.ops.paged_attention(

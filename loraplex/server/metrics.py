@@ -147,6 +147,12 @@ class _EngineCollector(Collector):
             "vllm:num_preemptions": ("Requests preempted by the scheduler.", stats.num_preemptions),
             "loraplex:lora_host_loads": ("Adapters read into the host tier.", stats.num_adapter_host_loads),
             "loraplex:lora_slot_loads": ("Adapters copied into device slots.", stats.num_adapter_slot_loads),
+            "loraplex:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
+                                              stats.prefix_queried_tokens),
+            "loraplex:prefix_cache_hits": ("Prompt tokens found in the prefix cache.",
+                                           stats.prefix_hit_tokens),
+            "loraplex:prefix_cache_evicted_blocks": ("Cached KV blocks evicted (handed out again).",
+                                                     stats.prefix_evicted_blocks),
         }
         for name, (documentation, value) in counters.items():
             family = CounterMetricFamily(name, documentation, labels=["model_name"])

@@ -15,7 +15,8 @@ PROMPT = [5 + i % 40 for i in range(18)]  # 18 tokens: 4 full blocks of 4 hold p
 @pytest.fixture
 def llm(tiny_llama):
     model, adapters = tiny_llama
-    llm = LLM(model, device="cpu", block_size=4, max_num_batched_tokens=64)
+    # The prefix cache off: the samples' sharing is measured, not the alone runs' cached blocks.
+    llm = LLM(model, device="cpu", block_size=4, max_num_batched_tokens=64, enable_prefix_caching=False)
     llm.add_adapter("all8", adapters["all8"])
     llm.generate(prompt_token_ids=[[5]], adapters="all8", sampling_params=SamplingParams(max_tokens=1))
     return llm

@@ -37,6 +37,7 @@ from loraplex.server.schemas.openai import (
 )
 from loraplex.server.services import Services
 from loraplex.server.streaming import DONE, ChunkEvents, sse
+from loraplex.server.system_prompts import find_system_prompt, pin_system_prompt, reject_own_system_message
 from loraplex.types import RequestOutput
 
 router = APIRouter(prefix="/v1", tags=["OpenAI API"])
@@ -54,6 +55,13 @@ async def create_chat_completion(body: ChatCompletionRequest, principal: TenantD
     adapter = await resolve_model(services, principal.tenant, body.model)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
                 for m in body.messages]
+    if body.system_prompt is not None:
+        record = await find_system_prompt(services, principal.tenant, body.system_prompt, adapter)
+        reject_own_system_message([m["role"] for m in messages])
+        system = {"role": "system", "content": record.text}
+        messages = [system, *messages]
+        system_ids = await services.codec.encode_chat([system], principal.tenant)
+        await pin_system_prompt(services, record, system_ids, "chat")
     prompt_ids = truncated(body, await services.codec.encode_chat(messages, principal.tenant))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -36,6 +36,7 @@ from loraplex.server.schemas.openai import (
 )
 from loraplex.server.services import Services
 from loraplex.server.streaming import DONE, ChunkEvents, sse
+from loraplex.server.system_prompts import find_system_prompt, pin_system_prompt
 from loraplex.types import RequestOutput, TokenLogprob
 
 router = APIRouter(prefix="/v1", tags=["OpenAI API"])
@@ -63,7 +64,16 @@ async def create_completion(body: CompletionRequest, principal: TenantDep, servi
     nothing else), as likelihood evaluations do."""
     arrival = time.monotonic()
     adapter = await resolve_model(services, principal.tenant, body.model)
-    prompt_ids = truncated(body, await _prompt_token_ids(services, body.prompt, principal.tenant,
+    prompt = body.prompt
+    if body.system_prompt is not None:
+        record = await find_system_prompt(services, principal.tenant, body.system_prompt, adapter)
+        if not isinstance(prompt, str):
+            raise InvalidRequestError("a registered system_prompt goes before a text prompt, not token ids",
+                                      param="system_prompt")
+        prompt = record.text + prompt
+        await pin_system_prompt(services, record, await _prompt_token_ids(
+            services, record.text, principal.tenant, body.add_special_tokens), "completions")
+    prompt_ids = truncated(body, await _prompt_token_ids(services, prompt, principal.tenant,
                                                          body.add_special_tokens))
     echo_logprobs = body.logprobs if body.echo else None
     asked = [n for n in (echo_logprobs, body.prompt_logprobs) if n is not None]

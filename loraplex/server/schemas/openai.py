@@ -96,6 +96,11 @@ class SamplingFields(Request):
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES)] | None = Field(
         None, description=f"Up to {MAX_STOP_SEQUENCES} strings that end the output (not included).")
     seed: int | None = Field(None, description="The same seed, prompt and model give the same output.")
+    system_prompt: str | None = Field(
+        None, min_length=1, max_length=256, description="loraplex extension: the name of one of your "
+        "registered system prompts, put first (chat: as the system message; completions: before the "
+        "prompt). Its KV cache is computed once and shared. A prompt bound to an adapter serves only "
+        "with that adapter as `model`.")
     frequency_penalty: Literal[0] | None = unsupported()
     presence_penalty: Literal[0] | None = unsupported()
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = unsupported()

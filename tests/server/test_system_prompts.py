@@ -1,0 +1,60 @@
+"""Registered system prompts named in a request (`system_prompt` through the openai client's
+`extra_body`): the answer equals the one to a request that sends the text itself, and the
+engine holds the prompt's KV; another tenant's prompt name is 404; a prompt bound to adapter A
+used with adapter B (or the base model) is 400; a chat request naming one may not bring its own
+system message."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+
+from tests.server.server_support import MODEL_ID, Server
+
+GREEDY = {"temperature": 0, "max_tokens": 8}
+TEXT = "You are a terse assistant for the acme support desk. Answer in one short line. " * 2
+
+
+def test_a_registered_prompt_answers_as_its_text_does(sqlite_server: Server, engine) -> None:
+    server = sqlite_server
+    server.registry.prompts.add("acme", "desk", TEXT, adapter="style")
+    client = server.openai("acme")
+    named = client.completions.create(model="style", prompt="Where is my order?",
+                                      extra_body={"system_prompt": "desk"}, **GREEDY)
+    sent = client.completions.create(model="style", prompt=TEXT + "Where is my order?", **GREEDY)
+    assert named.choices[0].text == sent.choices[0].text
+    assert named.usage.prompt_tokens == sent.usage.prompt_tokens
+    held = [n for key, n in engine.pinned_prompts().items() if key.startswith("acme/desk/")]
+    assert held == [len(TEXT) // engine.config.cache.block_size]  # its full blocks, held
+    deadline = time.monotonic() + 10  # /metrics shows the engine's latest sampled stats
+    while server.metric("loraplex:prefix_cache_hits_total") < engine.blocks.num_hit_tokens:
+        assert time.monotonic() < deadline, "prefix cache hits never reached /metrics"
+        time.sleep(0.1)
+    assert 0 < server.metric("loraplex:prefix_cache_hits_total") <= server.metric(
+        "loraplex:prefix_cache_queries_total")
+    assert server.metric("loraplex:prefix_cache_evicted_blocks_total") >= 0
+    messages = [{"role": "user", "content": "Hi!"}]
+    chat = client.chat.completions.create(model="style", messages=messages,
+                                          extra_body={"system_prompt": "desk"}, **GREEDY)
+    chat_sent = client.chat.completions.create(
+        model="style", messages=[{"role": "system", "content": TEXT}, *messages], **GREEDY)
+    assert chat.choices[0].message.content == chat_sent.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as own_system:
+        client.chat.completions.create(model="style", extra_body={"system_prompt": "desk"},
+                                       messages=[{"role": "system", "content": "x"}, *messages], **GREEDY)
+    assert own_system.value.body["param"] == "system_prompt"
+
+
+def test_another_tenants_prompt_is_404_and_a_bound_prompt_serves_one_adapter(sqlite_server: Server) -> None:
+    server = sqlite_server
+    server.registry.prompts.add("acme", "desk", TEXT, adapter="style")
+    with pytest.raises(openai.NotFoundError):
+        server.openai("globex").completions.create(model="shared", prompt="Hi",
+                                                   extra_body={"system_prompt": "desk"}, **GREEDY)
+    for model in ("shared", MODEL_ID):
+        with pytest.raises(openai.BadRequestError) as wrong:
+            server.openai("acme").completions.create(model=model, prompt="Hi",
+                                                     extra_body={"system_prompt": "desk"}, **GREEDY)
+        assert wrong.value.body["param"] == "system_prompt"
