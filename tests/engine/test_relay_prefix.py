@@ -132,7 +132,9 @@ def test_mixed_batch_groups_only_same_tenant_and_adapter(case, monkeypatch, pref
     _check(tokens, case)
     assert all(len(t) == MAX_TOKENS for t in tokens.values())
     if prefix_cache:  # the group's members computed the system prompt once and read it together
-        assert GROUP in log.groups
+        # (which of them decode side by side, all four or the three that took the prompt from the
+        # first, depends on when their adapters finished loading)
+        assert any(len(group) >= 3 for group in log.groups), log.groups
         assert llm.engine.blocks.num_hit_tokens >= 3 * (SYSTEM_LEN // BLOCK_SIZE) * BLOCK_SIZE
     assert all(group <= GROUP for group in log.groups), "only same tenant and adapter share"
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
