@@ -12,6 +12,7 @@ import json
 
 from starlette.concurrency import run_in_threadpool
 
+from loraplex.engine.llm_engine import LLMEngine
 from loraplex.errors import InvalidRequestError
 from loraplex.registry.records import AdapterRecord, SystemPromptRecord
 from loraplex.server.services import Services
@@ -32,9 +33,30 @@ async def pin_system_prompt(services: Services, record: SystemPromptRecord, toke
     """Have the engine prefill and hold the prompt's KV (once per prompt row, API, adapter and
     tokens)."""
     tokens = hashlib.sha256(json.dumps(token_ids).encode()).hexdigest()[:16]  # a changed text: a new pin
-    key = f"{record.tenant}/{record.name}/{record.id}/{api}/{record.adapter_digest or ''}/{tokens}"
-    await services.engine.call(lambda engine: engine.pin_prompt(
-        key, token_ids, tenant=record.tenant, adapter=record.adapter_digest))
+    name, row = f"{record.tenant}/{record.name}/", f"{record.tenant}/{record.name}/{record.id}/"
+    same_api = f"{row}{api}/{record.adapter_digest or ''}/"
+    key = f"{same_api}{tokens}"
+
+    def pin(engine: LLMEngine) -> None:
+        for old in engine.pinned_prompts():  # the prompt of that name replaced since (a row id may recur)
+            if old.startswith(name) and (not old.startswith(row) or old.startswith(same_api) and old != key):
+                engine.unpin_prompt(old)
+        engine.pin_prompt(key, token_ids, tenant=record.tenant, adapter=record.adapter_digest)
+
+    await services.engine.call(pin)
+
+
+async def unpin_system_prompts(services: Services, tenant: str, name: str | None = None) -> None:
+    """Let the engine's pins of a tenant's prompt `name` (every prompt of the tenant without
+    one) go, once it is deleted."""
+    prefix = f"{tenant}/{name}/" if name is not None else f"{tenant}/"
+
+    def unpin(engine: LLMEngine) -> None:
+        for key in engine.pinned_prompts():
+            if key.startswith(prefix):
+                engine.unpin_prompt(key)
+
+    await services.engine.call(unpin)
 
 
 def reject_own_system_message(roles: list[str]) -> None:

@@ -58,3 +58,24 @@ def test_another_tenants_prompt_is_404_and_a_bound_prompt_serves_one_adapter(sql
             server.openai("acme").completions.create(model=model, prompt="Hi",
                                                      extra_body={"system_prompt": "desk"}, **GREEDY)
         assert wrong.value.body["param"] == "system_prompt"
+
+
+def test_a_deleted_or_replaced_prompt_lets_its_blocks_go(sqlite_server: Server, engine) -> None:
+    server = sqlite_server
+    client = server.openai("acme")
+
+    def held() -> list[str]:
+        return [key for key in engine.pinned_prompts() if key.startswith("acme/desk/")]
+
+    server.registry.prompts.add("acme", "desk", TEXT, adapter="style")
+    client.completions.create(model="style", prompt="Hi", extra_body={"system_prompt": "desk"}, **GREEDY)
+    assert len(held()) == 1
+    assert server.http().delete("/admin/api/prompts/acme/desk").status_code == 204
+    assert held() == []
+    server.registry.prompts.add("acme", "desk", TEXT, adapter="style")
+    client.completions.create(model="style", prompt="Hi", extra_body={"system_prompt": "desk"}, **GREEDY)
+    first = held()
+    server.registry.prompts.delete("acme", "desk")  # replaced behind the server's back
+    server.registry.prompts.add("acme", "desk", "Be brief. " * 8, adapter="style")
+    client.completions.create(model="style", prompt="Hi", extra_body={"system_prompt": "desk"}, **GREEDY)
+    assert len(held()) == 1 and held() != first

@@ -12,6 +12,7 @@ from loraplex.server.routes.admin.params import NameParam, TenantFilter
 from loraplex.server.routes.docs import error_responses
 from loraplex.server.schemas.admin import PromptCreate, SystemPrompt
 from loraplex.server.services import Services
+from loraplex.server.system_prompts import unpin_system_prompts
 
 router = APIRouter(prefix="/prompts", tags=["Admin: system prompts"])
 
@@ -51,4 +52,5 @@ async def get_prompt(tenant: NameParam, name: NameParam, admin: AdminDep,
 async def delete_prompt(tenant: NameParam, name: NameParam, admin: AdminDep,
                         services: ServicesDep) -> Response:
     await run_in_threadpool(lambda: services.registry.prompts.delete(tenant, name, actor=admin.key_id))
+    await unpin_system_prompts(services, tenant, name)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -11,6 +11,7 @@ from loraplex.server.deps import ServicesDep
 from loraplex.server.routes.admin.params import NameParam
 from loraplex.server.routes.docs import error_responses
 from loraplex.server.schemas.admin import Tenant, TenantCreate, TenantUpdate
+from loraplex.server.system_prompts import unpin_system_prompts
 
 router = APIRouter(prefix="/tenants", tags=["Admin: tenants"])
 
@@ -59,4 +60,5 @@ async def delete_tenant(name: NameParam, admin: AdminDep, services: ServicesDep)
     await run_in_threadpool(lambda: services.registry.tenants.delete(name, actor=admin.key_id))
     services.principals.forget()
     services.adapters.forget(name)  # (the adapter manager lives on the event loop)
+    await unpin_system_prompts(services, name)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
