@@ -50,6 +50,10 @@ class RelayGroups:
         return len(self.group_starts) - 1
 
 
+NO_RELAY = RelayRule("off")
+_NO_MEMBERS, _ONE_START = np.zeros(0, np.int32), np.zeros(1, np.int32)  # no groups (read only)
+
+
 def find_groups(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int,
                 rule: RelayRule) -> RelayGroups:
     """Relay groups among decode rows: block_tables [num_rows, max_blocks] (each row's first
@@ -57,12 +61,14 @@ def find_groups(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int,
     that pays form groups; the others get prefix_lens 0."""
     num_rows = len(seq_lens)
     prefix_lens = np.zeros(num_rows, dtype=np.int32)
+    if rule.mode == "off":
+        return RelayGroups(prefix_lens, _NO_MEMBERS, _ONE_START)
     members: list[int] = []
     starts = [0]
     full = (seq_lens - 1) // block_size  # [num_rows] blocks wholly before the newest token
     candidates = np.flatnonzero(full > 0)
-    if rule.mode == "off" or len(candidates) < 2:
-        return RelayGroups(prefix_lens, np.zeros(0, np.int32), np.zeros(1, np.int32))
+    if len(candidates) < 2:
+        return RelayGroups(prefix_lens, _NO_MEMBERS, _ONE_START)
     firsts = block_tables[candidates, 0]
     order = np.argsort(firsts, kind="stable")
     bounds = np.flatnonzero(np.diff(firsts[order])) + 1

@@ -92,8 +92,10 @@ class Scheduler:
         active = [r for r in self.running if r.has_tokens_to_compute]
         decodes = [r for r in active if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in active if r.num_tokens - r.num_computed_tokens > 1]
-        first = [r for r in prefills if self.policy.prefills_first(r)]
-        later = [r for r in prefills if not self.policy.prefills_first(r)]
+        first: list[Request] = []
+        later: list[Request] = []
+        for request in prefills:
+            (first if self.policy.prefills_first(request) else later).append(request)
         for request in decodes + first:
             if budget == 0:
                 break

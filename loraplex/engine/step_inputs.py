@@ -21,7 +21,7 @@ import torch
 from loraplex.engine.input_batch import InputBatch
 from loraplex.engine.plan import StepPlan
 from loraplex.engine.prompt_logprobs import PromptSelection
-from loraplex.engine.relay_groups import RelayRule, find_groups
+from loraplex.engine.relay_groups import NO_RELAY, RelayRule, find_groups
 from loraplex.model.context import FloraRows
 
 PENDING = -1
@@ -156,7 +156,7 @@ class StepInputs:
         (None: never)."""
         self.max_tokens, self.max_seqs, self.block_size = max_tokens, max_seqs, block_size
         self.device, self.families = device, families
-        self.relay = relay if relay is not None else RelayRule("off")
+        self.relay = relay if relay is not None else NO_RELAY
         self.num_relay_steps = self.num_relay_groups = self.num_relay_members = 0
         """Decode steps filled with relay groups, and their groups and members, in all."""
         self.flora: FloraRows | None = None
@@ -230,8 +230,8 @@ class StepInputs:
             sample_of, sample_rows = np.flatnonzero(samples), rows[samples]
         token_slots = batch.adapter_slot[token_rows]
         blocks = batch.block_table[token_rows, positions // bs].astype(np.int64)
-        groups = find_groups(batch.block_table[rows], start + num_new, bs,
-                             self.relay if max_query_len == 1 else RelayRule("off"))
+        tables = batch.block_table[rows]  # (a copy: read once, for the groups and the device)
+        groups = find_groups(tables, start + num_new, bs, self.relay if max_query_len == 1 else NO_RELAY)
         if groups.num_groups:
             self.num_relay_steps += 1
             self.num_relay_groups += groups.num_groups
@@ -262,7 +262,7 @@ class StepInputs:
                 out[used:padded] = len(groups.members)
             else:
                 out[used:padded] = self._pads[name]
-        self._host_blocks[self._turn].numpy()[:n] = batch.block_table[rows]
+        self._host_blocks[self._turn].numpy()[:n] = tables
         self._num_block_rows = size
         has_lora = bool(token_slots.any())
         has_input_scale, has_expand, flora_rows, self.flora = False, has_lora, 0, None
