@@ -427,6 +427,16 @@ def gpu_slug(name: str) -> str:
     return found.group(1).lower() if found else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
+def gpu_bench_meta(command: str, **extra: object) -> dict:
+    """Start a kernel benchmark (`command`: its CLI name): exit without a CUDA GPU, seed, and
+    return the machine's description for its JSON, with `extra`."""
+    if not torch.cuda.is_available():
+        sys.exit(f"loraplex bench {command} needs a CUDA GPU")
+    torch.manual_seed(0)
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "ceiling_bytes_per_s": CEILING_BYTES_PER_S, **extra}
+
+
 def print_table(title: str, results: list[Result]) -> None:
     print(f"\n{title}")
     print(f"{'kernel':<32} {'case':<44} {'us':>9} {'GB/s':>8} {'of 3.0TB/s':>10} {'TFLOP/s':>8}")
@@ -478,13 +488,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tag", help="suffix of the JSON file's name")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("loraplex bench kernels needs a CUDA GPU")
-    torch.manual_seed(0)
-    name = torch.cuda.get_device_name()
-    meta = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "ceiling_bytes_per_s": CEILING_BYTES_PER_S,
-            "ceiling_flops": CEILING_FLOPS}
+    meta = gpu_bench_meta("kernels", ceiling_flops=CEILING_FLOPS)
+    name = meta["device"]
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = (f"-{args.tag}" if args.tag else "") + ("-sweep" if args.sweep else "")
     path = args.out / f"kernels-{gpu_slug(name)}{suffix}.json"

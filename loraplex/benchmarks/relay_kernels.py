@@ -22,15 +22,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import triton
 
-from loraplex.benchmarks.kernel_speed import CEILING_BYTES_PER_S, gpu_slug, num_sets, time_per_call
+from loraplex.benchmarks.kernel_speed import (
+    CEILING_BYTES_PER_S,
+    gpu_bench_meta,
+    gpu_slug,
+    num_sets,
+    time_per_call,
+)
 from loraplex.benchmarks.results import RESULTS
 from loraplex.kernels import decode_attention, relay_attention
 
@@ -162,15 +166,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep", action="store_true", help="time the prefix kernel's configs")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("loraplex bench relay-kernels needs a CUDA GPU")
-    torch.manual_seed(0)
-    name = torch.cuda.get_device_name()
-    meta = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "ceiling_bytes_per_s": CEILING_BYTES_PER_S,
-            "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
-                      "block_size": BLOCK_SIZE, "dtype": "bfloat16"},
-            "own_len": args.own_len, "sweep": args.sweep}
+    meta = gpu_bench_meta("relay-kernels", shape={"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+                                                  "block_size": BLOCK_SIZE, "dtype": "bfloat16"},
+                          own_len=args.own_len, sweep=args.sweep)
+    name = meta["device"]
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"relay-kernels-{gpu_slug(name)}{'-sweep' if args.sweep else ''}.json"
     results: list[dict] = []

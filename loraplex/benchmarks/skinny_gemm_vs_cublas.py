@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from loraplex.benchmarks import kernel_speed as bk
 from loraplex.benchmarks.results import RESULTS
@@ -144,13 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-sweep", dest="sweep", action="store_false",
                         help="time only the default config, not every candidate")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("loraplex bench skinny-gemm needs a CUDA GPU")
-    torch.manual_seed(0)
-    name = torch.cuda.get_device_name()
-    meta = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "ceiling_bytes_per_s": bk.CEILING_BYTES_PER_S,
-            "l2_defeat_bytes": bk.L2_DEFEAT_BYTES}
+    meta = bk.gpu_bench_meta("skinny-gemm", l2_defeat_bytes=bk.L2_DEFEAT_BYTES)
+    name = meta["device"]
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"skinny-gemm-{bk.gpu_slug(name)}.json"
     results, rows = [], []
