@@ -11,6 +11,10 @@
 #   engine  loraplex bench relay: 4 tenants' pinned 2,048/4,096-token prompts, batches 64-256,
 #           relay decode vs prefix cache + plain decode vs no sharing, next to their floors;
 #           and a request joining a warm prompt against a cold one
+#   offline loraplex bench relay-offline: 1,024 prompts in 16 groups of unregistered 1,024-token
+#           prefixes, 128 tokens each: global prefix grouping vs the prefix cache alone vs no
+#           sharing (throughput, peak KV blocks)
+#   gpu-engine the engine's GPU tests with relay decode in the CUDA graphs
 # Logs and JSON go to $OUT (the device tool's folder that comes back), else
 # bench/results/gpu-issue-12/; the JSON is also copied under bench/results/.
 set -uo pipefail
@@ -45,6 +49,14 @@ for stage in $stages; do
         engine)
             timeout 230 python3 -m loraplex.benchmarks relay --out "$OUT" 2>&1 \
                 | tee "$OUT/relay-engine.log" | tail -40
+            ;;
+        offline)
+            timeout 300 python3 -m loraplex.benchmarks relay-offline --out "$OUT" 2>&1 \
+                | tee "$OUT/relay-offline.log" | tail -12
+            ;;
+        gpu-engine)
+            timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_gpu_engine.py \
+                tests/engine/test_relay_prefix.py 2>&1 | tee "$OUT/gpu-engine-tests.log" | tail -15
             ;;
         *)
             echo "unknown stage $stage" >&2

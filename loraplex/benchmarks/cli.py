@@ -19,6 +19,8 @@ SCRIPTS = {
                       "group size x prefix length x batch, and the crossover"),
     "relay": ("relay", "tenants' shared system prompts: relay decode against the prefix cache with "
               "plain paged decode and against no sharing, next to their floors"),
+    "relay-offline": ("relay_offline", "an offline batch with unregistered shared prefixes: global "
+                      "prefix grouping against the prefix cache alone and against no sharing"),
     "decode-gaps": ("decode_gaps", "where a decode step's wall time goes beyond its kernels"),
     "decode-families": ("families", "decode by adapter family: LoRA, DoRA, IA3, FLoRA, mixed"),
     "flora-products": ("flora_products", "FLoRA's base products: rows through the fused weight "

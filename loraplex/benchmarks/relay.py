@@ -38,37 +38,51 @@ BANDWIDTH = 3.0e12
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=_ints, default=(64, 128, 256))
-    parser.add_argument("--system-lens", type=_ints, default=(2048, 4096))
+    parser.add_argument("--batches", type=ints, default=(64, 128, 256))
+    parser.add_argument("--system-lens", type=ints, default=(2048, 4096))
     parser.add_argument("--own-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=192)
+    add_engine_options(parser)
+    args = parser.parse_args(argv)
+    result = run(args)
+    print(f"wrote {write(result, args.out, 'relay')}")
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """The options `make_engine` reads, and --out."""
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--model-overrides", type=json.loads, default={},
                         help="JSON of config.json keys replacing the Llama-3-8B shape (CPU smoke runs)")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
-    result = run(args)
-    print(f"wrote {write(result, args.out, 'relay')}")
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+def make_engine(args: argparse.Namespace, max_len: int, max_num_seqs: int) -> tuple[LLMEngine, Any]:
+    """The benchmarks' engine (Llama-3-8B shape unless overridden, random weights, relay "auto")
+    with NUM_TENANTS rank-`args.rank` adapters a0, a1, ...; and the model's config."""
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
     config = synthetic.model_config(args.model_overrides)
-    max_len = max(args.system_lens) + args.own_len + args.new_tokens + 16
     model = synthetic.random_model(config, select_ops(device, "auto"), dtype, device, max_len,
                                    scaled_residual=True)
     engine = LLMEngine(EngineConfig.from_kwargs(
         "synthetic-llama-3-8b", device=device.type, dtype=args.dtype, max_model_len=max_len,
-        block_size=16, max_num_seqs=max(args.batches), max_num_batched_tokens=8192,
+        block_size=16, max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
         max_lora_rank=args.rank, max_loras=NUM_TENANTS, relay_attention="auto"), model=model)
     for t in range(NUM_TENANTS):
         engine.add_adapter(f"a{t}", synthetic.random_adapter(config, args.rank, dtype, device, f"a{t}",
                                                              seed=t + 1, pin=device.type == "cuda"))
+    return engine, config
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    max_len = max(args.system_lens) + args.own_len + args.new_tokens + 16
+    engine, config = make_engine(args, max_len, max(args.batches))
+    device = engine.device
     rows, joins = [], []
     for system_len in args.system_lens:
-        systems = [_tokens(config.vocab_size, system_len, seed=100 * system_len + t)
+        systems = [random_tokens(config.vocab_size, system_len, seed=100 * system_len + t)
                    for t in range(NUM_TENANTS)]
         for batch in args.batches:
             for mode in MODES:
@@ -77,21 +91,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(json.dumps(row), flush=True)
         joins.append(_join_warm(engine, args, config, system_len))
         print(json.dumps(joins[-1]), flush=True)
-    return {"device": _device_name(device), "torch": torch.__version__, "model": "llama-3-8b shape",
+    return {"device": device_name(device), "torch": torch.__version__, "model": "llama-3-8b shape",
             "dtype": args.dtype, "tenants": NUM_TENANTS, "rank": args.rank, "own_len": args.own_len,
             "new_tokens": args.new_tokens, "bandwidth_bytes_per_s": BANDWIDTH,
             "num_kv_blocks": engine.blocks.num_blocks, "rows": rows, "join_warm": joins,
             "speedups": _speedups(rows)}
 
 
-def _set_mode(engine: LLMEngine, mode: str) -> None:
+def set_mode(engine: LLMEngine, mode: str) -> None:
+    """Prefix cache and relay decode for `mode` (of MODES), starting from a cold cache."""
+    engine.blocks.reset_prefix_cache()
     engine.blocks.enable_prefix_caching = mode != "none"
     engine.runner.inputs.relay = RelayRule("auto" if mode == "relay" else "off")
 
 
 def _run_mode(engine: LLMEngine, args, config, systems: list[list[int]], batch: int, mode: str
               ) -> dict[str, Any]:
-    _set_mode(engine, mode)
+    set_mode(engine, mode)
     system_len = len(systems[0])
     row: dict[str, Any] = {"mode": mode, "batch": batch, "system_len": system_len}
     context = system_len + args.own_len + args.new_tokens
@@ -108,20 +124,20 @@ def _run_mode(engine: LLMEngine, args, config, systems: list[list[int]], batch: 
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         t = i % NUM_TENANTS
-        own = _tokens(config.vocab_size, args.own_len, seed=i + 7 * batch)
+        own = random_tokens(config.vocab_size, args.own_len, seed=i + 7 * batch)
         engine.add_request(f"{mode}-{system_len}-{batch}-{i}", prompt_token_ids=systems[t] + own,
                            params=params, adapter=f"a{t}", tenant=f"t{t}")
     started = time.perf_counter()
     seen: set[str] = set()
-    decode_start, peak_blocks, relay_steps = None, 0, engine.runner.inputs.num_relay_steps
+    decode_start, relay_steps = None, engine.runner.inputs.num_relay_steps
+    engine.blocks.peak_used_blocks = 0
     while engine.has_unfinished_requests():
         outputs = engine.step()
         seen.update(o.request_id for o in outputs)
-        peak_blocks = max(peak_blocks, engine.blocks.num_used_blocks)
         if decode_start is None and len(seen) == batch:
-            _sync(engine.device)
+            sync(engine.device)
             decode_start = time.perf_counter()
-    _sync(engine.device)
+    sync(engine.device)
     ended = time.perf_counter()
     for key in keys:
         engine.unpin_prompt(key)
@@ -133,7 +149,7 @@ def _run_mode(engine: LLMEngine, args, config, systems: list[list[int]], batch: 
         "unique_floor_ms": round(floor_s * 1e3, 3), "nominal_floor_ms": round(nominal_s * 1e3, 3),
         "step_over_unique_floor": round(step_s / floor_s, 3),
         "step_over_nominal_floor": round(step_s / nominal_s, 3),
-        "prefill_s": round(decode_start - started, 3), "peak_kv_blocks": peak_blocks,
+        "prefill_s": round(decode_start - started, 3), "peak_kv_blocks": engine.blocks.peak_used_blocks,
         "e2e_tok_s": round(batch * args.new_tokens / (ended - started), 1),
         "relay_steps": engine.runner.inputs.num_relay_steps - relay_steps,
     }
@@ -141,10 +157,10 @@ def _run_mode(engine: LLMEngine, args, config, systems: list[list[int]], batch: 
 
 def _join_warm(engine: LLMEngine, args, config, system_len: int) -> dict[str, Any]:
     """Time to first token of one request on a pinned (warm) prompt against a cold one."""
-    _set_mode(engine, "relay")
+    set_mode(engine, "relay")
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    own = _tokens(config.vocab_size, args.own_len, seed=1)
-    cold_system = _tokens(config.vocab_size, system_len, seed=999)
+    own = random_tokens(config.vocab_size, args.own_len, seed=1)
+    cold_system = random_tokens(config.vocab_size, system_len, seed=999)
     times = {}
     for label, system in (("cold", cold_system), ("warm", cold_system)):
         started = time.perf_counter()
@@ -196,21 +212,21 @@ def _drain(engine: LLMEngine) -> None:
         engine.step()
 
 
-def _tokens(vocab: int, n: int, seed: int) -> list[int]:
+def random_tokens(vocab: int, n: int, seed: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(10, vocab - 10, (n,), generator=generator).tolist()
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def ints(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(",") if part.strip())
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 

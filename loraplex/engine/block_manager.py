@@ -31,6 +31,8 @@ class BlockManager:
         self._computing: set[int] = set()  # cached blocks whose KV is not written yet
         self.num_queried_tokens = self.num_hit_tokens = self.num_evicted_blocks = 0
         """Prefix cache counters: prompt tokens looked up, found, and cached blocks evicted."""
+        self.peak_used_blocks = 0
+        """The most blocks held at once (benchmarks set it back to 0 between runs)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -71,6 +73,7 @@ class BlockManager:
                 self.num_evicted_blocks += 1
             self._refs[block] = 1
             blocks.append(block)
+        self._note_peak()
         return blocks
 
     def share(self, blocks: list[int]) -> None:
@@ -104,6 +107,7 @@ class BlockManager:
         for block in blocks:
             self._evictable.pop(block, None)
             self._refs[block] += 1
+        self._note_peak()
         self.num_queried_tokens += min(len(hashes), max_blocks) * self.block_size
         self.num_hit_tokens += len(blocks) * self.block_size
         return blocks
@@ -148,6 +152,19 @@ class BlockManager:
                 break
             count += 1
         return count
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block nobody holds (held ones stay cached); returns how many.
+        Benchmarks start each run cold with it."""
+        count = len(self._evictable)
+        for block in self._evictable:
+            self._uncache(block)
+            self._free.append(block)
+        self._evictable.clear()
+        return count
+
+    def _note_peak(self) -> None:
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
 
     def _uncache(self, block: int) -> None:
         block_hash = self._hash_of.pop(block, None)

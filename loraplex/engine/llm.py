@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.offline_batch import BatchRequest, run_batch
 from loraplex.engine_config import EngineConfig
 from loraplex.errors import InvalidRequestError
 from loraplex.types import RequestOutput, SamplingParams
@@ -55,9 +56,12 @@ class LLM:
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         tenants: str | None | Sequence[str | None] = None,
+        group_prefixes: bool = True,
     ) -> list[RequestOutput]:
         """One output per prompt, in order. `sampling_params`, `adapters` and `tenants` are one
-        for all prompts or one per prompt (None: the default tenant)."""
+        for all prompts or one per prompt (None: the default tenant). With `group_prefixes`,
+        prompts that start alike (same tenant and adapter) are scheduled together, their common
+        prefix computed once (loraplex/engine/offline_batch.py); off, they go in in order."""
         if (prompts is None) == (prompt_token_ids is None):
             raise InvalidRequestError("give exactly one of prompts and prompt_token_ids")
         if isinstance(prompts, str):
@@ -66,30 +70,12 @@ class LLM:
         params = _per_prompt(sampling_params or SamplingParams(), count, "sampling_params")
         names = _per_prompt(adapters, count, "adapters")
         tenant_of = _per_prompt(tenants, count, "tenants")
-        request_ids = []
-        try:
-            for i in range(count):
-                request_id = f"offline-{next(self._ids)}"
-                self.engine.add_request(
-                    request_id, prompt=prompts[i] if prompts is not None else None, params=params[i],
-                    adapter=names[i], tenant=tenant_of[i],
-                    prompt_token_ids=list(prompt_token_ids[i]) if prompt_token_ids is not None else None,
-                )
-                request_ids.append(request_id)
-            return self._run(request_ids)
-        finally:
-            for request_id in request_ids:
-                self.engine.abort(request_id)  # no-op for finished ones; frees all on error
-
-    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(request_ids):
-            for output in self.engine.step():
-                if output.finished:
-                    final[output.request_id] = output
-            if not self.engine.has_unfinished_requests() and len(final) < len(request_ids):
-                raise RuntimeError("the engine stopped with requests unfinished")
-        return [final[r] for r in request_ids]
+        texts = prompts if prompts is not None else [None] * count
+        ids = prompt_token_ids if prompt_token_ids is not None else [None] * count
+        requests = [BatchRequest(request_id=f"offline-{next(self._ids)}",
+                                 token_ids=self.engine.encode_prompt(texts[i], ids[i]), params=params[i],
+                                 adapter=names[i], tenant=tenant_of[i]) for i in range(count)]
+        return run_batch(self.engine, requests, group_prefixes=group_prefixes)
 
 
 def _per_prompt(value: Any, count: int, name: str) -> list[Any]:

@@ -224,7 +224,9 @@ class LLMEngine:
         self.adapters.set_loader(load)
         self._external_loader = True
 
-    def _resolve_adapter(self, adapter: str) -> str:
+    def adapter_digest(self, adapter: str) -> str:
+        """The digest of an added adapter's weights (or, with an adapter loader, a digest given
+        as the name)."""
         digest = self.local_adapters.resolve(adapter)
         if digest is not None:
             return digest
@@ -257,8 +259,8 @@ class LLMEngine:
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         params = params or SamplingParams()
-        token_ids = self._prompt_ids(prompt, prompt_token_ids)
-        digest = self._resolve_adapter(adapter) if adapter is not None else None
+        token_ids = self.encode_prompt(prompt, prompt_token_ids)
+        digest = self.adapter_digest(adapter) if adapter is not None else None
         tenant = tenant or DEFAULT_TENANT
         room = self._room_beside_pins(token_ids, tenant, digest)
         if len(token_ids) >= room:
@@ -287,7 +289,8 @@ class LLMEngine:
         # A sample that scores its prompt computes it all: its log-probabilities come from there.
         return None if request.params.prompt_logprobs is not None else donor
 
-    def _prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+    def encode_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+        """The prompt's token ids, checked: from `prompt` (text) or `prompt_token_ids`, exactly one."""
         if (prompt is None) == (prompt_token_ids is None):
             raise InvalidRequestError("give exactly one of prompt and prompt_token_ids", param="prompt")
         if prompt is not None:
@@ -351,7 +354,7 @@ class LLMEngine:
         the prefix cache off, nothing at all."""
         if key in self._pins or not self.blocks.enable_prefix_caching:
             return
-        digest = self._resolve_adapter(adapter) if adapter is not None else None
+        digest = self.adapter_digest(adapter) if adapter is not None else None
         request_id = f"pin-{key}"
         self._pins[key] = PinnedPrompt(list(token_ids), tenant or DEFAULT_TENANT, digest)
         self._pin_by_request[request_id] = key

@@ -86,3 +86,26 @@ def test_swapping_on_gpu_gives_the_tokens_of_no_preemption(tiny_llama, async_sch
     assert 0 <= stats.swap_seconds_stalled < 60
     assert engine.scheduler.host_blocks.num_used_blocks == 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("relay", ["always", "off"])
+def test_relay_decode_in_graphs_matches_reference(tiny_llama, relay):
+    """Groups sharing an unregistered 64-token prefix decode through the relay kernel inside the
+    CUDA graphs: the same greedy tokens as the CPU float32 reference path."""
+    model, adapters = tiny_llama
+    generator = torch.Generator().manual_seed(11)
+    prefixes = [torch.randint(3, 300, (64,), generator=generator).tolist() for _ in range(2)]
+    prompts = [prefixes[i % 2] + torch.randint(3, 300, (1 + i,), generator=generator).tolist()
+               for i in range(12)]
+    names = [ADAPTER_CYCLE[1 + i % 2] for i in range(len(prompts))]  # one adapter a prefix
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(model, device=device, dtype="float32", block_size=16, relay_attention=relay)
+        for name, path in adapters.items():
+            llm.add_adapter(name, path)
+        outputs[device] = llm.generate(prompt_token_ids=prompts, sampling_params=params, adapters=names)
+    assert (llm.engine.runner.inputs.num_relay_steps > 0) == (relay == "always")
+    agree = sum(a.token_ids == b.token_ids for a, b in zip(outputs["cuda"], outputs["cpu"]))
+    assert agree >= 0.9 * len(prompts)
+    assert llm.engine.blocks.num_used_blocks == 0
