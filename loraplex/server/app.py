@@ -23,6 +23,7 @@ from loraplex.server.routes import chat, completions, health, models
 from loraplex.server.routes.admin import UPLOAD_PATH, make_router
 from loraplex.server.server_config import ServerConfig
 from loraplex.server.services import Services, max_prompt_tokens
+from loraplex.server.system_prompts import warm_system_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +53,13 @@ def create_app(config: ServerConfig, registry: Registry, engine: LLMEngine,
         services = Services.start(config, registry, engine, adapters)
         app.state.services = services
         try:
+            await warm_system_prompts(services)
             yield
         finally:
             app.state.services = None
             await services.stop()
+            for key in engine.pinned_prompts():  # the engine thread has stopped: this app's pins go
+                engine.unpin_prompt(key)
 
     app = FastAPI(title="loraplex", version=__version__, description=DESCRIPTION, openapi_tags=TAGS,
                   lifespan=lifespan, docs_url=None, redoc_url=None)

@@ -3,19 +3,24 @@
 bound adapter only (400 otherwise). The server puts its text first and has the engine pin its
 KV blocks, keyed by prompt row and API (completions put the text before the prompt, chat makes
 it the system message: their tokens differ), so every request naming it reads the same cached
-blocks; a request that sends the same text itself finds the same blocks."""
+blocks; a request that sends the same text itself finds the same blocks. A prompt is prefilled
+and pinned in both forms when it is registered and when the server starts (`warm_system_prompt`),
+so that its first request already finds it warm."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 
 from starlette.concurrency import run_in_threadpool
 
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.errors import InvalidRequestError
+from loraplex.errors import InvalidRequestError, LoraplexError
 from loraplex.registry.records import AdapterRecord, SystemPromptRecord
 from loraplex.server.services import Services
+
+logger = logging.getLogger(__name__)
 
 
 async def find_system_prompt(services: Services, tenant: str, name: str,
@@ -44,6 +49,30 @@ async def pin_system_prompt(services: Services, record: SystemPromptRecord, toke
         engine.pin_prompt(key, token_ids, tenant=record.tenant, adapter=record.adapter_digest)
 
     await services.engine.call(pin)
+
+
+async def warm_system_prompt(services: Services, record: SystemPromptRecord) -> None:
+    """Prefill and pin a registered prompt as requests will send it: completions put its text,
+    with the tokenizer's special tokens, before theirs; chat makes it the system message. A form
+    that cannot be pinned now (no chat template, no room beside the other pins, its adapter
+    cannot load) is logged and tried again by the first request that names the prompt."""
+    system = [{"role": "system", "content": record.text}]
+    forms = (("completions", lambda: services.codec.encode(record.text, record.tenant)),
+             ("chat", lambda: services.codec.encode_chat(system, record.tenant)))
+    for api, encode in forms:
+        if api == "chat" and not services.codec.has_chat_template:
+            continue
+        try:
+            await pin_system_prompt(services, record, await encode(), api)
+        except LoraplexError as error:
+            logger.warning("system prompt %s/%s (%s) is not pinned yet: %s",
+                           record.tenant, record.name, api, error)
+
+
+async def warm_system_prompts(services: Services) -> None:
+    """Every registered prompt, warmed (at server start)."""
+    for record in await run_in_threadpool(services.registry.prompts.list, None):
+        await warm_system_prompt(services, record)
 
 
 async def unpin_system_prompts(services: Services, tenant: str, name: str | None = None) -> None:

@@ -11,7 +11,8 @@ import time
 import openai
 import pytest
 
-from tests.server.server_support import MODEL_ID, Server
+from loraplex.registry import RegistryConfig
+from tests.server.server_support import MODEL_ID, Server, serve
 
 GREEDY = {"temperature": 0, "max_tokens": 8}
 TEXT = "You are a terse assistant for the acme support desk. Answer in one short line. " * 2
@@ -79,3 +80,37 @@ def test_a_deleted_or_replaced_prompt_lets_its_blocks_go(sqlite_server: Server, 
     server.registry.prompts.add("acme", "desk", "Be brief. " * 8, adapter="style")
     client.completions.create(model="style", prompt="Hi", extra_body={"system_prompt": "desk"}, **GREEDY)
     assert len(held()) == 1 and held() != first
+
+
+def _held_forms(engine, prefix: str) -> dict[str, int]:
+    """API form ("completions", "chat") -> blocks held, of the pins whose key starts with prefix."""
+    return {key.split("/")[3]: n for key, n in engine.pinned_prompts().items() if key.startswith(prefix)}
+
+
+def _wait_for_forms(engine, prefix: str) -> dict[str, int]:
+    deadline = time.monotonic() + 20
+    while not ((held := _held_forms(engine, prefix)).keys() == {"completions", "chat"}
+               and all(held.values())):
+        assert time.monotonic() < deadline, f"never warm: {held}"
+        time.sleep(0.05)
+    return held
+
+
+def test_a_prompt_is_warm_from_its_registration_and_from_server_start(tmp_path, engine, adapter_dirs) -> None:
+    config = RegistryConfig(data_dir=tmp_path / "data")
+    with serve(config, engine, tenants=("acme",)) as server:
+        server.registry.adapters.upload_dir("acme", "style", adapter_dirs["qv"])
+        added = server.http().post("/admin/api/prompts", json={
+            "tenant": "acme", "name": "warm", "text": TEXT, "adapter": "style"})
+        assert added.status_code == 201, added.text
+        held = _wait_for_forms(engine, "acme/warm/")  # before any request names it
+        assert held["completions"] == len(TEXT) // engine.config.cache.block_size
+        hits = engine.blocks.num_hit_tokens
+        server.openai("acme").completions.create(model="style", prompt="Hi",
+                                                 extra_body={"system_prompt": "warm"}, **GREEDY)
+        # The first request that names it finds all its full blocks computed.
+        assert engine.blocks.num_hit_tokens - hits >= held["completions"] * engine.config.cache.block_size
+    assert _held_forms(engine, "acme/warm/") == {}  # the server's pins went with it
+    with serve(config, engine, tenants=()):  # a server starting on the registry warms it again
+        _wait_for_forms(engine, "acme/warm/")
+    assert _held_forms(engine, "acme/warm/") == {}

@@ -12,7 +12,7 @@ from loraplex.server.routes.admin.params import NameParam, TenantFilter
 from loraplex.server.routes.docs import error_responses
 from loraplex.server.schemas.admin import PromptCreate, SystemPrompt
 from loraplex.server.services import Services
-from loraplex.server.system_prompts import unpin_system_prompts
+from loraplex.server.system_prompts import unpin_system_prompts, warm_system_prompt
 
 router = APIRouter(prefix="/prompts", tags=["Admin: system prompts"])
 
@@ -34,9 +34,11 @@ async def list_prompts(admin: AdminDep, services: ServicesDep,
              summary="Add a system prompt", responses=error_responses(400, 401, 403, 404, 409))
 async def add_prompt(body: PromptCreate, admin: AdminDep, services: ServicesDep) -> SystemPrompt:
     """A named system prompt of a tenant, optionally bound to one of its adapters (the engine
-    shares the KV cache of a prompt per adapter)."""
+    shares the KV cache of a prompt per adapter). Its KV is computed now and held while it is
+    registered."""
     record = await run_in_threadpool(lambda: services.registry.prompts.add(
         body.tenant, body.name, body.text, adapter=body.adapter, actor=admin.key_id))
+    await warm_system_prompt(services, record)
     return await _prompt(services, record)
 
 
