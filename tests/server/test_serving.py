@@ -370,7 +370,8 @@ def test_tenant_weights_reach_the_engine_and_fairness_shows_in_metrics(sqlite_se
         after = http.get("/admin/api/engine").json()["requests_by_tenant"]
     gained = {t: after[t]["service"] - before.get(t, {"service": 0.0})["service"] for t in ("acme", "globex")}
     assert after["acme"]["weight"] == 5.0
-    assert gained["globex"] == pytest.approx(4 + 2 * 3) and gained["acme"] == pytest.approx((4 + 2 * 3) / 5)
+    assert gained["globex"] == pytest.approx(4 + 2 * 3), (before, after)
+    assert gained["acme"] == pytest.approx((4 + 2 * 3) / 5), (before, after)
     _wait_until(lambda: server.metric("loraplex:tenant_service", tenant="globex")
                 == pytest.approx(after["globex"]["service"]), 5, "the service in /metrics")
     text = httpx.get(f"{server.url}/metrics").text
