@@ -19,7 +19,13 @@ from typing import Any
 
 from loraplex.benchmarks.results import RESULTS, write
 from loraplex.benchmarks.serve_workload import WorkloadConfig
-from loraplex.benchmarks.slot_sim import SlotSimConfig, analytic_adapters_running, describe, simulate
+from loraplex.benchmarks.slot_sim import (
+    SlotSimConfig,
+    analytic_adapters_running,
+    analytic_slot_shortage,
+    describe,
+    simulate,
+)
 
 Log = Callable[[str], None]
 
@@ -106,11 +112,16 @@ def demand(config: SlotSimConfig, num_prompts: int, log: Log) -> list[dict[str, 
     log(f"unlimited slots, {num_prompts} requests at {workload.request_rate}/s: adapters running mean "
         f"{sim['adapters_running']['mean']} (max {sim['adapters_running']['max']}), analytic {analytic:.2f} "
         f"with D = {sim['mean_running_s']} s")
-    for running_s in (2.0, 2.4, 2.9, 3.5):
-        value = analytic_adapters_running(workload.request_rate, workload.num_adapters,
-                                          workload.zipf_alpha, running_s)
-        rows.append({"running_s": running_s, "analytic_mean": round(value, 2)})
-        log(f"  analytic at D = {running_s} s: {value:.1f} adapters with a request running")
+    for rate in (10.0, 12.0, 14.0, 16.0, workload.request_rate, 20.0):
+        for running_s in (2.4, 2.6, 2.9):
+            args = (rate, workload.num_adapters, workload.zipf_alpha, running_s)
+            value = analytic_adapters_running(*args)
+            full, waiting = analytic_slot_shortage(*args, config.num_slots)
+            rows.append({"rate": rate, "running_s": running_s, "analytic_mean": round(value, 2),
+                         "all_slots_busy": round(full, 3), "arrivals_without_slot": round(waiting, 3)})
+            log(f"  analytic at {rate:5.2f}/s, D = {running_s} s: {value:5.1f} adapters with a request "
+                f"running; all {config.num_slots} slots busy {full:6.1%} of the time; "
+                f"{waiting:6.1%} of arrivals find no slot for their adapter")
     return rows
 
 

@@ -29,7 +29,8 @@ The analytic slot demand: with unlimited slots, requests for adapter k arrive as
 stream of rate lambda_k = rate x p_k (p_k the Zipf probability) and each runs for D seconds, so
 (M/G/inf) the chance that adapter k has a request running is 1 - exp(-lambda_k D), and the mean
 number of adapters with a request running is the sum over k. Above the number of slots, some
-requests must wait for one."""
+requests must wait for one: `analytic_slot_shortage` gives the chance that the slots are
+all busy and the share of arrivals that find no slot for their adapter."""
 
 from __future__ import annotations
 
@@ -347,6 +348,24 @@ def analytic_adapters_running(rate: float, num_adapters: int, alpha: float, runn
         return 0.0
     lam = rate * zipf_probabilities(num_adapters, alpha)
     return float(np.sum(1.0 - np.exp(-lam * running_s)))
+
+
+def analytic_slot_shortage(rate: float, num_adapters: int, alpha: float, running_s: float,
+                           num_slots: int) -> tuple[float, float]:
+    """With unlimited slots (M/G/inf, adapters independent): the chance that `num_slots` or
+    more adapters have a request running (N is a sum of independent Bernoullis of chances
+    1 - exp(-lambda_k D)), and the share of arrivals that then find every slot busy and their
+    own adapter in none: sum_k p_k exp(-lambda_k D) P(N without k >= num_slots), approximated
+    by P(N >= num_slots). With `num_slots` slots those requests wait for one to free."""
+    p = zipf_probabilities(num_adapters, alpha)
+    busy = 1.0 - np.exp(-rate * p * running_s)
+    counts = np.zeros(num_adapters + 1)  # counts[j] = P(N = j)
+    counts[0] = 1.0
+    for chance in busy:
+        counts[1:] = counts[1:] * (1 - chance) + counts[:-1] * chance
+        counts[0] *= 1 - chance
+    full = float(counts[num_slots:].sum())
+    return full, float(np.sum(p * (1.0 - busy))) * full
 
 
 def describe(config: SlotSimConfig) -> dict[str, Any]:

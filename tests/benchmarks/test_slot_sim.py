@@ -15,6 +15,7 @@ from loraplex.benchmarks.slot_sim import (
     SlotSimConfig,
     VirtualWorker,
     analytic_adapters_running,
+    analytic_slot_shortage,
     simulate,
     zipf_probabilities,
 )
@@ -102,3 +103,16 @@ def test_the_command_writes_json_and_a_log(tmp_path, monkeypatch, capsys):
     written = tmp_path / "slots-t-simulated-h100.json"
     assert written.exists() and written.with_suffix(".log").exists()
     assert "highest rate with p99 TTFT < 1 s" in capsys.readouterr().out
+
+
+def test_the_analytic_slot_shortage():
+    full, waiting = analytic_slot_shortage(17.54, 1000, 1.0, 2.6, 32)
+    assert 0 < waiting < full < 1
+    assert analytic_slot_shortage(17.54, 1000, 1.0, 2.6, 1000)[0] < 1e-12  # a slot each: never all busy
+    assert analytic_slot_shortage(1000.0, 10, 0.0, 100.0, 10)[0] == pytest.approx(1.0)  # all always busy
+    # Poisson-binomial against a direct count over two adapters: P(both busy)
+    rate, running_s = 3.0, 0.5
+    busy = [1 - math.exp(-rate * p * running_s) for p in (2 / 3, 1 / 3)]
+    assert analytic_slot_shortage(rate, 2, 1.0, running_s, 2)[0] == pytest.approx(busy[0] * busy[1])
+    shortages = [analytic_slot_shortage(r, 1000, 1.0, 2.6, 32)[1] for r in (10, 14, 17.54)]
+    assert shortages == sorted(shortages)
