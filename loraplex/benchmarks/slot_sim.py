@@ -14,16 +14,21 @@ the first plan after that.
 
 Step time (`StepModel`), in ms: base + per_decode x decode rows + per_prefill_token x prompt
 tokens + per_sampled_token x tokens sampled.
-- base 6.8 and per_decode 0.062: a least-squares line through the H100's decode steps with one
-  rank-16 adapter a request (bench/results/decode-nvidia-h100-80gb-hbm3.json, batch 1 to 128:
-  6.59, 7.53, 8.96, 10.76, 14.79 ms);
+- per_decode 0.062 and 6.8 of the base: a least-squares line through the H100's decode steps
+  with one rank-16 adapter a request (bench/results/decode-nvidia-h100-80gb-hbm3.json, batch 1
+  to 128: 6.59, 7.53, 8.96, 10.76, 14.79 ms);
 - per_prefill_token 0.030: the same file's prefill times over prompt tokens (0.026 to 0.033 ms
   a token for batches of 8 to 128 prompts of 512 tokens);
-- per_sampled_token 0.17: what serving through HTTP adds (the server's detokenizing, SSE and
-  JSON share one GIL with the engine: 0.42 ms of server CPU a token, bench/results/serve-h100),
-  fitted so that the simulated mean TPOT of the five one-adapter rate runs
-  (serve-rate-1-*.json: no slot ever waits there) matches the measured one; the runs that the
-  simulation is checked against (serve-poisson-1000 and -32) took no part in the fit.
+- the other 3.2 of the base and per_sampled_token 0.10: what serving through HTTP adds (the
+  server's detokenizing, SSE and JSON share one GIL with the engine: 0.33 to 0.55 ms of server
+  CPU a token in bench/results/serve-h100), fitted by a grid over (base, per_sampled_token) to
+  the mean TPOT of the five one-adapter rate runs (serve-rate-1-*.json, where no request waits
+  for a slot; rms error 12%: the measured TPOT is not monotone in the rate, 17.0, 22.6, 27.0,
+  25.2, 23.4 ms against 16.9, 20.2, 22.1, 24.1, 27.3 simulated);
+- `request_overhead_ms` 70 (HTTP, keys, tokenizing before the scheduler sees a request): the
+  mean gap between those runs' measured and simulated TTFT p50.
+The runs that the simulation is checked against (serve-poisson-1000 and -32, serve-rate-1000-*)
+took no part in the fit.
 
 The analytic slot demand: with unlimited slots, requests for adapter k arrive as a Poisson
 stream of rate lambda_k = rate x p_k (p_k the Zipf probability) and each runs for D seconds, so
