@@ -1,9 +1,9 @@
 """`loraplex bench slots`: the slot simulation (loraplex/benchmarks/slot_sim.py, which states
 its models and their sources) checked against the H100 serving runs, then 1,000 adapters
 against 32 resident ones at the measured rate with the analytic slot demand beside the
-simulated one, and a rate sweep for the highest rate at which p99 TTFT stays under 1 s, with
-1,000 adapters and with one. Runs on a CPU in a few minutes; JSON and a log under
-bench/results/ (slots[-TAG]-simulated-h100.json and .log).
+simulated one, the same with more device slots, and a rate sweep for the highest rate at
+which p99 TTFT stays under 1 s, with 1,000 adapters and with one. Runs on a CPU in a few
+minutes; JSON and a log under bench/results/ (slots[-TAG]-simulated-h100.json and .log).
 
     python -m loraplex.benchmarks slots [--tag before] [--policy fcfs] [--num-slots 32]"""
 
@@ -125,6 +125,28 @@ def demand(config: SlotSimConfig, num_prompts: int, log: Log) -> list[dict[str, 
     return rows
 
 
+def slot_counts(config: SlotSimConfig, counts: tuple[int, ...], num_prompts: tuple[int, ...],
+                log: Log) -> list[dict[str, Any]]:
+    """1,000 adapters at the measured rate with more device slots (the host tier twice as
+    many, as by default), against the 32-adapter run's p99 TTFT."""
+    rows = []
+    for n in num_prompts:
+        workload = replace(config.workload, num_prompts=n)
+        resident = simulate(replace(config, workload=replace(workload, num_adapters=32)))["ttft_ms"]["p99"]
+        for num_slots in counts:
+            sim = simulate(replace(config, workload=workload, num_slots=num_slots))
+            ratio = sim["ttft_ms"]["p99"] / resident
+            rows.append({"num_prompts": n, "num_slots": num_slots, "ttft_ms": sim["ttft_ms"],
+                         "ttft_p99_over_resident": round(ratio, 2), **{key: sim[key] for key in (
+                             "output_throughput", "adapter_slot_loads", "preemptions",
+                             "requests_waited_for_slot", "adapters_running")}})
+            log(f"{n:5d} requests, {num_slots:3d} slots: TTFT p50/p90/p99 {sim['ttft_ms']['p50']:7.0f} "
+                f"{sim['ttft_ms']['p90']:7.0f} {sim['ttft_ms']['p99']:7.0f} ms ({ratio:.1f}x the 32-adapter "
+                f"run's {resident:.0f}), {sim['requests_waited_for_slot']} requests waited for a held slot, "
+                f"slot loads {sim['adapter_slot_loads']}")
+    return rows
+
+
 def sweep(config: SlotSimConfig, rates: tuple[float, ...], num_prompts: int,
           log: Log) -> dict[str, Any]:
     """p99 TTFT against the rate, with 1,000 adapters and with one; the highest rate tried at
@@ -153,6 +175,10 @@ def sweep(config: SlotSimConfig, rates: tuple[float, ...], num_prompts: int,
     return result
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part.strip())
+
+
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(part) for part in text.split(",") if part.strip())
 
@@ -164,6 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--policy", choices=("vtc", "fcfs"), default="vtc")
     parser.add_argument("--rates", type=_floats,
                         default=(6, 8, 10, 12, 13, 14, 15, 16, 17.54, 20, 22, 25, 28))
+    parser.add_argument("--slot-counts", type=_ints, default=(32, 40, 48, 64, 96),
+                        help="device slots to try with 1,000 adapters at the measured rate")
     parser.add_argument("--sweep-prompts", type=int, default=2000,
                         help="requests a sweep run (the H100's sweep sent 250; more gives the steady state)")
     parser.add_argument("--long-prompts", type=int, default=3000, help="requests of the long comparison runs")
@@ -187,11 +215,14 @@ def main(argv: list[str] | None = None) -> None:
     compared = compare(config, (ISSUE_14_WORKLOAD.num_prompts, args.long_prompts), log)
     log("== slot demand: M/G/inf against the simulation")
     demanded = demand(config, args.long_prompts, log)
+    log("== more slots: 1,000 adapters at the measured rate")
+    counted = slot_counts(config, args.slot_counts, (ISSUE_14_WORKLOAD.num_prompts, args.long_prompts), log)
     log(f"== rate sweep, {args.sweep_prompts} requests a run")
     swept = sweep(config, args.rates, args.sweep_prompts, log)
     log(f"({time.perf_counter() - started:.0f} s)")
     result = {"benchmark": "slots", "device": "simulated H100", "config": describe(config),
-              "validation": checks, "many_vs_resident": compared, "slot_demand": demanded, "sweep": swept}
+              "validation": checks, "many_vs_resident": compared, "slot_demand": demanded,
+              "slot_counts": counted, "sweep": swept}
     name = "slots" + (f"-{args.tag}" if args.tag else "")
     path = write(result, args.out, name=name)
     path.with_suffix(".log").write_text("\n".join(lines) + "\n")

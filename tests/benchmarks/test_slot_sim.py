@@ -99,7 +99,8 @@ def test_the_command_writes_json_and_a_log(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("loraplex.benchmarks.slot_bench.ISSUE_14_WORKLOAD",
                         replace(SMALL, num_adapters=1000, num_prompts=60))
     main(["--rates", "4,40", "--sweep-prompts", "60", "--long-prompts", "60", "--num-slots", "8",
-          "--measured", str(tmp_path / "none"), "--out", str(tmp_path), "--tag", "t"])
+          "--slot-counts", "8,100", "--measured", str(tmp_path / "none"), "--out", str(tmp_path),
+          "--tag", "t"])
     written = tmp_path / "slots-t-simulated-h100.json"
     assert written.exists() and written.with_suffix(".log").exists()
     assert "highest rate with p99 TTFT < 1 s" in capsys.readouterr().out
