@@ -20,7 +20,7 @@ import enum
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -67,9 +67,12 @@ class AdapterCache:
     def __init__(
         self, buffers: LoraSlotBuffers, loader: AdapterLoader,
         make_host: Callable[[LoraAdapter], HostAdapter], max_host_bytes: int, max_adapter_bytes: int,
+        *, load_worker: Executor | None = None, copy_worker: Executor | None = None,
     ) -> None:
         """`make_host` lays a loaded LoraAdapter out for slot copies (pinned on CUDA);
-        `max_adapter_bytes` is the host size of an adapter of the largest rank allowed."""
+        `max_adapter_bytes` is the host size of an adapter of the largest rank allowed.
+        `load_worker` runs host loads and, on CPU, `copy_worker` slot copies, one at a time
+        (default: a thread each; the slot simulation passes workers on a virtual clock)."""
         if max_host_bytes < max_adapter_bytes:
             raise ValueError(f"the host tier ({max_host_bytes} bytes) cannot hold one adapter of the "
                              f"largest rank ({max_adapter_bytes} bytes)")
@@ -89,9 +92,9 @@ class AdapterCache:
         self.host_bytes = 0
         self._needed: Counter[str] = Counter()  # queued or running requests per digest
         self._failures: dict[str, BaseException] = {}
-        self._disk = ThreadPoolExecutor(1, thread_name_prefix="loraplex-adapter-load")
-        self._copier = (None if self._is_cuda
-                        else ThreadPoolExecutor(1, thread_name_prefix="loraplex-slot-copy"))
+        self._disk = load_worker or ThreadPoolExecutor(1, thread_name_prefix="loraplex-adapter-load")
+        self._copier = (None if self._is_cuda else
+                        copy_worker or ThreadPoolExecutor(1, thread_name_prefix="loraplex-slot-copy"))
         self._stream = torch.cuda.Stream(buffers.device) if self._is_cuda else None
         self.num_host_loads = self.num_slot_loads = 0
 

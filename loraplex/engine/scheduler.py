@@ -16,9 +16,11 @@ A waiting request runs only once its adapter is in a device slot; until then it 
 running place, and requests behind it may go first. How far they may: a request is overtaken
 only while its adapter is being read into host memory or copied into a slot. Once it waits for
 a slot that running requests hold, or for room in the host tier, no request behind it takes a
-slot or starts a host load, so the next slot or room that frees is its own; and a slot frees
-as soon as the requests holding it finish (each within its own max_tokens), or when the policy
-preempts the one request that holds it (as it may for KV blocks).
+slot or starts a host load, so the next slot or room that frees is its own. Requests behind it
+may still join the slots that running requests hold, but one: the slot whose holders end first
+if each runs to its max_tokens, kept for it; so it waits at most until they end (sooner if
+another slot frees first, or the policy preempts the one request that holds a slot, as it may
+for KV blocks or for that slot).
 
 Steps may overlap: `advance` counts a launched step's work at once (the tokens it samples are
 pending), so the next step can be planned while the device still runs this one; `commit`
@@ -50,6 +52,9 @@ class Scheduler:
         self.adapter_waits: dict[str, Wait] = {}
         """Requests that the last plan left waiting for their adapter, and why (behind a request
         that waits for a slot or host room, a request waits for the same)."""
+        self.kept_slot: str | None = None
+        """The adapter whose held slot the last plan kept for the first request waiting for a
+        slot (no request joins it), or None if none waits for one."""
         self._forgotten: list[str] = []
         self.preemptions: Counter[tuple[str, str]] = Counter()
         """(cause: "kv" or "fairness", mode: "swap" or "recompute") -> preemptions."""
@@ -170,6 +175,7 @@ class Scheduler:
         a running place or KV blocks."""
         no_slots = no_host_room = False  # someone ahead waits for a slot / for host room
         self.adapter_waits = waits = {}
+        self.kept_slot = None
         waiting = self.policy.waiting()
         for request in waiting:
             full = len(self.running) >= self.config.max_num_seqs
@@ -185,7 +191,9 @@ class Scheduler:
                 continue
             slot = 0
             if request.adapter is not None:
-                if no_slots or (no_host_room and not self.adapters.slot_of(request.adapter)):
+                has_slot = self.adapters.slot_of(request.adapter) is not None
+                if ((no_slots and (not has_slot or request.adapter == self.kept_slot))
+                        or (no_host_room and not has_slot)):
                     waits[request.request_id] = Wait.NO_SLOT if no_slots else Wait.NO_HOST_ROOM
                     continue
                 acquired = self.adapters.acquire(request.adapter)
@@ -198,7 +206,8 @@ class Scheduler:
                     waits[request.request_id] = acquired
                     # Slots free as their holders finish and copies end. Host room frees as the
                     # requests that need its adapters end; with none running, none would.
-                    no_slots |= acquired is Wait.NO_SLOT
+                    if acquired is Wait.NO_SLOT and not no_slots:
+                        no_slots, self.kept_slot = True, self._first_to_free()
                     no_host_room |= acquired is Wait.NO_HOST_ROOM and bool(self.running)
                     continue
                 slot = acquired
@@ -219,6 +228,16 @@ class Scheduler:
                 scheduled[request.request_id] = num_new
                 budget -= num_new
         return budget, None
+
+    def _first_to_free(self) -> str | None:
+        """The adapter whose slot frees first if every running request runs to its length
+        limit: the one whose longest-running holder has the fewest tokens left."""
+        left: dict[str, int] = {}
+        for request in self.running:
+            if request.adapter is not None:
+                tokens = request.max_num_tokens - request.num_tokens
+                left[request.adapter] = max(left.get(request.adapter, 0), tokens)
+        return min(left, key=left.__getitem__, default=None)
 
     def _share_prompt(self, request: Request) -> bool:
         """For a sample of a prompt that another sample (its donor) computes: take references to

@@ -107,11 +107,14 @@ def test_churn_over_64_adapters_4_slots_and_a_host_tier_of_8(many_adapters):
     print(f"host tier peak {max_host_bytes} of {bound} bytes; {cache.num_host_loads} host loads, "
           f"{cache.num_slot_loads} slot loads; {len(trace.overtakes)} overtakes")
     # The stated bound: a waiting request is overtaken only while its own adapter is being read
-    # or copied; waiting for a slot, only by requests for the base model; waiting for host room,
-    # only by those and by requests whose adapter needed no host load (it was there already).
-    for step, waiter, overtaker in trace.overtakes:
+    # or copied; waiting for a slot, only by requests for the base model and by those joining a
+    # slot but the one kept for it (their adapter's slot: filled before the step, or in it for a
+    # request ahead of the waiter); waiting for host room, only by those and by requests whose
+    # adapter needed no host load (it was there already).
+    for step, waiter, overtaker, ahead in trace.overtakes:
         wait, other = trace.waits[step][waiter], adapter_of[overtaker]
-        passed = (wait is Wait.LOADING or other is None
+        joins = other != trace.kept[step] and (other in trace.in_slots[step] or other in ahead)
+        passed = (wait is Wait.LOADING or other is None or (wait is Wait.NO_SLOT and joins)
                   or (wait is Wait.NO_HOST_ROOM and other in trace.on_host[step]))
         assert passed, f"step {step}: {waiter} ({wait}) overtaken by {overtaker}"
     _assert_nothing_leaks(llm)
@@ -121,7 +124,10 @@ class _Trace:
     def __init__(self) -> None:
         self.waits: list[dict[str, Wait]] = []  # per step: request id -> why it waited
         self.on_host: list[set[str]] = []  # per step: digests in host memory or a slot before it
-        self.overtakes: list[tuple[int, str, str]] = []  # (step, overtaken, overtaker)
+        self.in_slots: list[set[str]] = []  # per step: digests in a slot before it
+        self.kept: list[str | None] = []  # per step: the held slot kept for a request waiting for one
+        # (step, overtaken, overtaker, the adapters of the requests ahead of the overtaken)
+        self.overtakes: list[tuple[int, str, str, set[str]]] = []
 
 
 def _trace_admissions(engine) -> _Trace:
@@ -132,15 +138,19 @@ def _trace_admissions(engine) -> _Trace:
 
     def traced_schedule():
         trace.on_host.append(set(cache.host_digests) | set(cache.resident))
+        trace.in_slots.append(set(cache.resident))
         order = [r for r in scheduler.policy.waiting() if not r.num_pending]
         plan = schedule()
         trace.waits.append(dict(scheduler.adapter_waits))
+        trace.kept.append(scheduler.kept_slot)
         admitted = {seq.request_id for seq in plan.new}
         step = len(trace.waits) - 1
         for index, request in enumerate(order):
             if request.request_id in admitted:
-                trace.overtakes += [(step, waiter.request_id, request.request_id)
-                                    for waiter in order[:index] if waiter.request_id not in admitted]
+                trace.overtakes += [(step, waiter.request_id, request.request_id,
+                                     {r.adapter for r in order[:place]})
+                                    for place, waiter in enumerate(order[:index])
+                                    if waiter.request_id not in admitted]
         return plan
 
     scheduler.schedule = traced_schedule
@@ -173,6 +183,57 @@ def test_a_request_waiting_for_a_slot_is_not_overtaken_by_its_holders(many_adapt
         assert engine.scheduler.adapter_waits["cold"] in (Wait.NO_SLOT, Wait.LOADING)
         assert time.monotonic() < deadline, "the request for a1 never got the slot"
     assert [r for r in started if r.startswith("hot")] == []  # no hot request went first
+    _assert_nothing_leaks(llm)
+
+
+def test_a_request_waiting_for_a_slot_lets_others_join_every_slot_but_the_one_kept_for_it(many_adapters):
+    """Two slots, held by a long request for a0 and a short one for a1; a request for a2 (in
+    host memory) waits for a slot. The slot kept for it is a1's (its holder ends first): new
+    requests for a0 join a0's slot meanwhile, those for a1 wait; the request for a2 takes a1's
+    slot when its holder ends. Every output is token-exact with the request run alone."""
+    model, adapters = many_adapters
+    used = {name: adapters[name] for name in ("a0", "a1", "a2")}
+    alone = _llm(model, used, max_loras=3)
+    llm = _llm(model, used, max_loras=2)
+    engine = llm.engine
+    long = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    llm.generate(prompt_token_ids=[[5]], adapters="a2", sampling_params=short)  # a2 in host memory
+    requests = {"long": ([5, 6], "a0", long), "short": ([6, 7], "a1", short)}
+    for request_id, (prompt, adapter, params) in requests.items():
+        engine.add_request(request_id, prompt_token_ids=prompt, params=params, adapter=adapter)
+    while len(engine.scheduler.running) < 2:
+        engine.step()
+    requests["cold"] = ([7, 8], "a2", short)
+    engine.add_request("cold", prompt_token_ids=[7, 8], params=short, adapter="a2")
+    a0, a1 = (engine.local_adapters.resolve(name) for name in ("a0", "a1"))
+    started, outputs = [], {}
+    for i in itertools.count():
+        if i < 3:
+            for adapter in ("a0", "a1"):
+                request_id = f"join-{adapter}-{i}"
+                requests[request_id] = ([9, i + 3], adapter, short)
+                engine.add_request(request_id, prompt_token_ids=[9, i + 3], params=short, adapter=adapter)
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output.token_ids
+        started += [r.request_id for r in engine.scheduler.running if r.request_id not in started]
+        if "cold" in started:
+            break
+        wait = engine.scheduler.adapter_waits["cold"]
+        assert wait is Wait.LOADING or (wait is Wait.NO_SLOT and engine.scheduler.kept_slot == a1)
+        assert engine.adapters.slot_of(a0) is not None
+        assert i < 40, "the request for a2 never got a slot"
+    joined = [r for r in started if r.startswith("join")]
+    assert joined and all(r.startswith("join-a0") for r in joined)  # a0's joined, a1's waited
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output.token_ids
+    assert outputs.keys() == requests.keys()
+    for request_id, (prompt, adapter, params) in requests.items():
+        expected = alone.generate(prompt_token_ids=[prompt], adapters=adapter, sampling_params=params)
+        assert outputs[request_id] == expected[0].token_ids, request_id
     _assert_nothing_leaks(llm)
 
 
