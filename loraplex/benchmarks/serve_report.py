@@ -50,14 +50,7 @@ def summarize(folder: Path) -> dict[str, Any]:
             "goals": "throughput ratio >= 0.95, TTFT p99 ratio <= 2, ITL p99 ratio < 1.10",
         }
     if saturated and offline:
-        summary["http_vs_offline"] = {
-            "http_output_throughput": saturated["output_throughput"],
-            "offline_output_throughput": offline["output_throughput"],
-            "ratio": _ratio(saturated["output_throughput"], offline["output_throughput"]),
-            "server_cpu_ms_per_token": saturated["engine"]["server_cpu_ms_per_token"],
-            "offline_engine_cpu_ms_per_token": offline["engine_cpu_ms_per_token"],
-            "goal": "ratio >= 0.90",
-        }
+        summary["http_vs_offline"] = http_vs_offline(saturated, offline)
     for adapters in ("1000", "1"):
         runs = sorted((json.loads(p.read_text()) for p in folder.glob(f"serve-rate-{adapters}-*.json")),
                       key=lambda r: float(r["workload"]["request_rate"]))
@@ -71,6 +64,45 @@ def summarize(folder: Path) -> dict[str, Any]:
             "max_rate_tried_within": max(within, default=None),
             "is_lower_bound": bool(within) and max(within) == table[-1]["rate"], "runs": table}
     return summary
+
+
+def http_vs_offline(saturated: dict[str, Any], offline: dict[str, Any]) -> dict[str, Any]:
+    """A saturation run through HTTP against the offline engine on the same requests: throughput
+    and CPU per generated token (the server's by thread where it reports them)."""
+    engine = saturated["engine"]
+    return {
+        "http_output_throughput": saturated["output_throughput"],
+        "offline_output_throughput": offline["output_throughput"],
+        "ratio": _ratio(saturated["output_throughput"], offline["output_throughput"]),
+        "server_cpu_ms_per_token": engine["server_cpu_ms_per_token"],
+        "offline_engine_cpu_ms_per_token": offline["engine_cpu_ms_per_token"],
+        **{name: engine[name] for name in ("engine_thread_cpu_ms_per_token", "event_loop_cpu_ms_per_token",
+                                           "other_threads_cpu_ms_per_token") if name in engine},
+        "load_average_1min_before": saturated.get("load_average_1min_before"),
+        "goal": "ratio >= 0.90",
+    }
+
+
+def record_overhead(folder: Path, path: Path, label: str) -> dict[str, Any]:
+    """Every `serve-overhead-*.json` run in `folder` against its offline pass, and their
+    medians, written into `path` (a JSON of such entries by label, kept across calls) as `label`."""
+    import os
+    import platform
+    import statistics
+    import subprocess
+
+    offline = next(json.loads(p.read_text()) for p in sorted(folder.glob("serve-offline-*.json")))
+    runs = [http_vs_offline(json.loads(p.read_text()), offline)
+            for p in sorted(folder.glob("serve-overhead-*.json"))]
+    medians = {name: round(statistics.median(run[name] for run in runs), 4) for name in runs[0]
+               if isinstance(runs[0][name], (int, float)) and all(run[name] is not None for run in runs)}
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True)
+    entry = {"commit": commit.stdout.strip(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+             "workload": offline["workload"], "median": medians, "runs": runs}
+    results = json.loads(path.read_text()) if path.is_file() else {}
+    results[label] = entry
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    return entry
 
 
 def plot_rates(folder: Path, summary: dict[str, Any], path: Path) -> None:
@@ -100,7 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--plot", action="store_true")
+    parser.add_argument("--record-overhead", type=Path, metavar="FILE", help="instead: the folder's "
+                        "serve-overhead-*.json runs against its offline pass, into FILE under --label")
+    parser.add_argument("--label", default="latest")
     args = parser.parse_args(argv)
+    if args.record_overhead is not None:
+        print(json.dumps(record_overhead(args.folder, args.record_overhead, args.label), indent=1))
+        return 0
     summary = summarize(args.folder)
     (args.folder / "serve-summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
