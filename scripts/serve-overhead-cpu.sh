@@ -12,12 +12,15 @@
 # engine thread, event loop and other threads) and their medians; the output goes to the .log
 # beside it too. The machine runs the client as well: the figures that matter are the server's
 # CPU per token (the client's is not in them) and HTTP against offline on the same machine.
+# Torch runs one intra-op thread (OMP_NUM_THREADS=1 unless set): the engine thread alone drives
+# the model, as on the GPU, and torch's spinning workers do not take the event loop's core.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LABEL=${1:?label}
 REPEATS=${2:-3}
 PORT=${PORT:-8321}
 PYTHON=${PYTHON:-python3}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 RESULT=bench/results/serve-overhead-cpu.json
 WORK=$(mktemp -d)
 WORKLOAD=(--num-prompts 256 --num-tenants 8 --num-adapters 8 --prompt-len 64 --output-len 128 --seed 14)
@@ -25,7 +28,7 @@ OFFLINE='{"num_prompts": 256, "num_tenants": 8, "num_adapters": 8, "prompt_len":
   "seed": 14}'
 
 exec > >(tee -a "${RESULT%.json}.log") 2>&1
-echo "=== $LABEL: $(git describe --always --dirty), $(date -u +%FT%TZ), load $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "=== $LABEL: $(date -u +%FT%TZ), load $(cut -d' ' -f1-3 /proc/loadavg), OMP_NUM_THREADS=$OMP_NUM_THREADS"
 $PYTHON -m loraplex.benchmarks.synthetic_server --port "$PORT" --setup "$WORK/setup.json" --device cpu \
     --num-adapters 8 --num-tenants 8 --rank 16 --max-loras 8 --max-num-seqs 128 \
     --max-num-batched-tokens 2048 --max-model-len 2048 --model-overrides '{"hidden_size": 64,

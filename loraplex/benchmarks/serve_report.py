@@ -96,8 +96,11 @@ def record_overhead(folder: Path, path: Path, label: str) -> dict[str, Any]:
             for p in sorted(folder.glob("serve-overhead-*.json"))]
     medians = {name: round(statistics.median(run[name] for run in runs), 4) for name in runs[0]
                if isinstance(runs[0][name], (int, float)) and all(run[name] is not None for run in runs)}
-    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True)
+    source = Path(__file__).resolve().parents[2]  # the code that ran: its commit
+    commit = subprocess.run(["git", "-C", str(source), "describe", "--always", "--dirty"],
+                            capture_output=True, text=True)
     entry = {"commit": commit.stdout.strip(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
              "workload": offline["workload"], "median": medians, "runs": runs}
     results = json.loads(path.read_text()) if path.is_file() else {}
     results[label] = entry
