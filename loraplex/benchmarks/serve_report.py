@@ -84,16 +84,18 @@ def http_vs_offline(saturated: dict[str, Any], offline: dict[str, Any]) -> dict[
 
 
 def record_overhead(folder: Path, path: Path, label: str) -> dict[str, Any]:
-    """Every `serve-overhead-*.json` run in `folder` against its offline pass, and their
+    """Each `pair-*` folder's HTTP run (`serve-overhead.json`) against its own offline pass (one
+    server start each, so that the two ran close in time, under the same load), and the
     medians, written into `path` (a JSON of such entries by label, kept across calls) as `label`."""
     import os
     import platform
     import statistics
     import subprocess
 
-    offline = next(json.loads(p.read_text()) for p in sorted(folder.glob("serve-offline-*.json")))
-    runs = [http_vs_offline(json.loads(p.read_text()), offline)
-            for p in sorted(folder.glob("serve-overhead-*.json"))]
+    runs = []
+    for pair in sorted(folder.glob("pair-*")):
+        offline = next(json.loads(p.read_text()) for p in pair.glob("serve-offline-*.json"))
+        runs.append(http_vs_offline(_load(pair, "serve-overhead.json"), offline))
     medians = {name: round(statistics.median(run[name] for run in runs), 4) for name in runs[0]
                if isinstance(runs[0][name], (int, float)) and all(run[name] is not None for run in runs)}
     source = Path(__file__).resolve().parents[2]  # the code that ran: its commit
@@ -135,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--plot", action="store_true")
-    parser.add_argument("--record-overhead", type=Path, metavar="FILE", help="instead: the folder's "
-                        "serve-overhead-*.json runs against its offline pass, into FILE under --label")
+    parser.add_argument("--record-overhead", type=Path, metavar="FILE", help="instead: the HTTP "
+                        "runs of the folder's pair-* folders against their offline passes, into FILE "
+                        "under --label")
     parser.add_argument("--label", default="latest")
     args = parser.parse_args(argv)
     if args.record_overhead is not None:
