@@ -14,6 +14,7 @@
 # engine thread, event loop and other threads) and their medians; the output goes to the .log
 # beside it too. The machine runs the client as well: the figures that matter are the server's
 # CPU per token (the client's is not in them) and HTTP against offline on the same machine.
+# SERVER_OPTIONS: more synthetic_server options (e.g. --switch-interval-ms 0.5).
 # Torch runs one intra-op thread (OMP_NUM_THREADS=1 unless set): the engine thread alone drives
 # the model, as on the GPU, and torch's spinning workers do not take the event loop's core.
 set -euo pipefail
@@ -38,7 +39,8 @@ for i in $(seq "$REPEATS"); do  # a server start each: its offline pass, then on
         --num-adapters 8 --num-tenants 8 --rank 16 --max-loras 8 --max-num-seqs 128 \
         --max-num-batched-tokens 2048 --max-model-len 2048 --model-overrides '{"hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "vocab_size": 1000}' --offline "$OFFLINE" --out "$PAIR" --shutdown-timeout 10 > "$PAIR/server.log" 2>&1 &
+        "vocab_size": 1000}' --offline "$OFFLINE" --out "$PAIR" --shutdown-timeout 10 ${SERVER_OPTIONS:-} \
+        > "$PAIR/server.log" 2>&1 &
     SERVER=$!
     trap 'kill $SERVER 2>/dev/null || true' EXIT
     until [ -f "$PAIR/setup.json" ] && $PYTHON -c "import urllib.request as u
