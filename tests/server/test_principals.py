@@ -123,3 +123,30 @@ def test_a_failed_read_fails_every_request_that_shared_it_and_is_not_kept(regist
     assert slow.keys.num_reads == 1
     asyncio.run(burst())
     assert slow.keys.num_reads == 2  # unknown keys are never cached
+
+
+def test_requests_for_one_adapter_that_miss_the_cache_share_one_read() -> None:
+    from types import SimpleNamespace
+
+    from loraplex.server.adapter_names import AdapterNames
+
+    reads: list[tuple[str, str]] = []
+    may_return = threading.Event()
+
+    def get(tenant: str, name: str) -> SimpleNamespace:
+        reads.append((tenant, name))
+        assert may_return.wait(10)
+        return SimpleNamespace(digest=f"digest-of-{name}", tenant=tenant, name=name)
+
+    names = AdapterNames(SimpleNamespace(adapters=SimpleNamespace(get=get)), None, 16, ttl_s=60)  # type: ignore[arg-type]
+
+    async def burst() -> list:
+        callers = [asyncio.ensure_future(names.lookup("acme", name)) for name in ("style", "style", "other")]
+        await asyncio.sleep(0.1)
+        may_return.set()
+        return await asyncio.gather(*callers)
+
+    records = asyncio.run(burst())
+    assert [r.digest for r in records] == ["digest-of-style", "digest-of-style", "digest-of-other"]
+    assert sorted(reads) == [("acme", "other"), ("acme", "style")]
+    assert names.names_of("digest-of-style") == ("style",)
