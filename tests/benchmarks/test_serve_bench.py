@@ -67,3 +67,24 @@ def test_the_servers_cpu_per_token_is_split_by_thread(monkeypatch: pytest.Monkey
     assert counters["event_loop_cpu_ms_per_token"] == pytest.approx(counters["event_loop_cpu_s"], abs=1e-3)
     threads = counters["event_loop_cpu_s"] + counters["engine_thread_cpu_s"]
     assert counters["server_cpu_s"] >= threads - 0.03  # the process's figure counts 10 ms ticks
+
+
+def test_fairness_preemptions_are_counted_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+    from types import SimpleNamespace
+
+    from loraplex.server.metrics import Metrics
+    from tests.server.test_epp_metrics import _stats
+
+    monitor = SimpleNamespace(latest=None)
+    metrics = Metrics("m", monitor, lambda: 0)  # type: ignore[arg-type]
+    monkeypatch.setattr("urllib.request.urlopen", lambda url, timeout: io.BytesIO(metrics.render()))
+    snapshot = SimpleNamespace(sampled_wall=0.0, tokens_per_second=0.0)
+    monitor.latest = SimpleNamespace(**vars(snapshot), stats=_stats(
+        num_preemptions=3, preemptions={"fairness:recompute": 1, "kv:swap": 2}))
+    before = serve_bench.scrape_counters("http://server")
+    monitor.latest = SimpleNamespace(**vars(snapshot), stats=_stats(
+        num_preemptions=10, preemptions={"fairness:recompute": 5, "fairness:swap": 2, "kv:swap": 3}))
+    counters = serve_bench.engine_counters(before, serve_bench.scrape_counters("http://server"))
+    assert counters["preemptions"] == 7
+    assert counters["fairness_preemptions"] == 6
