@@ -101,9 +101,12 @@ def record_overhead(folder: Path, path: Path, label: str) -> dict[str, Any]:
     medians = {name: round(statistics.median(run[name] for run in runs), 4) for name in runs[0]
                if isinstance(runs[0][name], (int, float)) and all(run[name] is not None for run in runs)}
     source = Path(__file__).resolve().parents[2]  # the code that ran: its commit
-    commit = subprocess.run(["git", "-C", str(source), "describe", "--always", "--dirty"],
-                            capture_output=True, text=True)
-    entry = {"commit": commit.stdout.strip(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+    git = ["git", "-C", str(source)]
+    commit = subprocess.run([*git, "describe", "--always"], capture_output=True, text=True).stdout.strip()
+    status = subprocess.run([*git, "status", "--porcelain", "--", "loraplex"], capture_output=True, text=True)
+    if status.stdout:
+        commit += "-modified"  # the code, not the results file this writes
+    entry = {"commit": commit, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
              "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
              "workload": offline["workload"], "median": medians, "runs": runs}
     results = json.loads(path.read_text()) if path.is_file() else {}
