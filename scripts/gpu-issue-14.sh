@@ -23,7 +23,10 @@
 # install.log, serve-summary.json and serve-h100.tar.gz (every run's JSON and log, the server's
 # log; unpack into bench/results/serve-h100/). Run elsewhere, the runs are also copied there.
 # SMOKE=1 runs the same steps on the CPU with a tiny model and few requests (a check of the
-# script itself, under the same budget; nothing is copied to bench/results).
+# script itself, under the same budget; nothing is copied to bench/results). SWITCH_INTERVAL_MS
+# sets the server's sys.setswitchinterval (default Python's 5 ms: how long the engine thread
+# may wait for the GIL while the event loop holds it); serve-summary.json's http_vs_offline
+# splits the server's CPU per token between the engine thread, the event loop and the rest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/serve-h100}
@@ -47,6 +50,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}')
     N_SAT=60; N_RATE=30
 fi
+if [ -n "${SWITCH_INTERVAL_MS:-}" ]; then SERVER_OPTS+=(--switch-interval-ms "$SWITCH_INTERVAL_MS"); fi
 
 publish() {  # the summary so far, and every run's files, into $OUT
     python3 -m loraplex.benchmarks.serve_report "$RES" > "$RES/summary.log" 2>&1

@@ -64,6 +64,15 @@ ENGINE_COUNTERS = {
     "server_cpu_s": "process_cpu_seconds_total",
 }
 """Counters read from /metrics before and after a run (the run's figure is the difference)."""
+LABELED_COUNTERS = {
+    "engine_thread_cpu_s": ("loraplex:thread_cpu_seconds_total", "thread", "engine"),
+    "event_loop_cpu_s": ("loraplex:thread_cpu_seconds_total", "thread", "event_loop"),
+    "other_threads_cpu_s": ("loraplex:thread_cpu_seconds_total", "thread", "other"),
+    "fairness_preemptions": ("loraplex:preemptions_total", "cause", "fairness"),
+}
+"""Counters read for one label value (the server's CPU time by thread; preemptions the tenants'
+fair shares asked for, which requests that arrive over time cause and an offline run does not)."""
+THREAD_COUNTERS = ("engine_thread_cpu_s", "event_loop_cpu_s", "other_threads_cpu_s")
 
 
 @dataclass
@@ -260,7 +269,8 @@ def report(results: list[RequestResult], duration_s: float, requests: list[Bench
 
 
 def scrape_counters(url: str) -> dict[str, float]:
-    """The engine counters (ENGINE_COUNTERS) from /metrics, summed over their label sets."""
+    """The engine counters (ENGINE_COUNTERS) from /metrics, summed over their label sets, and
+    LABELED_COUNTERS."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -268,19 +278,25 @@ def scrape_counters(url: str) -> dict[str, float]:
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
         text = response.read().decode()
     wanted = {metric: name for name, metric in ENGINE_COUNTERS.items()}
-    values = dict.fromkeys(ENGINE_COUNTERS, 0.0)
+    labeled = {(metric, label, value): name for name, (metric, label, value) in LABELED_COUNTERS.items()}
+    values = dict.fromkeys([*ENGINE_COUNTERS, *LABELED_COUNTERS], 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in wanted:
                 values[wanted[sample.name]] += sample.value
+            for label, value in sample.labels.items():
+                if (name := labeled.get((sample.name, label, value))) is not None:
+                    values[name] += sample.value
     return values
 
 
 def engine_counters(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
-    delta = {name: round(after[name] - before[name], 3) for name in ENGINE_COUNTERS}
+    delta = {name: round(after[name] - before[name], 3) for name in [*ENGINE_COUNTERS, *LABELED_COUNTERS]}
     tokens = delta["generation_tokens"]
     delta["adapter_slot_hits"] = max(0.0, delta["lora_requests"] - delta["adapter_slot_loads"])
-    delta["server_cpu_ms_per_token"] = round(1000 * delta["server_cpu_s"] / tokens, 4) if tokens else None
+    for name in ("server_cpu_s", *THREAD_COUNTERS):  # server_cpu_s -> server_cpu_ms_per_token
+        delta[f"{name.removesuffix('_s')}_ms_per_token"] = \
+            round(1000 * delta[name] / tokens, 4) if tokens else None
     return delta
 
 

@@ -50,14 +50,7 @@ def summarize(folder: Path) -> dict[str, Any]:
             "goals": "throughput ratio >= 0.95, TTFT p99 ratio <= 2, ITL p99 ratio < 1.10",
         }
     if saturated and offline:
-        summary["http_vs_offline"] = {
-            "http_output_throughput": saturated["output_throughput"],
-            "offline_output_throughput": offline["output_throughput"],
-            "ratio": _ratio(saturated["output_throughput"], offline["output_throughput"]),
-            "server_cpu_ms_per_token": saturated["engine"]["server_cpu_ms_per_token"],
-            "offline_engine_cpu_ms_per_token": offline["engine_cpu_ms_per_token"],
-            "goal": "ratio >= 0.90",
-        }
+        summary["http_vs_offline"] = http_vs_offline(saturated, offline)
     for adapters in ("1000", "1"):
         runs = sorted((json.loads(p.read_text()) for p in folder.glob(f"serve-rate-{adapters}-*.json")),
                       key=lambda r: float(r["workload"]["request_rate"]))
@@ -71,6 +64,55 @@ def summarize(folder: Path) -> dict[str, Any]:
             "max_rate_tried_within": max(within, default=None),
             "is_lower_bound": bool(within) and max(within) == table[-1]["rate"], "runs": table}
     return summary
+
+
+def http_vs_offline(saturated: dict[str, Any], offline: dict[str, Any]) -> dict[str, Any]:
+    """A saturation run through HTTP against the offline engine on the same requests: throughput
+    and CPU per generated token (the server's by thread where it reports them)."""
+    engine = saturated["engine"]
+    return {
+        "http_output_throughput": saturated["output_throughput"],
+        "offline_output_throughput": offline["output_throughput"],
+        "ratio": _ratio(saturated["output_throughput"], offline["output_throughput"]),
+        "server_cpu_ms_per_token": engine["server_cpu_ms_per_token"],
+        "offline_engine_cpu_ms_per_token": offline["engine_cpu_ms_per_token"],
+        "http_preemptions": engine["preemptions"], "offline_preemptions": offline["preemptions"],
+        "http_fairness_preemptions": engine.get("fairness_preemptions"),
+        **{name: engine[name] for name in ("engine_thread_cpu_ms_per_token", "event_loop_cpu_ms_per_token",
+                                           "other_threads_cpu_ms_per_token") if name in engine},
+        "load_average_1min_before": saturated.get("load_average_1min_before"),
+        "goal": "ratio >= 0.90",
+    }
+
+
+def record_overhead(folder: Path, path: Path, label: str) -> dict[str, Any]:
+    """Each `pair-*` folder's HTTP run (`serve-overhead.json`) against its own offline pass (one
+    server start each, so that the two ran close in time, under the same load), and the
+    medians, written into `path` (a JSON of such entries by label, kept across calls) as `label`."""
+    import os
+    import platform
+    import statistics
+    import subprocess
+
+    runs = []
+    for pair in sorted(folder.glob("pair-*")):
+        offline = next(json.loads(p.read_text()) for p in pair.glob("serve-offline-*.json"))
+        runs.append(http_vs_offline(_load(pair, "serve-overhead.json"), offline))
+    medians = {name: round(statistics.median(run[name] for run in runs), 4) for name in runs[0]
+               if isinstance(runs[0][name], (int, float)) and all(run[name] is not None for run in runs)}
+    source = Path(__file__).resolve().parents[2]  # the code that ran: its commit
+    git = ["git", "-C", str(source)]
+    commit = subprocess.run([*git, "describe", "--always"], capture_output=True, text=True).stdout.strip()
+    status = subprocess.run([*git, "status", "--porcelain", "--", "loraplex"], capture_output=True, text=True)
+    if status.stdout:
+        commit += "-modified"  # the code, not the results file this writes
+    entry = {"commit": commit, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+             "workload": offline["workload"], "median": medians, "runs": runs}
+    results = json.loads(path.read_text()) if path.is_file() else {}
+    results[label] = entry
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    return entry
 
 
 def plot_rates(folder: Path, summary: dict[str, Any], path: Path) -> None:
@@ -100,7 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--plot", action="store_true")
+    parser.add_argument("--record-overhead", type=Path, metavar="FILE", help="instead: the HTTP "
+                        "runs of the folder's pair-* folders against their offline passes, into FILE "
+                        "under --label")
+    parser.add_argument("--label", default="latest")
     args = parser.parse_args(argv)
+    if args.record_overhead is not None:
+        print(json.dumps(record_overhead(args.folder, args.record_overhead, args.label), indent=1))
+        return 0
     summary = summarize(args.folder)
     (args.folder / "serve-summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary, indent=1))

@@ -225,7 +225,12 @@ def main(argv: list[str] | None = None) -> int:
                         "run through the engine directly before serving")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--shutdown-timeout", type=int, default=60)
+    parser.add_argument("--switch-interval-ms", type=float, help="sys.setswitchinterval for this "
+                        "process (default: Python's 5 ms): how long the engine thread may wait for the "
+                        "GIL while the event loop holds it")
     args = parser.parse_args(argv)
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
 
     import uvicorn
 

@@ -31,6 +31,7 @@ from loraplex.types import RequestOutput, SamplingParams
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 HANDOVER_TIMEOUT_S = 30.0
+ENGINE_THREAD_NAME = "loraplex-engine"
 _drivers: weakref.WeakKeyDictionary[LLMEngine, threading.Thread] = weakref.WeakKeyDictionary()
 """The thread that drives each engine."""
 
@@ -52,7 +53,7 @@ class AsyncEngine:
             previous.join(HANDOVER_TIMEOUT_S)
             if previous.is_alive():
                 raise RuntimeError("another engine thread still drives this engine")
-        self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=ENGINE_THREAD_NAME, daemon=True)
         _drivers[engine] = self._thread
         self._thread.start()
 

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import logging
 
-from starlette.concurrency import run_in_threadpool
-
 from loraplex.adapter_format import BaseModelShape, LoraAdapter, load_adapter
 from loraplex.registry import Registry
 from loraplex.registry.records import AdapterRecord
 from loraplex.registry.registry_errors import RegistryError
-from loraplex.server.cache import TTLCache
+from loraplex.server.cache import SingleFlight, TTLCache
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +25,7 @@ class AdapterNames:
         self._shape = shape
         self._max_rank = max_rank
         self._records: TTLCache[tuple[str, str], AdapterRecord] = TTLCache(ttl_s)
+        self._reads: SingleFlight[tuple[int, tuple[str, str]], AdapterRecord] = SingleFlight()
         self._blobs: dict[str, AdapterRecord] = {}  # digest -> a record whose blobs hold it
         self._names: dict[str, set[str]] = {}  # digest -> the names requests gave it here
 
@@ -35,13 +34,15 @@ class AdapterNames:
         none (another tenant's adapter of that name is not found either)."""
         key = (tenant, name)
         record = self._records.get(key)
-        if record is None:
-            read_at = self._records.generation
-            record = self._records.put(key, await run_in_threadpool(
-                self._registry.adapters.get, tenant, name), read_at)
+        if record is None:  # one read for all the requests that ask meanwhile
+            record = await self._reads.run((self._records.generation, key), lambda: self._read(key))
             self._blobs[record.digest] = record
             self._names.setdefault(record.digest, set()).add(name)
         return record
+
+    def _read(self, key: tuple[str, str]) -> AdapterRecord:
+        read_at = self._records.generation
+        return self._records.put(key, self._registry.adapters.get(*key), read_at)
 
     def names_of(self, digest: str) -> tuple[str, ...]:
         """The names under which requests to this server asked for the adapter `digest` (its

@@ -11,19 +11,11 @@ from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import Depends
-from starlette.concurrency import run_in_threadpool
 
-from loraplex.registry.records import TenantRecord
 from loraplex.server.auth import TenantDep
 from loraplex.server.deps import ServicesDep
 from loraplex.server.http_errors import RateLimitError, ServiceUnavailableError
 from loraplex.server.limits import Admission
-from loraplex.server.services import Services
-
-
-async def tenant_record(services: Services, name: str) -> TenantRecord:
-    principals = services.principals
-    return principals.cached_tenant(name) or await run_in_threadpool(principals.tenant, name)
 
 
 async def admit_request(principal: TenantDep, services: ServicesDep) -> AsyncIterator[Admission]:
@@ -32,7 +24,7 @@ async def admit_request(principal: TenantDep, services: ServicesDep) -> AsyncIte
         raise ServiceUnavailableError("this server is shutting down; retry (another replica will "
                                       "answer)", retry_after_s=services.config.retry_after_s,
                                       code="server_draining")
-    tenant = await tenant_record(services, principal.tenant)
+    tenant = await services.principals.tenant_of(principal.tenant)
     services.tenant_weights.sync(tenant)
     try:
         admission = services.limiter.admit(tenant)

@@ -8,7 +8,6 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from starlette.concurrency import run_in_threadpool
 
 from loraplex.registry.records import Principal
 from loraplex.registry.registry_errors import AuthenticationError
@@ -24,11 +23,7 @@ async def get_principal(
 ) -> Principal:
     if credentials is None or not credentials.credentials:
         raise AuthenticationError("no API key: send the header `Authorization: Bearer <key>`")
-    principals = get_services(request).principals
-    principal = principals.cached(credentials.credentials)
-    if principal is None:
-        principal = await run_in_threadpool(principals.authenticate, credentials.credentials)
-    return principal
+    return await get_services(request).principals.principal_of(credentials.credentials)
 
 
 async def require_tenant(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:

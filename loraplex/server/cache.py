@@ -1,5 +1,6 @@
 """A small time-to-live cache for registry reads on the request path (keys, tenant limits,
-adapter records). Thread-safe; bounded (cleared when full).
+adapter records). Thread-safe; bounded (cleared when full). `SingleFlight` shares one read among
+the requests that miss the cache together (a burst of requests with one key).
 
 A change made through this server (a revoked key, a deleted adapter) calls `forget`, and must
 hold at once: a value read from the registry before that change, by a request still in flight,
@@ -8,10 +9,13 @@ passes it to `put`, which keeps the value only if nothing was forgotten in betwe
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
+
+from starlette.concurrency import run_in_threadpool
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -53,3 +57,27 @@ class TTLCache(Generic[K, V]):
             self._generation += 1
             for key in [k for k in self._entries if where(k)]:
                 del self._entries[key]
+
+
+class SingleFlight(Generic[K, V]):
+    """Blocking loads run on worker threads, one at a time per key: the callers that ask for a
+    key while its load runs await that load's result (or its error) instead of loading again.
+    Nothing is kept once the load ends (the TTLCache keeps values). Use from one event loop.
+    Give keys that change when the answer may (a TTLCache's generation): a caller that comes
+    after a change must not be handed a load begun before it."""
+
+    def __init__(self) -> None:
+        self._loads: dict[K, asyncio.Future[V]] = {}
+
+    async def run(self, key: K, load: Callable[[], V]) -> V:
+        future = self._loads.get(key)
+        if future is None:
+            future = self._loads[key] = asyncio.ensure_future(run_in_threadpool(load))
+            future.add_done_callback(lambda done: self._end(key, done))
+        # A caller that is cancelled (its client left) leaves the load to the others.
+        return await asyncio.shield(future)
+
+    def _end(self, key: K, load: asyncio.Future[V]) -> None:
+        del self._loads[key]
+        if not load.cancelled():
+            load.exception()  # retrieved: an error nobody was left to await is not logged

@@ -1,6 +1,7 @@
 """Who a presented API key speaks for, and the tenant's limits: registry reads behind a short
-cache, so a busy server does not hit the database for every request. Unknown keys are never
-cached. Blocking (database I/O): call `authenticate` and `tenant` from worker threads."""
+cache, so a busy server does not hit the database for every request, and requests that miss the
+cache together (a burst with one key) share one read. Unknown keys are never cached. From the
+event loop: `principal_of`, `tenant_of`; `authenticate` and `tenant` block (database I/O)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import hashlib
 
 from loraplex.registry import Registry
 from loraplex.registry.records import Principal, TenantRecord
-from loraplex.server.cache import TTLCache
+from loraplex.server.cache import SingleFlight, TTLCache
 
 
 class Principals:
@@ -16,6 +17,19 @@ class Principals:
         self._registry = registry
         self._keys: TTLCache[str, Principal] = TTLCache(ttl_s)
         self._tenants: TTLCache[str, TenantRecord] = TTLCache(ttl_s)
+        self._key_reads: SingleFlight[tuple[int, str], Principal] = SingleFlight()
+        self._tenant_reads: SingleFlight[tuple[int, str], TenantRecord] = SingleFlight()
+
+    async def principal_of(self, presented: str) -> Principal:
+        """Whom the key speaks for (AuthenticationError if nobody): cached, or read once for
+        all the requests that present it meanwhile."""
+        digest = _digest(presented)
+        return self._keys.get(digest) or await self._key_reads.run(
+            (self._keys.generation, digest), lambda: self.authenticate(presented))
+
+    async def tenant_of(self, name: str) -> TenantRecord:
+        return self._tenants.get(name) or await self._tenant_reads.run(
+            (self._tenants.generation, name), lambda: self.tenant(name))
 
     def cached(self, presented: str) -> Principal | None:
         return self._keys.get(_digest(presented))
@@ -23,9 +37,6 @@ class Principals:
     def authenticate(self, presented: str) -> Principal:
         read_at = self._keys.generation
         return self._keys.put(_digest(presented), self._registry.keys.authenticate(presented), read_at)
-
-    def cached_tenant(self, name: str) -> TenantRecord | None:
-        return self._tenants.get(name)
 
     def tenant(self, name: str) -> TenantRecord:
         read_at = self._tenants.generation

@@ -29,3 +29,62 @@ def test_requests_past_the_time_limit_fail_and_the_rest_are_reported(monkeypatch
     summary = report(results, duration, requests, 1.0, 0.1)
     assert summary["completed"] == 3
     assert summary["errors_by_status"] == {"time_limit": 1}
+
+
+def test_the_servers_cpu_per_token_is_split_by_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's /metrics (its thread CPU collector) read as the benchmark reads them: the
+    engine thread's CPU shows under `engine`, this thread's (the event loop's) under
+    `event_loop`, and each as ms per generated token over the run."""
+    import io
+    import threading
+    import time
+
+    from loraplex.engine.async_engine import ENGINE_THREAD_NAME
+    from loraplex.server.metrics import Metrics
+    from loraplex.server.monitor import EngineMonitor
+
+    monitor = EngineMonitor.__new__(EngineMonitor)
+    monitor.latest = None
+    metrics = Metrics("m", monitor, lambda: 0)
+    monkeypatch.setattr("urllib.request.urlopen", lambda url, timeout: io.BytesIO(metrics.render()))
+
+    def burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    before = serve_bench.scrape_counters("http://server")
+    engine = threading.Thread(target=burn, args=(0.3,), name=ENGINE_THREAD_NAME)
+    engine.start()
+    engine.join(0.05)  # still running when scraped below
+    burn(0.1)
+    after = serve_bench.scrape_counters("http://server")
+    engine.join()
+    after["generation_tokens"] = before["generation_tokens"] + 1000
+    counters = serve_bench.engine_counters(before, after)
+    assert 0.1 <= counters["event_loop_cpu_s"] < 0.25
+    assert 0.05 < counters["engine_thread_cpu_s"] <= 0.3
+    assert counters["event_loop_cpu_ms_per_token"] == pytest.approx(counters["event_loop_cpu_s"], abs=1e-3)
+    threads = counters["event_loop_cpu_s"] + counters["engine_thread_cpu_s"]
+    assert counters["server_cpu_s"] >= threads - 0.03  # the process's figure counts 10 ms ticks
+
+
+def test_fairness_preemptions_are_counted_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+    from types import SimpleNamespace
+
+    from loraplex.server.metrics import Metrics
+    from tests.server.test_epp_metrics import _stats
+
+    monitor = SimpleNamespace(latest=None)
+    metrics = Metrics("m", monitor, lambda: 0)  # type: ignore[arg-type]
+    monkeypatch.setattr("urllib.request.urlopen", lambda url, timeout: io.BytesIO(metrics.render()))
+    snapshot = SimpleNamespace(sampled_wall=0.0, tokens_per_second=0.0)
+    monitor.latest = SimpleNamespace(**vars(snapshot), stats=_stats(
+        num_preemptions=3, preemptions={"fairness:recompute": 1, "kv:swap": 2}))
+    before = serve_bench.scrape_counters("http://server")
+    monitor.latest = SimpleNamespace(**vars(snapshot), stats=_stats(
+        num_preemptions=10, preemptions={"fairness:recompute": 5, "fairness:swap": 2, "kv:swap": 3}))
+    counters = serve_bench.engine_counters(before, serve_bench.scrape_counters("http://server"))
+    assert counters["preemptions"] == 7
+    assert counters["fairness_preemptions"] == 6

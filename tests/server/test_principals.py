@@ -1,8 +1,10 @@
 """The registry cache on the request path: a change made through this server holds at once,
-even against a read of the registry that was already in flight when the change was made."""
+even against a read of the registry that was already in flight when the change was made; the
+requests that miss the cache together share one read."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 
@@ -22,8 +24,10 @@ class _SlowKeys:
         self._keys = keys
         self.has_read = threading.Event()
         self.may_return = threading.Event()
+        self.num_reads = 0
 
     def authenticate(self, presented: str):
+        self.num_reads += 1
         principal = self._keys.authenticate(presented)
         self.has_read.set()
         assert self.may_return.wait(10)
@@ -68,3 +72,81 @@ def test_the_cache_keeps_only_values_read_since_the_last_forget() -> None:
     assert cache.get("k") == 2
     cache.forget(lambda key: key == "k")
     assert cache.get("k") is None
+
+
+def test_requests_that_miss_the_cache_together_share_one_read(registry: Registry) -> None:
+    created = registry.keys.create(tenant="acme")
+    slow = _SlowRegistry(registry)
+    principals = Principals(slow, ttl_s=60)  # type: ignore[arg-type]
+
+    async def burst() -> list:
+        callers = [asyncio.ensure_future(principals.principal_of(created.secret)) for _ in range(20)]
+        await asyncio.to_thread(slow.keys.has_read.wait, 10)
+        slow.keys.may_return.set()
+        return await asyncio.gather(*callers)
+
+    assert {p.tenant for p in asyncio.run(burst())} == {"acme"}
+    assert slow.keys.num_reads == 1
+
+
+def test_a_request_after_a_revocation_does_not_share_a_read_begun_before_it(registry: Registry) -> None:
+    created = registry.keys.create(tenant="acme")
+    slow = _SlowRegistry(registry)
+    principals = Principals(slow, ttl_s=60)  # type: ignore[arg-type]
+
+    async def scenario() -> tuple:
+        before = asyncio.ensure_future(principals.principal_of(created.secret))
+        await asyncio.to_thread(slow.keys.has_read.wait, 10)  # read while the key was valid
+        registry.keys.revoke(created.key.id)
+        principals.forget()
+        after = asyncio.ensure_future(principals.principal_of(created.secret))
+        await asyncio.sleep(0.05)
+        slow.keys.may_return.set()
+        return await asyncio.gather(before, after, return_exceptions=True)
+
+    before, after = asyncio.run(scenario())
+    assert before.tenant == "acme"  # it began before the change
+    assert isinstance(after, AuthenticationError)
+    assert slow.keys.num_reads == 2
+
+
+def test_a_failed_read_fails_every_request_that_shared_it_and_is_not_kept(registry: Registry) -> None:
+    slow = _SlowRegistry(registry)
+    slow.keys.may_return.set()
+    principals = Principals(slow, ttl_s=60)  # type: ignore[arg-type]
+
+    async def burst() -> list:
+        return await asyncio.gather(*[principals.principal_of("lp-unknown") for _ in range(5)],
+                                    return_exceptions=True)
+
+    assert all(isinstance(result, AuthenticationError) for result in asyncio.run(burst()))
+    assert slow.keys.num_reads == 1
+    asyncio.run(burst())
+    assert slow.keys.num_reads == 2  # unknown keys are never cached
+
+
+def test_requests_for_one_adapter_that_miss_the_cache_share_one_read() -> None:
+    from types import SimpleNamespace
+
+    from loraplex.server.adapter_names import AdapterNames
+
+    reads: list[tuple[str, str]] = []
+    may_return = threading.Event()
+
+    def get(tenant: str, name: str) -> SimpleNamespace:
+        reads.append((tenant, name))
+        assert may_return.wait(10)
+        return SimpleNamespace(digest=f"digest-of-{name}", tenant=tenant, name=name)
+
+    names = AdapterNames(SimpleNamespace(adapters=SimpleNamespace(get=get)), None, 16, ttl_s=60)  # type: ignore[arg-type]
+
+    async def burst() -> list:
+        callers = [asyncio.ensure_future(names.lookup("acme", name)) for name in ("style", "style", "other")]
+        await asyncio.sleep(0.1)
+        may_return.set()
+        return await asyncio.gather(*callers)
+
+    records = asyncio.run(burst())
+    assert [r.digest for r in records] == ["digest-of-style", "digest-of-style", "digest-of-other"]
+    assert sorted(reads) == [("acme", "other"), ("acme", "style")]
+    assert names.names_of("digest-of-style") == ("style",)

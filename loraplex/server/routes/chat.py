@@ -92,14 +92,15 @@ async def _events(services: Services, job: Job, body: ChatCompletionRequest, fir
                           "created": int(time.time()), "model": job.model, "system_fingerprint": FINGERPRINT})
     num_prompt = len(first[1].prompt_token_ids)
     latest: dict[int, RequestOutput] = {}  # each choice's latest output: the usage so far counts all
+    include_usage, continuous_usage = body.include_usage, body.continuous_usage  # read once
 
     def chunk(index: int, delta: dict, finish_reason: str | None = None,
               logprobs: ChatLogprobs | None = None) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs.model_dump() if logprobs else None,
                   "finish_reason": finish_reason}
-        if not body.include_usage:
+        if not include_usage:
             return events.event([choice])
-        usage = usage_counts(num_prompt, latest.values()) if body.continuous_usage else None
+        usage = usage_counts(num_prompt, latest.values()) if continuous_usage else None
         return events.event([choice], usage)
 
     for index in range(job.n):
@@ -109,9 +110,11 @@ async def _events(services: Services, job: Job, body: ChatCompletionRequest, fir
         while choice is not None:
             index, output = choice
             latest[index] = output
-            if output.new_text or body.logprobs:
+            if body.logprobs:
                 logprobs = await _logprobs(services, output, body, newest_only=True)
                 yield chunk(index, {"content": output.new_text}, logprobs=logprobs)
+            elif output.new_text:
+                yield chunk(index, {"content": output.new_text})
             if output.finished:
                 yield chunk(index, {}, output.finish_reason)
             choice = await anext(rest, None)

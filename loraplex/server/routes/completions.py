@@ -146,15 +146,18 @@ async def _events(services: Services, job: Job, body: CompletionRequest, first: 
     echo = await _echo(services, body, first[1])  # goes before each choice's first text
     echoed: set[int] = set()
     latest: dict[int, RequestOutput] = {}  # each choice's latest output: the usage so far counts all
+    no_echo = Echo()
+    has_logprobs, include_usage, continuous_usage = body.logprobs is not None, body.include_usage, \
+        body.continuous_usage  # read once, not at every token
     try:
         choice: Choice | None = first
         while choice is not None:
             index, output = choice
             latest[index] = output
-            prefix = Echo() if index in echoed else echo
-            if output.new_text or output.finished or body.logprobs is not None or prefix.text:
+            prefix = no_echo if index in echoed else echo
+            if output.new_text or output.finished or has_logprobs or prefix.text:
                 logprobs = None
-                if body.logprobs is not None:
+                if has_logprobs:
                     offset = (0 if prefix.text else len(echo.text)) + len(output.text) - len(output.new_text)
                     logprobs = await _logprobs(services, prefix.token_ids + output.new_token_ids,
                                                prefix.entries + token_logprobs(output, newest_only=True),
@@ -162,8 +165,8 @@ async def _events(services: Services, job: Job, body: CompletionRequest, first: 
                 item = {"index": index, "text": prefix.text + output.new_text, "finish_reason":
                         output.finish_reason if output.finished else None,
                         "logprobs": logprobs.model_dump() if logprobs else None}
-                if body.include_usage:
-                    usage = usage_counts(num_prompt, latest.values()) if body.continuous_usage else None
+                if include_usage:
+                    usage = usage_counts(num_prompt, latest.values()) if continuous_usage else None
                     yield events.event([item], usage)
                 else:
                     yield events.event([item])
