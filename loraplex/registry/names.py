@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
+from loraplex.engine.tenants import check_weight as engine_check_weight
+from loraplex.errors import InvalidRequestError
 from loraplex.registry.registry_errors import InvalidInputError
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -39,12 +40,11 @@ def check_text(value: str, what: str, param: str) -> str:
 
 
 def check_weight(value: Any) -> float:
-    """A tenant's fair-share weight: a finite number > 0."""
-    if (not isinstance(value, (int, float)) or isinstance(value, bool)
-            or not math.isfinite(value) or value <= 0):
-        raise InvalidInputError(f"weight must be a finite number > 0, got {value!r}",
-                                param="weight")
-    return float(value)
+    """A tenant's fair-share weight: a number from MIN_WEIGHT to MAX_WEIGHT (the engine's range)."""
+    try:
+        return engine_check_weight(value)
+    except InvalidRequestError as error:
+        raise InvalidInputError(str(error), param="weight") from None
 
 
 def check_limit(value: Any, what: str) -> int | None:

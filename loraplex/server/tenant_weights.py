@@ -6,6 +6,7 @@ is how a change made through another replica arrives."""
 from __future__ import annotations
 
 from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.tenants import MAX_WEIGHT, MIN_WEIGHT
 from loraplex.registry.records import TenantRecord
 
 
@@ -17,7 +18,8 @@ class TenantWeights:
     def sync(self, tenant: TenantRecord) -> None:
         """Pass the tenant's weight to the engine if it is not the one last passed (it applies
         from the engine's next step)."""
-        name, weight = tenant.name, tenant.weight
+        # A weight stored before the range was enforced is taken at the range's nearest end.
+        name, weight = tenant.name, min(max(tenant.weight, MIN_WEIGHT), MAX_WEIGHT)
         if self._sent.get(name) != weight:
             self._sent[name] = weight
             self._engine.submit(lambda engine: engine.set_tenant_weight(name, weight))

@@ -67,6 +67,9 @@ def test_tenants(cli) -> None:
     _fails_with(cli("tenant", "create", "acme"), "tenant 'acme' already exists")
     _fails_with(cli("tenant", "create", "no/slash"), "invalid tenant name 'no/slash'")
     _fails_with(cli("tenant", "create", "x", "--weight", "0"), "weight must be")
+    # A weight of 1e-300 would blow its tenant's service counter past float precision.
+    _fails_with(cli("tenant", "create", "x", "--weight", "1e-300"),
+                "weight must be a number from 0.001 to 1000")
 
 
 def test_tenant_set_changes_weight_and_limits(cli, registry_config: RegistryConfig) -> None:

@@ -28,6 +28,9 @@ def test_tenants(server: Server) -> None:
         bad = http.post("/admin/api/tenants", json={"name": "../etc"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "name"
         assert http.post("/admin/api/tenants", json={"name": "x", "weight": 0}).status_code == 400
+        for weight in (1e-300, 1e4):  # outside what the service counters stay exact for
+            refused = http.patch("/admin/api/tenants/initech", json={"weight": weight})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "weight", refused.text
         assert [t["name"] for t in http.get("/admin/api/tenants").json()] == ["acme", "globex", "initech"]
         patched = http.patch("/admin/api/tenants/initech", json={"max_concurrent_requests": 3,
                                                                  "max_requests_per_minute": None})

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
+from loraplex.engine.tenants import MAX_WEIGHT, MIN_WEIGHT
 from loraplex.registry.records import (
     AdapterRecord,
     AuditRecord,
@@ -35,9 +36,9 @@ class Body(ClientBody):
 # Tenants ---------------------------------------------------------------------------------------
 class TenantCreate(Body):
     name: Name
-    weight: float = Field(1.0, gt=0, le=1e6, description="Share of the engine under contention, "
-                          "relative to other tenants' (service: prompt tokens + 2 x generated tokens, "
-                          "over the weight).")
+    weight: float = Field(1.0, ge=MIN_WEIGHT, le=MAX_WEIGHT, description="Share of the engine under "
+                          "contention, relative to other tenants' (service: prompt tokens + 2 x "
+                          "generated tokens, over the weight).")
     max_concurrent_requests: Limit = None
     max_requests_per_minute: Limit = None
     max_tokens_per_minute: Limit = None
@@ -46,7 +47,7 @@ class TenantCreate(Body):
 class TenantUpdate(Body):
     """Fields left out keep their value; a limit set to null becomes unlimited."""
 
-    weight: float | None = Field(None, gt=0, le=1e6, description="Share of the engine under "
+    weight: float | None = Field(None, ge=MIN_WEIGHT, le=MAX_WEIGHT, description="Share of the engine under "
                                  "contention; applies from the engine's next step.")
     max_concurrent_requests: Limit = None
     max_requests_per_minute: Limit = None
