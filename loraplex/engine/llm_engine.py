@@ -619,7 +619,19 @@ class LLMEngine:
             prefix_queried_tokens=self.blocks.num_queried_tokens,
             prefix_hit_tokens=self.blocks.num_hit_tokens,
             prefix_evicted_blocks=self.blocks.num_evicted_blocks,
+            num_shared_kv_blocks=self.blocks.num_shared_blocks,
+            num_relay_steps=self.runner.inputs.num_relay_steps,
+            num_relay_groups=self.runner.inputs.num_relay_groups,
+            num_relay_members=self.runner.inputs.num_relay_members,
+            pinned_prompts=self._pin_use(),
         )
+
+    def _pin_use(self) -> dict[str, tuple[int, int]]:
+        """Each pin's key -> (blocks it holds, running requests that read them: those whose
+        first block is the pin's)."""
+        firsts = Counter(r.block_ids[0] for r in self.scheduler.running if r.block_ids)
+        return {key: (len(pin.block_ids), firsts[pin.block_ids[0]] if pin.block_ids else 0)
+                for key, pin in self._pins.items()}
 
     def close(self) -> None:
         """Stop the adapter loader's threads."""

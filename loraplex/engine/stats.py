@@ -59,6 +59,15 @@ class EngineStats:
     """Prompt tokens found there (their KV not computed again)."""
     prefix_evicted_blocks: int = 0
     """Cached blocks nobody held, handed out again."""
+    num_shared_kv_blocks: int = 0
+    """KV blocks held by more than one holder (a shared prefix, counted once)."""
+    num_relay_steps: int = 0
+    """Decode steps that read shared prefixes once per relay group."""
+    num_relay_groups: int = 0
+    num_relay_members: int = 0
+    """Relay groups, and the requests in them, summed over those steps."""
+    pinned_prompts: dict[str, tuple[int, int]] | None = None
+    """Each pinned system prompt's key -> (KV blocks it holds, running requests reading them)."""
 
     @property
     def kv_cache_usage(self) -> float:

@@ -141,6 +141,8 @@ class _EngineCollector(Collector):
                                               stats.host_tier_bytes),
             "loraplex:generation_tokens_per_second": ("Generated tokens per second, last interval.",
                                                       snapshot.tokens_per_second),
+            "loraplex:kv_blocks_shared": ("KV blocks held by more than one request or pin (a shared "
+                                          "prefix, counted once).", stats.num_shared_kv_blocks),
         }
         for name, (documentation, value) in gauges.items():
             family = GaugeMetricFamily(name, documentation, labels=["model_name"])
@@ -157,6 +159,15 @@ class _EngineCollector(Collector):
                                            stats.prefix_hit_tokens),
             "loraplex:prefix_cache_evicted_blocks": ("Cached KV blocks evicted (handed out again).",
                                                      stats.prefix_evicted_blocks),
+            # vLLM v1's names for the same two counters (its hit rate is hits over queries).
+            "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
+                                          stats.prefix_queried_tokens),
+            "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats.prefix_hit_tokens),
+            "loraplex:relay_steps": ("Decode steps that read shared prefixes once per relay group.",
+                                     stats.num_relay_steps),
+            "loraplex:relay_groups": ("Relay groups, summed over relay steps.", stats.num_relay_groups),
+            "loraplex:relay_members": ("Requests in relay groups, summed over relay steps.",
+                                       stats.num_relay_members),
         }
         for name, (documentation, value) in counters.items():
             family = CounterMetricFamily(name, documentation, labels=["model_name"])

@@ -33,12 +33,25 @@ async def find_system_prompt(services: Services, tenant: str, name: str,
     return record
 
 
+def _pin_row(record: SystemPromptRecord) -> str:
+    """The start of the keys of a prompt row's pins (one per API form, adapter and text)."""
+    return f"{record.tenant}/{record.name}/{record.id}/"
+
+
+def prompt_use(pinned: dict[str, tuple[int, int]], record: SystemPromptRecord) -> tuple[int, int]:
+    """(KV blocks the engine holds for the prompt, running requests reading them), from the
+    engine's pin figures (EngineStats.pinned_prompts)."""
+    row = _pin_row(record)
+    uses = [use for key, use in pinned.items() if key.startswith(row)]
+    return sum(blocks for blocks, _ in uses), sum(users for _, users in uses)
+
+
 async def pin_system_prompt(services: Services, record: SystemPromptRecord, token_ids: list[int],
                             api: str) -> None:
     """Have the engine prefill and hold the prompt's KV (once per prompt row, API, adapter and
     tokens)."""
     tokens = hashlib.sha256(json.dumps(token_ids).encode()).hexdigest()[:16]  # a changed text: a new pin
-    name, row = f"{record.tenant}/{record.name}/", f"{record.tenant}/{record.name}/{record.id}/"
+    name, row = f"{record.tenant}/{record.name}/", _pin_row(record)
     same_api = f"{row}{api}/{record.adapter_digest or ''}/"
     key = f"{same_api}{tokens}"
 

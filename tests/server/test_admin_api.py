@@ -111,9 +111,11 @@ def test_system_prompts(server: Server) -> None:
         created = http.post("/admin/api/prompts", json={"tenant": "acme", "name": "helper", "text": text,
                                                         "adapter": "style"})
         assert created.status_code == 201, created.text
-        assert created.json() | {"created_at": None} == {
+        # cached_blocks: its KV is being computed as it is added (tests/server/test_system_prompts.py).
+        assert created.json() | {"created_at": None, "cached_blocks": None} == {
             "tenant": "acme", "name": "helper", "adapter": "style", "text": text,
-            "num_tokens": len(text.encode()), "created_at": None}
+            "num_tokens": len(text.encode()), "created_at": None, "cached_blocks": None,
+            "num_requests_using": 0}
         assert http.post("/admin/api/prompts", json={"tenant": "acme", "name": "helper",
                                                      "text": "again"}).status_code == 409
         assert http.post("/admin/api/prompts", json={"tenant": "acme", "name": "x", "text": "t",

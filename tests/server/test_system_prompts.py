@@ -110,6 +110,23 @@ def test_a_prompt_is_warm_from_its_registration_and_from_server_start(tmp_path, 
                                                  extra_body={"system_prompt": "warm"}, **GREEDY)
         # The first request that names it finds all its full blocks computed.
         assert engine.blocks.num_hit_tokens - hits >= held["completions"] * engine.config.cache.block_size
+        with server.http() as http:
+            (listed,) = [p for p in http.get("/admin/api/prompts").json() if p["name"] == "warm"]
+            assert listed["cached_blocks"] == sum(held.values()) and listed["num_requests_using"] == 0
+            stream = server.openai("acme").completions.create(
+                model="style", prompt="Hi", stream=True, max_tokens=300,
+                extra_body={"system_prompt": "warm", "ignore_eos": True})
+            next(iter(stream))  # running now
+            (listed,) = [p for p in http.get("/admin/api/prompts").json() if p["name"] == "warm"]
+            stream.close()
+            assert listed["num_requests_using"] == 1
+            state = http.get("/admin/api/engine").json()
+            assert 0 < state["prefix_cache_hits"] <= state["prefix_cache_queries"]
+        hits = server.metric("vllm:prefix_cache_hits_total")  # vLLM v1's name, the same counter
+        assert 0 < hits == server.metric("loraplex:prefix_cache_hits_total")
+        for name in ("vllm:prefix_cache_queries_total", "loraplex:kv_blocks_shared",
+                     "loraplex:relay_steps_total", "loraplex:relay_members_total"):
+            server.metric(name)  # exported (KeyError otherwise)
     assert _held_forms(engine, "acme/warm/") == {}  # the server's pins went with it
     with serve(config, engine, tenants=()):  # a server starting on the registry warms it again
         _wait_for_forms(engine, "acme/warm/")

@@ -127,9 +127,7 @@ def test_what_does_not_act_yet_says_so(admin_page, server: LiveServer):
     expect(page.get_by_role("dialog").get_by_text("Applies from the engine's next step")).to_be_visible()
     page.keyboard.press("Escape")
     go_to(page, "System prompts")
-    expect(page.locator("#prompts-note")).to_have_text(
-        "System prompts are stored but not used yet: requests do not get them, and the engine does not "
-        "share their KV cache. A later version puts them to work.")
+    expect(page.locator("#prompts-note")).to_contain_text("The engine computes its KV when it is added")
     go_to(page, "API keys")
     expect(page.locator("#last-used-note")).to_have_text(
         "Last used is recorded at most once a minute per key, so it can be up to a minute behind.")

@@ -1,5 +1,5 @@
 // Engine: requests running, waiting and swapped, per tenant with its share of the service over
-// time, KV blocks, preemptions and swapping, adapters in device slots and in the host tier, the generation rate, and the engine's options and start-up (memory plan, CUDA graphs),
+// time, KV blocks, the prefix cache and relay decode, preemptions and swapping, adapters in device slots and in the host tier, the generation rate, and the engine's options and start-up (memory plan, CUDA graphs),
 // polled from GET /admin/api/engine while the page is open and visible.
 
 import { api } from "../api.js";
@@ -50,6 +50,19 @@ const STATS = [
     sub: (s) => `host pool ${formatNumber(s.host_pool_blocks_used)} of ${formatNumber(s.host_pool_blocks)} blocks; `
       + `${formatBytes(s.swap_bytes_out)} out, ${formatBytes(s.swap_bytes_in)} in since start`,
     meter: (s) => (s.host_pool_blocks ? s.host_pool_blocks_used / s.host_pool_blocks : 0),
+  },
+  {
+    key: "prefix-cache", label: "Prefix cache hits",
+    value: (s) => (s.prefix_cache_queries ? `${(100 * s.prefix_cache_hits / s.prefix_cache_queries).toFixed(1)}%` : "–"),
+    sub: (s) => `${formatNumber(s.prefix_cache_hits)} of ${formatNumber(s.prefix_cache_queries)} prompt tokens since start; `
+      + `${formatNumber(s.kv_blocks_shared)} KV blocks shared now`,
+    meter: (s) => (s.prefix_cache_queries ? s.prefix_cache_hits / s.prefix_cache_queries : 0),
+  },
+  {
+    key: "relay", label: "Relay decode steps", value: (s) => formatNumber(s.relay_steps),
+    sub: (s) => (s.relay_steps
+      ? `${(s.relay_groups / s.relay_steps).toFixed(1)} groups, ${(s.relay_members / s.relay_steps).toFixed(1)} requests a step`
+      : "no shared prefix read once per group yet"),
   },
 ];
 

@@ -1,5 +1,6 @@
 // System prompts: add (optionally bound to one of the tenant's adapters), list with token
-// counts, view the full text, delete.
+// counts, the KV the engine holds for each and the requests reading it now, view the full
+// text, delete.
 
 import { api } from "../api.js";
 import { confirmDialog, openDialog } from "../components/dialog.js";
@@ -88,6 +89,11 @@ function promptTable(prompts, { onView, onDelete }) {
       { label: "Name", className: "nowrap", cell: (p) => h("strong", {}, p.name) },
       { label: "Adapter", className: "nowrap", cell: (p) => p.adapter ?? h("span", { class: "muted" }, "none") },
       { label: "Tokens", numeric: true, cell: (p) => formatNumber(p.num_tokens) },
+      {
+        label: "KV cached", className: "nowrap",
+        cell: (p) => (p.cached_blocks ? `${formatNumber(p.cached_blocks)} blocks` : h("span", { class: "muted" }, "not yet")),
+      },
+      { label: "In use", numeric: true, cell: (p) => formatNumber(p.num_requests_using) },
       { label: "Text", cell: (p) => (p.text.length > PREVIEW_CHARS ? `${p.text.slice(0, PREVIEW_CHARS)}…` : p.text) },
       { label: "Created", className: "nowrap", cell: (p) => formatDate(p.created_at) },
       {
@@ -124,8 +130,9 @@ export function render(container) {
 
   container.append(
     pageHead("System prompts", "Named system prompts of each tenant, with their length in tokens of the base model's tokenizer."),
-    h("p", { class: "alert alert-warning", id: "prompts-note" }, "System prompts are stored but not used yet: requests do not get "
-      + "them, and the engine does not share their KV cache. A later version puts them to work."),
+    h("p", { class: "alert alert-info", id: "prompts-note" }, "A request names a prompt with system_prompt (the openai client: "
+      + "extra_body). The engine computes its KV when it is added and holds it while it is registered; "
+      + "requests that name it read that KV instead of computing it."),
     card("Add a system prompt", add.form),
     h("section", { class: "card", "aria-labelledby": "prompts-list-title" },
       h("div", { class: "card-head" }, h("h2", { id: "prompts-list-title" }, "All system prompts"),

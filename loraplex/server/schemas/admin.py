@@ -147,11 +147,16 @@ class SystemPrompt(BaseModel):
     text: str
     num_tokens: int = Field(description="Tokens under the base model's tokenizer.")
     created_at: datetime
+    cached_blocks: int = Field(0, description="KV blocks the engine holds for it (both request "
+                               "forms: completions and chat); 0 until its KV is computed.")
+    num_requests_using: int = Field(0, description="Running requests that read its KV now.")
 
     @classmethod
-    def of(cls, record: SystemPromptRecord, num_tokens: int) -> SystemPrompt:
+    def of(cls, record: SystemPromptRecord, num_tokens: int, cached_blocks: int = 0,
+           num_requests_using: int = 0) -> SystemPrompt:
         return cls(tenant=record.tenant, name=record.name, adapter=record.adapter, text=record.text,
-                   num_tokens=num_tokens, created_at=record.created_at)
+                   num_tokens=num_tokens, created_at=record.created_at, cached_blocks=cached_blocks,
+                   num_requests_using=num_requests_using)
 
 
 # Usage -----------------------------------------------------------------------------------------
@@ -231,6 +236,13 @@ class EngineState(BaseModel):
     swap_seconds_out: float
     swap_seconds_in: float
     swap_seconds_stalled: float = Field(description="Time steps waited for swap copies (device idle).")
+    prefix_cache_queries: int = Field(description="Prompt tokens looked up in the prefix cache.")
+    prefix_cache_hits: int = Field(description="Prompt tokens found there (not computed again).")
+    prefix_cache_evicted_blocks: int
+    kv_blocks_shared: int = Field(description="KV blocks held by more than one request or pin.")
+    relay_steps: int = Field(description="Decode steps that read shared prefixes once per group.")
+    relay_groups: int = Field(description="Relay groups, summed over relay steps.")
+    relay_members: int = Field(description="Requests in relay groups, summed over relay steps.")
     num_adapter_slots: int
     adapters_resident: list[ResidentAdapter] = Field(description="Adapters in device slots.")
     num_adapters_on_host: int = Field(description="Adapters in the engine's host tier.")

@@ -46,6 +46,10 @@ async def get_engine_state(admin: AdminDep, services: ServicesDep) -> EngineStat
         host_pool_blocks_used=stats.num_host_pool_blocks_used, swap_bytes_out=stats.swap_bytes_out,
         swap_bytes_in=stats.swap_bytes_in, swap_seconds_out=stats.swap_seconds_out,
         swap_seconds_in=stats.swap_seconds_in, swap_seconds_stalled=stats.swap_seconds_stalled,
+        prefix_cache_queries=stats.prefix_queried_tokens, prefix_cache_hits=stats.prefix_hit_tokens,
+        prefix_cache_evicted_blocks=stats.prefix_evicted_blocks, kv_blocks_shared=stats.num_shared_kv_blocks,
+        relay_steps=stats.num_relay_steps, relay_groups=stats.num_relay_groups,
+        relay_members=stats.num_relay_members,
         num_adapter_slots=stats.num_lora_slots,
         adapters_resident=[ResidentAdapter(digest=digest, names=list(names[digest]))
                            for digest in stats.adapters_in_slots],

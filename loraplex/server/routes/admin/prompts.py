@@ -1,4 +1,4 @@
-"""System prompts: add, list (with token counts), get, delete."""
+"""System prompts: add, list (with token counts and the KV the engine holds for each), get, delete."""
 
 from __future__ import annotations
 
@@ -12,13 +12,22 @@ from loraplex.server.routes.admin.params import NameParam, TenantFilter
 from loraplex.server.routes.docs import error_responses
 from loraplex.server.schemas.admin import PromptCreate, SystemPrompt
 from loraplex.server.services import Services
-from loraplex.server.system_prompts import unpin_system_prompts, warm_system_prompt
+from loraplex.server.system_prompts import prompt_use, unpin_system_prompts, warm_system_prompt
 
 router = APIRouter(prefix="/prompts", tags=["Admin: system prompts"])
 
 
-async def _prompt(services: Services, record: SystemPromptRecord) -> SystemPrompt:
-    return SystemPrompt.of(record, await services.codec.count(record.text))
+async def _prompt(services: Services, record: SystemPromptRecord,
+                  pinned: dict[str, tuple[int, int]] | None = None) -> SystemPrompt:
+    """The prompt with its token count and what the engine holds for it (`pinned`: the engine's
+    pin figures; sampled now when not given)."""
+    if pinned is None:
+        pinned = await _pinned(services)
+    return SystemPrompt.of(record, await services.codec.count(record.text), *prompt_use(pinned, record))
+
+
+async def _pinned(services: Services) -> dict[str, tuple[int, int]]:
+    return (await services.monitor.refresh()).stats.pinned_prompts or {}
 
 
 @router.get("", response_model=list[SystemPrompt], summary="List system prompts",
@@ -27,7 +36,8 @@ async def list_prompts(admin: AdminDep, services: ServicesDep,
                        tenant: TenantFilter = None
                        ) -> list[SystemPrompt]:
     records = await run_in_threadpool(services.registry.prompts.list, tenant)
-    return [await _prompt(services, record) for record in records]
+    pinned = await _pinned(services)
+    return [await _prompt(services, record, pinned) for record in records]
 
 
 @router.post("", response_model=SystemPrompt, status_code=status.HTTP_201_CREATED,
