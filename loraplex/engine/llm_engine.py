@@ -262,14 +262,16 @@ class LLMEngine:
         token_ids = self.encode_prompt(prompt, prompt_token_ids)
         digest = self.adapter_digest(adapter) if adapter is not None else None
         tenant = tenant or DEFAULT_TENANT
-        room = self._room_beside_pins(token_ids, tenant, digest)
+        hashes = (block_hashes(token_ids, self.blocks.block_size, tenant, digest)
+                  if self.blocks.enable_prefix_caching else [])
+        room = self._room_beside_pins(hashes)
         if len(token_ids) >= room:
             raise self._no_room_error(len(token_ids), room)
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, params=params,
             seed=params.seed if params.seed is not None else self._seeds.getrandbits(62),
             arrival=self._arrivals, tenant=tenant, adapter=digest, adapter_name=adapter,
-            max_num_tokens=min(len(token_ids) + params.max_tokens, room),
+            max_num_tokens=min(len(token_ids) + params.max_tokens, room), block_hashes=hashes,
         )
         if sample_of is not None:
             request.prompt_donor = self._prompt_donor(request, sample_of)
@@ -386,15 +388,14 @@ class LLMEngine:
         pin.block_ids = self.blocks.match(hashes, len(hashes))
         pin.hashes = hashes[:len(pin.block_ids)]
 
-    def _room_beside_pins(self, token_ids: list[int], tenant: str, adapter: str | None) -> int:
-        """Tokens of KV a request of this prompt, tenant and adapter digest can hold: the
-        context, less the blocks pinned prompts hold that its prompt does not start with."""
-        pinned = {block: block_hash for pin in self._pins.values()
-                  for block, block_hash in zip(pin.block_ids, pin.hashes)}
+    def _room_beside_pins(self, hashes: list[bytes]) -> int:
+        """Tokens of KV a request whose prompt blocks have these prefix-cache hashes can hold:
+        the context, less the blocks pinned prompts hold that its prompt does not start with."""
+        pinned = {block_hash for pin in self._pins.values() for block_hash in pin.hashes}  # (a block once)
         if not pinned:
             return self.max_model_len
-        own = set(block_hashes(token_ids, self.blocks.block_size, tenant, adapter))
-        num_apart = sum(block_hash not in own for block_hash in pinned.values())
+        own = set(hashes)
+        num_apart = sum(block_hash not in own for block_hash in pinned)
         return min(self.max_model_len, (self.blocks.num_blocks - num_apart) * self.blocks.block_size)
 
     def _no_room_error(self, num_prompt_tokens: int, room: int) -> InvalidRequestError:
@@ -410,7 +411,7 @@ class LLMEngine:
         for request in list(self._requests.values()):
             if request.request_id in self._pin_by_request:
                 continue
-            room = self._room_beside_pins(request.prompt_token_ids, request.tenant, request.adapter)
+            room = self._room_beside_pins(request.block_hashes)
             if request.num_tokens >= room:
                 error = self._no_room_error(request.num_prompt_tokens, room)
                 failed += self._fail([request.request_id], error)

@@ -31,17 +31,25 @@ class BatchRequest:
 
 def prefix_groups(engine: LLMEngine, requests: Sequence[BatchRequest]) -> list[PrefixGroup]:
     """The batch's prefix groups, in submission order."""
-    digests = {name: engine.adapter_digest(name) for name in {r.adapter for r in requests} if name}
+    digests = _digests(engine, requests)
     keys = [PromptKey(r.tenant or DEFAULT_TENANT, digests.get(r.adapter), r.token_ids) for r in requests]
     return group_by_prefix(keys, engine.blocks.block_size)
+
+
+def _digests(engine: LLMEngine, requests: Sequence[BatchRequest]) -> dict[str, str]:
+    """Adapter name -> digest, for every adapter the batch names (UnknownAdapterError first)."""
+    return {name: engine.adapter_digest(name) for name in {r.adapter for r in requests} if name}
 
 
 def run_batch(engine: LLMEngine, requests: Sequence[BatchRequest], *, group_prefixes: bool = True
               ) -> list[RequestOutput]:
     """Run `requests` to the end; one final output per request, in the order given. On an error
     every request of the batch still in the engine is aborted."""
-    groups = prefix_groups(engine, requests)  # also checks every adapter name before anything runs
-    units = [g.members for g in groups] if group_prefixes else [(i,) for i in range(len(requests))]
+    if group_prefixes:  # (either way, every adapter name is checked before anything runs)
+        units = [group.members for group in prefix_groups(engine, requests)]
+    else:
+        _digests(engine, requests)
+        units = [(i,) for i in range(len(requests))]
     final: dict[str, RequestOutput] = {}
     added: list[str] = []
     next_unit = 0

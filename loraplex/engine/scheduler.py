@@ -75,7 +75,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        if self.blocks.enable_prefix_caching:
+        if self.blocks.enable_prefix_caching and not request.block_hashes:  # (the engine's may be set)
             request.block_hashes = block_hashes(request.prompt_token_ids, self.blocks.block_size,
                                                 request.tenant, request.adapter)
         if request.adapter is not None:
@@ -354,7 +354,8 @@ class Scheduler:
         sampling = []
         for request_id, num_new, samples in zip(plan.request_ids, plan.num_scheduled_tokens, plan.samples):
             request = by_id[request_id]
-            if request.block_hashes:  # cached prompt blocks this step completes
+            if request.block_hashes and request.num_computed_tokens < request.num_prompt_tokens:
+                # cached prompt blocks this step completes (none once the prompt is done)
                 bs, computed = self.blocks.block_size, request.num_computed_tokens
                 end = min((computed + num_new) // bs, len(request.block_hashes))
                 self.blocks.mark_computed(request.block_ids[computed // bs:end])
