@@ -30,6 +30,8 @@ SCRIPTS = {
     "serve": ("serve_bench", "the serving benchmark: arrivals, tenants, Zipf adapters, through HTTP"),
     "precision": ("precision_study", "where a bf16 engine loses accuracy (CPU emulation)"),
     "fairness": ("fairness", "light tenants beside a flooding one: VTC with KV swapping against FCFS"),
+    "fairness-sim": ("fairness_sim", "the fairness benchmark's workload on a virtual clock: the real "
+                     "scheduler and policies, an H100 step-time model (CPU)"),
     "slots": ("slot_bench", "adapter slots on a virtual clock: the real scheduler and adapter tiers, "
               "the serving workload, an H100 step-time model (CPU)"),
 }

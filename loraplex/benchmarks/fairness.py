@@ -24,15 +24,14 @@ import numpy as np
 import torch
 
 from loraplex.benchmarks import synthetic
+from loraplex.benchmarks.fairness_workload import TENANTS, FairnessWorkload, make_arrivals, system_prompts
 from loraplex.benchmarks.results import RESULTS, write
+from loraplex.benchmarks.serve_workload import FIRST_TOKEN, BenchRequest
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.policy import FcfsPolicy, VtcPolicy
 from loraplex.engine_config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from loraplex.kernels import select_ops
 from loraplex.types import SamplingParams
-
-TENANTS = ("heavy", "light-1", "light-2", "light-3")
-
 
 @dataclass(frozen=True)
 class FairnessBenchConfig:
@@ -49,9 +48,19 @@ class FairnessBenchConfig:
     """KV blocks (16 tokens each): fewer than the running requests need, so that it preempts."""
     rank: int = 16
     resume_tokens: int = 2000
+    system_prompt_len: int = 0
+    """Tokens of each tenant's registered system prompt, pinned before the runs (0: none)."""
+    runs: tuple[str, ...] = ("alone", "fcfs", "vtc")
+    """Which runs: light tenants alone (VTC), everyone under FCFS, everyone under VTC."""
     device: str = "cuda"
     model: dict[str, Any] | None = None
     seed: int = 0
+
+    def workload(self, vocab_size: int) -> FairnessWorkload:
+        return FairnessWorkload(light_rate=self.light_rate, heavy_factor=self.heavy_factor,
+                                prompt_len=self.prompt_len, output_len=self.output_len,
+                                duration_s=self.duration_s, system_prompt_len=self.system_prompt_len,
+                                vocab_size=vocab_size, seed=self.seed)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,15 +76,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(512, 2048))
     parser.add_argument("--output-len", type=int, nargs=2, default=(64, 256))
     parser.add_argument("--resume-tokens", type=int, default=2000)
+    parser.add_argument("--system-prompt-len", type=int, default=0,
+                        help="tokens of each tenant's registered system prompt (0: none)")
+    parser.add_argument("--runs", type=lambda text: tuple(text.split(",")), default=("alone", "fcfs", "vtc"),
+                        help="comma-separated subset of alone,fcfs,vtc (default: all three)")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"results folder (default {RESULTS})")
     args = parser.parse_args(argv)
     config = FairnessBenchConfig(
         light_rate=args.light_rate, heavy_factor=args.heavy_factor, duration_s=args.duration_s,
         drain_s=args.drain_s, max_num_seqs=args.max_num_seqs, device=args.device,
         model=args.model_overrides, prompt_len=tuple(args.prompt_len), output_len=tuple(args.output_len),
-        resume_tokens=args.resume_tokens, num_kv_blocks=args.num_kv_blocks)
-    path = write(run(config), args.out, "fairness")
+        resume_tokens=args.resume_tokens, num_kv_blocks=args.num_kv_blocks,
+        system_prompt_len=args.system_prompt_len, runs=args.runs, seed=args.seed)
+    name = "fairness" + (f"-system-prompts-{config.system_prompt_len}" if config.system_prompt_len else "")
+    path = write(run(config), args.out, name)
     print(f"wrote {path}")
+    if set(config.runs) != {"alone", "fcfs", "vtc"}:
+        return
     try:
         plot(path, path.with_suffix(".png"))
         print(f"wrote {path.with_suffix('.png')}")
@@ -100,21 +118,23 @@ def run(config: FairnessBenchConfig) -> dict[str, Any]:
                                                             seed=100 + i, pin=device.type == "cuda"))
     host_blocks = engine.scheduler.host_blocks.num_blocks
     print(f"{engine.memory.num_kv_blocks} KV blocks, host pool {host_blocks} blocks", flush=True)
-    light_only = _arrivals(config, heavy=False)
-    everyone = _arrivals(config, heavy=True)
-    runs = {
-        "light tenants alone (vtc)": _run(engine, config, light_only, "vtc", model_config.vocab_size),
-        "fcfs": _run(engine, config, everyone, "fcfs", model_config.vocab_size),
-        "vtc": _run(engine, config, everyone, "vtc", model_config.vocab_size),
-    }
-    alone, fcfs, vtc = (runs[k]["light"] for k in ("light tenants alone (vtc)", "fcfs", "vtc"))
-    summary = {
-        "light p99 TTFT vs alone (vtc)": _ratio(vtc["ttft_p99_s"], alone["ttft_p99_s"]),
-        "light p99 TTFT vs alone (fcfs)": _ratio(fcfs["ttft_p99_s"], alone["ttft_p99_s"]),
-        "light p99 TBT vs alone (vtc)": _ratio(vtc["tbt_p99_s"], alone["tbt_p99_s"]),
-        "throughput vtc / fcfs": _ratio(runs["vtc"]["output_tokens_per_s"],
-                                        runs["fcfs"]["output_tokens_per_s"]),
-    }
+    workload = config.workload(model_config.vocab_size)
+    if config.system_prompt_len:
+        _pin_system_prompts(engine, workload)
+    arrivals = {"alone": make_arrivals(workload, heavy=False), "fcfs": make_arrivals(workload),
+                "vtc": make_arrivals(workload)}
+    names = {"alone": "light tenants alone (vtc)", "fcfs": "fcfs", "vtc": "vtc"}
+    runs = {names[name]: _run(engine, config, arrivals[name], "fcfs" if name == "fcfs" else "vtc", name)
+            for name in ("alone", "fcfs", "vtc") if name in config.runs}
+    light = {name: runs[names[name]]["light"] for name in config.runs if names[name] in runs}
+    summary = {}
+    if "alone" in light and "vtc" in light:
+        summary["light p99 TTFT vs alone (vtc)"] = _ratio(light["vtc"]["ttft_p99_s"], light["alone"]["ttft_p99_s"])
+        summary["light p99 TBT vs alone (vtc)"] = _ratio(light["vtc"]["tbt_p99_s"], light["alone"]["tbt_p99_s"])
+    if "alone" in light and "fcfs" in light:
+        summary["light p99 TTFT vs alone (fcfs)"] = _ratio(light["fcfs"]["ttft_p99_s"], light["alone"]["ttft_p99_s"])
+    if "vtc" in light and "fcfs" in light:
+        summary["throughput vtc / fcfs"] = _ratio(runs["vtc"]["output_tokens_per_s"], runs["fcfs"]["output_tokens_per_s"])
     result = {
         "benchmark": "fairness", "config": asdict(config), "device": _device_name(device),
         "torch": torch.__version__, "kv_blocks": engine.memory.num_kv_blocks, "runs": runs,
@@ -124,27 +144,22 @@ def run(config: FairnessBenchConfig) -> dict[str, Any]:
     return result
 
 
-def _arrivals(config: FairnessBenchConfig, heavy: bool) -> list[tuple[float, str, int, int]]:
-    """(time, tenant, prompt tokens, output tokens), Poisson per tenant, seeded."""
-    rng = random.Random(config.seed)
-    arrivals = []
-    for tenant in TENANTS:
-        rate = config.light_rate * (config.heavy_factor if tenant == "heavy" else 1.0)
-        if tenant == "heavy" and not heavy:
-            continue
-        t = rng.expovariate(rate)
-        while t < config.duration_s:
-            arrivals.append((t, tenant, rng.randint(*config.prompt_len), rng.randint(*config.output_len)))
-            t += rng.expovariate(rate)
-    return sorted(arrivals)
+def _pin_system_prompts(engine: LLMEngine, workload: FairnessWorkload) -> None:
+    """Each tenant's system prompt registered as the server registers one: prefilled under the
+    tenant's adapter and pinned."""
+    for tenant, tokens in system_prompts(workload).items():
+        engine.pin_prompt(f"system-{tenant}", tokens, tenant=tenant, adapter=tenant)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.drain()
+    print(f"pinned system prompts: {engine.pinned_prompts()}", flush=True)
 
 
-def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[tuple[float, str, int, int]],
-         policy: str, vocab: int) -> dict[str, Any]:
+def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[BenchRequest], policy: str,
+         name: str) -> dict[str, Any]:
     engine.scheduler.policy = (VtcPolicy(engine.tenants, engine.config.scheduler.fairness_bound)
                                if policy == "vtc" else FcfsPolicy(engine.tenants))
     before = engine.stats()
-    rng = np.random.default_rng(config.seed)
     times: dict[str, list[float]] = {}
     arrived: dict[str, float] = {}
     tenant_of: dict[str, str] = {}
@@ -153,14 +168,14 @@ def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[tuple[fl
     end = config.duration_s + config.drain_s
     tokens = 0
     while (now := time.perf_counter() - started) < end and (pending or engine.has_unfinished_requests()):
-        while pending and pending[0][0] <= now:
-            at, tenant, prompt_len, output_len = pending.pop(0)
-            request_id = f"{policy}-{len(arrived)}"
-            prompt = rng.integers(1000, vocab - 1000, prompt_len).tolist()
-            engine.add_request(request_id, prompt_token_ids=prompt,
-                               params=SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0),
-                               adapter=tenant, tenant=tenant)
-            arrived[request_id], tenant_of[request_id], times[request_id] = at, tenant, []
+        while pending and pending[0].arrival_s <= now:
+            request = pending.pop(0)
+            request_id = f"{name}-{request.index}"
+            engine.add_request(request_id, prompt_token_ids=request.prompt_token_ids,
+                               params=SamplingParams(max_tokens=request.max_tokens, ignore_eos=True,
+                                                     temperature=0.0),
+                               adapter=request.adapter, tenant=request.tenant)
+            arrived[request_id], tenant_of[request_id], times[request_id] = (request.arrival_s, request.tenant, [])
         for output in engine.step():
             times[output.request_id].append(time.perf_counter() - started)
             tokens += 1
@@ -222,7 +237,7 @@ def _swap_costs(engine: LLMEngine, config: FairnessBenchConfig, vocab: int) -> d
     _sync(device)
     swap_in_s = time.perf_counter() - start
     params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
-    prompt = np.random.default_rng(1).integers(1000, vocab - 1000, config.resume_tokens).tolist()
+    prompt = np.random.default_rng(1).integers(FIRST_TOKEN, vocab, config.resume_tokens).tolist()
     for i in range(3):
         started = time.perf_counter()
         engine.add_request(f"resume-{i}", prompt_token_ids=prompt, params=params, adapter="light-1")

@@ -74,19 +74,24 @@ class StepModel:
     per_decode_ms: float = 0.062
     per_prefill_token_ms: float = 0.030
     per_sampled_token_ms: float = 0.10
+    per_swapped_out_block_ms: float = 0.0
+    """A KV block copied to the host pool before the step's compute may reuse it (2 MiB of
+    Llama-3-8B at the H100's 52 GB/s: 0.040; the serving runs swap too rarely to count)."""
 
     def step_s(self, plan: StepPlan) -> float:
         decodes = sum(1 for n in plan.num_scheduled_tokens if n == 1)
         prefill = sum(n for n in plan.num_scheduled_tokens if n > 1)
         return (self.base_ms + self.per_decode_ms * decodes + self.per_prefill_token_ms * prefill
-                + self.per_sampled_token_ms * sum(plan.samples)) / 1000
+                + self.per_sampled_token_ms * sum(plan.samples)
+                + self.per_swapped_out_block_ms * len(plan.swap_out)) / 1000
 
 
 @dataclass(frozen=True)
 class SlotSimConfig:
     """The H100 serving run's engine (synthetic_server's defaults) unless stated."""
 
-    workload: WorkloadConfig
+    workload: WorkloadConfig | None = None
+    """What `run()` serves (None: only `serve` with a list of requests)."""
     num_slots: int = 32
     max_host_adapters: int | None = None
     """Host tier size in adapters (default: twice the slots, the engine's default)."""
@@ -170,6 +175,8 @@ class _Timing:
     admitted_s: float | None = None
     first_token_s: float | None = None
     finished_s: float | None = None
+    token_s: list[float] = field(default_factory=list)
+    """When each output token reached the host."""
 
 
 class SlotSimulation:
@@ -198,13 +205,20 @@ class SlotSimulation:
         earlier runs left (resident adapters, tenants' counters), as one server serves the
         benchmark's runs one after another. Returns the run's figures."""
         arrivals = make_workload(workload or self.config.workload)
+        self.serve(arrivals)
+        return self._summary(arrivals)
+
+    def serve(self, arrivals: list[BenchRequest], end_s: float = math.inf) -> None:
+        """Serve `arrivals` (by arrival time) from the state that earlier runs left, until the
+        last ends or `end_s` seconds after the run's start (requests unfinished then are left
+        as they are; `self.timings` has what each got)."""
         self._start_run()
         next_arrival = 0
         delay = self.config.request_overhead_ms / 1000
         arrival_s = [self.start_s + a.arrival_s + delay for a in arrivals]  # in the scheduler
         in_flight: tuple[list[Request], float] | None = None
         unfinished: set[str] = set()
-        while next_arrival < len(arrivals) or unfinished:
+        while (next_arrival < len(arrivals) or unfinished) and self.now < self.start_s + end_s:
             while next_arrival < len(arrivals) and arrival_s[next_arrival] <= self.now:
                 unfinished.add(self._add(arrivals[next_arrival]))
                 next_arrival += 1
@@ -236,7 +250,6 @@ class SlotSimulation:
                         raise RuntimeError(f"{len(unfinished)} requests wait for nothing that will happen")
                     break
                 self._advance_clock(max(wake, self.now))
-        return self._summary(arrivals)
 
     def _start_run(self) -> None:
         self.num_runs += 1
@@ -274,6 +287,7 @@ class SlotSimulation:
                 continue
             self.scheduler.commit(request, 1)
             timing = self.timings[request.request_id]
+            timing.token_s.append(end)
             if timing.first_token_s is None:
                 timing.first_token_s = end
             if request.num_output_tokens >= request.params.max_tokens:

@@ -143,12 +143,14 @@ class BlockManager:
         """The step that writes these blocks is launched: later steps may read them."""
         self._computing.difference_update(blocks)
 
-    def num_cached_prefix(self, blocks: list[int]) -> int:
-        """How many of `blocks`, from the first, are computed cached blocks (found again by
-        their hash while anyone holds them or until they are evicted)."""
+    def num_shared_prefix(self, blocks: list[int]) -> int:
+        """How many of `blocks`, from the first, are computed cached blocks that someone else
+        holds too (a pinned prompt, another request): blocks that a holder may let go of and
+        find again by their hash. A block that only one holder holds would be evictable once it
+        lets go, and under the pressure that made it let go, soon evicted."""
         count = 0
         for block in blocks:
-            if block not in self._hash_of or block in self._computing:
+            if block not in self._hash_of or block in self._computing or self._refs[block] < 2:
                 break
             count += 1
         return count

@@ -112,12 +112,12 @@ class Scheduler:
                 budget -= num_new
         if not preempted:
             budget, blocked = self._admit_waiting(budget, plan, scheduled)
-            if blocked is not None:
-                freed = self._make_room(blocked, plan, scheduled)
-                if freed is not None:  # the victim's blocks and place are free now: admit again
-                    victim_id, victim_tokens = freed
-                    preempted.add(victim_id)
-                    budget, _ = self._admit_waiting(budget + victim_tokens, plan, scheduled, skip=preempted)
+            while blocked is not None and (freed := self._make_room(blocked, plan, scheduled)) is not None:
+                # the victim's blocks and place are free now: admit again (more victims if it
+                # still does not fit, so that it starts in this step, not after one per step)
+                victim_id, victim_tokens = freed
+                preempted.add(victim_id)
+                budget, blocked = self._admit_waiting(budget + victim_tokens, plan, scheduled, skip=preempted)
         for request in later:  # what the admitted requests left, without preempting for it
             if budget == 0:
                 break
@@ -419,15 +419,18 @@ class Scheduler:
     # Swapping ------------------------------------------------------------------------------
     def _swap_out(self, request: Request, plan: StepPlan) -> bool:
         """Queue the copy of a victim's computed KV to the host pool: only the blocks its host
-        copy does not hold yet, and none of its leading cached prefix blocks (shared blocks
-        stay on the device; it finds them again when it resumes). False (nothing queued) if the
-        pool has no room."""
+        copy does not hold yet, and none of the leading cached blocks that others hold too (a
+        pinned system prompt, another request's prompt: they stay on the device, and it finds
+        them again when it resumes). Its own prompt blocks are copied like the rest: left on the
+        device as evictable cache, they would be evicted by the pressure that preempts it, and
+        it would compute its whole prompt again (which cost light tenants 10x their p99 TTFT in
+        the fairness benchmark). False (nothing queued) if the pool has no room."""
         bs = self.blocks.block_size
         num_blocks = -(-request.num_computed_tokens // bs)
         if self.host_blocks is None or num_blocks == 0:
             return False
         if not request.num_host_tokens:
-            request.num_swap_prefix_blocks = min(self.blocks.num_cached_prefix(request.block_ids),
+            request.num_swap_prefix_blocks = min(self.blocks.num_shared_prefix(request.block_ids),
                                                  len(request.block_hashes), num_blocks)
         prefix = request.num_swap_prefix_blocks
         more = num_blocks - prefix - len(request.host_block_ids)

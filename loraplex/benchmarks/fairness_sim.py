@@ -1,0 +1,134 @@
+"""`loraplex bench fairness`'s workload on a virtual clock: the real Scheduler, VtcPolicy,
+FcfsPolicy, BlockManager (prefix cache on, as in the engine) and host swap pool, driven by the
+slot simulation's engine loop (async scheduling; loraplex/benchmarks/slot_sim.py) with the
+H100's offline step-time model, fed the benchmark's own requests (loraplex/benchmarks/fairness_workload.py, same seed) on
+its engine's sizes (4,096 KV blocks of 16 tokens, a 16 GiB swap pool of 2 MiB blocks, at most
+256 running, 8,192 tokens a step); a tenant's system prompt, when the workload has one, is
+pinned as the engine pins a registered one. It runs
+on a CPU in seconds and shows light tenants' TTFT and TBT against running alone, so that a
+scheduler change that costs them is seen in CI, not on the next GPU pass.
+
+Step time: the H100's decode line (6.8 ms + 0.062 ms a decode row, fitted to
+bench/results/decode-nvidia-h100-80gb-hbm3.json), 0.030 ms a prompt token, no HTTP, and 0.040 ms
+a block swapped out (2 MiB at the 52 GB/s the fairness run measured); swap-ins run beside the
+step. The four adapters stay resident (four slots, as the benchmark's engine has)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loraplex.benchmarks.fairness_workload import HEAVY, TENANTS, FairnessWorkload, make_arrivals, system_prompts
+from loraplex.benchmarks.results import RESULTS, write
+from loraplex.benchmarks.serve_workload import BenchRequest
+from loraplex.benchmarks.slot_sim import SlotSimConfig, SlotSimulation, StepModel
+from loraplex.engine.prefix_cache import block_hashes
+H100_OFFLINE_STEP = StepModel(base_ms=6.8, per_decode_ms=0.062, per_prefill_token_ms=0.030,
+                              per_sampled_token_ms=0.0, per_swapped_out_block_ms=0.040)
+GOALS = {"light p99 TTFT vs alone (vtc)": 1.5, "light p99 TBT vs alone (vtc)": 1.1}
+"""Issue 29's goals (at most), as the GPU benchmark states them."""
+
+
+@dataclass(frozen=True)
+class FairnessSimConfig:
+    workload: FairnessWorkload = field(default_factory=FairnessWorkload)
+    drain_s: float = 15.0
+    """The run ends this long after arrivals stop (unfinished requests count what they got)."""
+    num_kv_blocks: int = 4096
+    num_host_blocks: int = 8192
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    fairness_bound: float = 4096.0
+    step: StepModel = field(default_factory=lambda: H100_OFFLINE_STEP)
+
+
+def simulate_run(config: FairnessSimConfig, policy: str, heavy: bool = True) -> dict[str, Any]:
+    """One of the benchmark's runs on a fresh engine: `policy` ("vtc" or "fcfs") serves the
+    arrivals for `duration_s` + `drain_s` seconds; unfinished requests count what they got."""
+    sim = SlotSimulation(SlotSimConfig(
+        num_slots=len(TENANTS), max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, num_kv_blocks=config.num_kv_blocks,
+        num_host_blocks=config.num_host_blocks, policy=policy, fairness_bound=config.fairness_bound,
+        request_overhead_ms=0.0, step=config.step))
+    if config.workload.system_prompt_len:
+        _pin(sim, system_prompts(config.workload))
+    requests = make_arrivals(config.workload, heavy)
+    sim.serve(requests, end_s=config.workload.duration_s + config.drain_s)
+    elapsed = sim.now - sim.start_s
+    tenant_of = {f"{sim.num_runs}-{r.index}": r.tenant for r in requests}
+    row: dict[str, Any] = {"policy": policy, "elapsed_s": round(elapsed, 2)}
+    tokens = 0
+    for group, members in (("light", TENANTS[1:]), ("heavy", (HEAVY,))):
+        timings = [t for rid, t in sim.timings.items() if tenant_of[rid] in members]
+        if not timings:
+            continue
+        ttft = [(t.first_token_s if t.first_token_s is not None else sim.now) - t.arrival_s for t in timings]
+        tbt = [b - a for t in timings for a, b in zip(t.token_s, t.token_s[1:])]
+        tokens += sum(len(t.token_s) for t in timings)
+        row[group] = {"requests": len(timings), "started": sum(t.first_token_s is not None for t in timings),
+                      "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+                      "tbt_p50_s": _pct(tbt, 50), "tbt_p99_s": _pct(tbt, 99)}
+    minutes = elapsed / 60
+    row["output_tokens_per_s"] = round(tokens / elapsed, 1)
+    row["preemptions_per_minute"] = {f"{cause}:{mode}": round(n / minutes, 1)
+                                     for (cause, mode), n in sorted(sim.scheduler.preemptions.items())}
+    row["num_steps"] = sim.num_steps
+    return row
+
+
+def _pin(sim: SlotSimulation, prompts: dict[str, list[int]]) -> None:
+    """Each tenant's system prompt prefilled and its full blocks held, as the engine pins a
+    registered system prompt (`LLMEngine.pin_prompt`)."""
+    warm_up = [BenchRequest(i, 0.0, tenant, tenant, tokens, 1) for i, (tenant, tokens) in enumerate(prompts.items())]
+    sim.serve(warm_up)
+    for tenant, tokens in prompts.items():
+        hashes = block_hashes(tokens, sim.blocks.block_size, tenant, tenant)
+        sim.blocks.match(hashes, len(hashes))
+
+
+def simulate(config: FairnessSimConfig) -> dict[str, Any]:
+    """The benchmark's three runs and its summary ratios."""
+    runs = {"light tenants alone (vtc)": simulate_run(config, "vtc", heavy=False),
+            "fcfs": simulate_run(config, "fcfs"), "vtc": simulate_run(config, "vtc")}
+    alone, fcfs, vtc = (runs[k]["light"] for k in ("light tenants alone (vtc)", "fcfs", "vtc"))
+    summary = {
+        "light p99 TTFT vs alone (vtc)": _ratio(vtc["ttft_p99_s"], alone["ttft_p99_s"]),
+        "light p99 TTFT vs alone (fcfs)": _ratio(fcfs["ttft_p99_s"], alone["ttft_p99_s"]),
+        "light p99 TBT vs alone (vtc)": _ratio(vtc["tbt_p99_s"], alone["tbt_p99_s"]),
+        "throughput vtc / fcfs": _ratio(runs["vtc"]["output_tokens_per_s"], runs["fcfs"]["output_tokens_per_s"]),
+    }
+    return {"benchmark": "fairness-simulated", "config": asdict(config), "runs": runs, "summary": summary}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="loraplex bench fairness-sim", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--system-prompt-len", type=int, default=0)
+    parser.add_argument("--seed", type=int, nargs="+", default=[0])
+    parser.add_argument("--tag", default="", help="results file suffix")
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"results folder (default {RESULTS})")
+    args = parser.parse_args(argv)
+    results = []
+    for seed in args.seed:
+        config = FairnessSimConfig(workload=FairnessWorkload(seed=seed, system_prompt_len=args.system_prompt_len))
+        result = simulate(config)
+        for name, run in result["runs"].items():
+            print(f"seed {seed} {name:28s} {json.dumps({k: run[k] for k in run if k != 'policy'})}")
+        print(f"seed {seed} summary {json.dumps(result['summary'])}", flush=True)
+        results.append(result)
+    name = "fairness" + (f"-{args.tag}" if args.tag else "")
+    result = {"benchmark": "fairness-simulated", "device": "simulated-h100", "seeds": results}
+    print(f"wrote {write(result, args.out, name)}")
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 4) if values else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None

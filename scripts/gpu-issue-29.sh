@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Issue 29's GPU pass (the fairness regression), stages named on the command line, in order:
+#   install          scripts/gpu-pass.sh install
+#   fairness         loraplex bench fairness at this tree (alone, FCFS, VTC)
+#   system-prompts   the same with each tenant's registered 512-token system prompt pinned
+#   variant:NAME:RUNS  the benchmark's RUNS (e.g. alone,vtc) with the loraplex package of
+#                    .device/NAME/ first on the path (a copy of this tree with one change
+#                    undone or tried; made here, carried to the device, never committed)
+# Set LORAPLEX_COMMIT to the commit that the results should record (the device has no git).
+# JSON and logs go to $OUT (default bench/results/gpu-issue-29).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/gpu-issue-29}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+COMMIT=${LORAPLEX_COMMIT:-unknown}
+
+for stage in "$@"; do
+    echo "=== $stage ($(date -u +%H:%M:%S))"
+    case $stage in
+        install)
+            scripts/gpu-pass.sh install > /dev/null 2>&1 && echo installed || { echo "install failed"; exit 1; }
+            ;;
+        fairness)
+            python3 -m loraplex.benchmarks fairness --out "$OUT" 2>&1 | tee "$OUT/fairness.log" | tail -8
+            ;;
+        system-prompts)
+            python3 -m loraplex.benchmarks fairness --system-prompt-len 512 --out "$OUT" 2>&1 \
+                | tee "$OUT/fairness-system-prompts.log" | tail -8
+            ;;
+        variant:*)
+            IFS=: read -r _ name runs <<< "$stage"
+            mkdir -p "$OUT/$name"
+            LORAPLEX_COMMIT="$COMMIT+$name" PYTHONPATH=".device/$name" \
+                python3 -m loraplex.benchmarks fairness --runs "$runs" --out "$OUT/$name" 2>&1 \
+                | tee "$OUT/$name/fairness.log" | tail -8
+            ;;
+        *)
+            echo "unknown stage $stage" >&2
+            exit 2
+            ;;
+    esac
+done
