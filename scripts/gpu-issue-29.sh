@@ -2,7 +2,7 @@
 # Issue 29's GPU pass (the fairness regression), stages named on the command line, in order:
 #   install          scripts/gpu-pass.sh install
 #   fairness         loraplex bench fairness at this tree (alone, FCFS, VTC)
-#   system-prompts   the same with each tenant's registered 512-token system prompt pinned
+#   system-prompts   the same with each tenant's registered 256-token system prompt pinned
 #   variant:NAME:RUNS  the benchmark's RUNS (e.g. alone,vtc) with the loraplex package of
 #                    .device/NAME/ first on the path (a copy of this tree with one change
 #                    undone or tried; made here, carried to the device, never committed)
@@ -25,7 +25,7 @@ for stage in "$@"; do
             python3 -m loraplex.benchmarks fairness --out "$OUT" 2>&1 | tee "$OUT/fairness.log" | tail -8
             ;;
         system-prompts)
-            python3 -m loraplex.benchmarks fairness --system-prompt-len 512 --out "$OUT" 2>&1 \
+            python3 -m loraplex.benchmarks fairness --system-prompt-len 256 --out "$OUT" 2>&1 \
                 | tee "$OUT/fairness-system-prompts.log" | tail -8
             ;;
         variant:*)

@@ -58,12 +58,10 @@ def make_arrivals(workload: FairnessWorkload, heavy: bool = True) -> list[BenchR
             timed.append((t, tenant, rng.randint(*workload.prompt_len), rng.randint(*workload.output_len)))
             t += rng.expovariate(rate)
     timed.sort()
-    if not heavy:
-        timed = [arrival for arrival in timed if arrival[1] != HEAVY]
     system = system_prompts(workload)
     tokens = np.random.default_rng(workload.seed)
     requests = []
     for index, (at, tenant, prompt_len, output_len) in enumerate(timed):
         own = tokens.integers(FIRST_TOKEN, workload.vocab_size, prompt_len - workload.system_prompt_len)
         requests.append(BenchRequest(index, at, tenant, tenant, system[tenant] + own.tolist(), output_len))
-    return requests
+    return requests if heavy else [r for r in requests if r.tenant != HEAVY]

@@ -112,12 +112,12 @@ class Scheduler:
                 budget -= num_new
         if not preempted:
             budget, blocked = self._admit_waiting(budget, plan, scheduled)
-            while blocked is not None and (freed := self._make_room(blocked, plan, scheduled)) is not None:
-                # the victim's blocks and place are free now: admit again (more victims if it
-                # still does not fit, so that it starts in this step, not after one per step)
-                victim_id, victim_tokens = freed
-                preempted.add(victim_id)
-                budget, blocked = self._admit_waiting(budget + victim_tokens, plan, scheduled, skip=preempted)
+            if blocked is not None:
+                freed = self._make_room(blocked, plan, scheduled)
+                if freed is not None:  # the victim's blocks and place are free now: admit again
+                    victim_id, victim_tokens = freed
+                    preempted.add(victim_id)
+                    budget, _ = self._admit_waiting(budget + victim_tokens, plan, scheduled, skip=preempted)
         for request in later:  # what the admitted requests left, without preempting for it
             if budget == 0:
                 break

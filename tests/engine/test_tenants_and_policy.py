@@ -177,3 +177,18 @@ def test_a_tenant_waiting_for_a_device_slot_gets_one_by_fair_preemption(tiny_lla
                              adapters=[adapter])[0]
         assert outputs[request_id] == alone.token_ids, request_id
     assert engine.adapters.num_held_slots == 0 and engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_a_swap_out_leaves_on_the_device_only_the_cached_blocks_others_hold_too():
+    from loraplex.engine.block_manager import BlockManager
+
+    blocks = BlockManager(16, 4, enable_prefix_caching=True)
+    own = blocks.allocate(4)
+    blocks.register(own, [b"a", b"b", b"c", b"d"])
+    blocks.mark_computed(own)
+    assert blocks.num_shared_prefix(own) == 0  # its own prompt: copied to the host when preempted
+    other = blocks.match([b"a", b"b", b"x"], 3)  # another request starting with the same two blocks
+    assert other == own[:2]
+    assert blocks.num_shared_prefix(own) == 2
+    blocks.free(other)
+    assert blocks.num_shared_prefix(own) == 0

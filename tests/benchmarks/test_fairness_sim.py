@@ -1,0 +1,55 @@
+"""The fairness benchmark's workload on the virtual clock (`loraplex bench fairness-sim`): light
+tenants' p99 TTFT beside a flooding tenant against running alone, on the H100 step-time model.
+It failed at 429120f (7.3x: a preempted request's own prompt blocks were left on the device as
+evictable cache, evicted by the pressure that preempted it, and computed again on resume)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.benchmarks.fairness_sim import FairnessSimConfig, simulate, simulate_run
+from loraplex.benchmarks.fairness_workload import HEAVY, FairnessWorkload, make_arrivals, system_prompts
+
+
+@pytest.fixture(scope="module")
+def seed_0():
+    return simulate(FairnessSimConfig())
+
+
+def test_light_tenants_keep_their_latency_beside_a_flooding_tenant(seed_0):
+    summary = seed_0["summary"]
+    assert summary["light p99 TTFT vs alone (vtc)"] <= 1.5, summary
+    assert summary["light p99 TTFT vs alone (fcfs)"] > 10, summary  # the flood is real
+    assert summary["throughput vtc / fcfs"] >= 0.95, summary
+
+
+def test_preempted_requests_resume_from_their_host_copy_not_from_scratch(seed_0):
+    vtc = seed_0["runs"]["vtc"]["preemptions_per_minute"]
+    assert vtc.get("fairness:swap", 0) > 0  # VTC makes room for light tenants by swapping
+    assert "fairness:recompute" not in vtc and "kv:recompute" not in vtc
+
+
+def test_the_light_tenants_arrivals_are_the_same_alone_and_beside_the_heavy_one():
+    workload = FairnessWorkload(duration_s=5.0)
+    alone = [(r.arrival_s, r.tenant, r.prompt_token_ids, r.max_tokens) for r in make_arrivals(workload, heavy=False)]
+    everyone = make_arrivals(workload)
+    light = [(r.arrival_s, r.tenant, r.prompt_token_ids, r.max_tokens) for r in everyone if r.tenant != HEAVY]
+    assert alone == light and len(everyone) > len(light)
+
+
+def test_system_prompts_start_every_prompt_of_their_tenant_and_differ_between_tenants():
+    workload = FairnessWorkload(duration_s=3.0, system_prompt_len=64)
+    prompts = system_prompts(workload)
+    assert len({tuple(p) for p in prompts.values()}) == len(prompts)
+    for request in make_arrivals(workload):
+        assert request.prompt_token_ids[:64] == prompts[request.tenant]
+        assert 512 <= len(request.prompt_token_ids) <= 2048
+    with pytest.raises(ValueError, match="system_prompt_len"):
+        FairnessWorkload(system_prompt_len=512)
+
+
+def test_pinned_system_prompts_are_shared_and_stay_on_the_device():
+    config = FairnessSimConfig(workload=FairnessWorkload(duration_s=8.0, system_prompt_len=256))
+    row = simulate_run(config, "vtc")
+    assert row["light"]["started"] == row["light"]["requests"]
+    assert not any(key.endswith("recompute") for key in row["preemptions_per_minute"])
