@@ -14,7 +14,11 @@ def write(result: dict[str, Any], out_dir: Path = RESULTS, name: str = "decode")
     """`<out_dir>/<name>-<device>.json` (e.g. decode-nvidia-h100-80gb-hbm3.json), `device`
     taken from the result."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    device = result["device"].replace(" ", "-").replace("/", "-").lower()
-    path = out_dir / f"{name}-{device}.json"
+    path = out_dir / f"{name}-{device_slug(result['device'])}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path
+
+
+def device_slug(device: str) -> str:
+    """A device's name as result files carry it: `NVIDIA H100 80GB HBM3` -> `nvidia-h100-80gb-hbm3`."""
+    return device.replace(" ", "-").replace("/", "-").lower()
