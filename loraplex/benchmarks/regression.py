@@ -239,7 +239,7 @@ def _compare(config: PassConfig, outcomes: dict[str, Outcome]) -> list[rf.Compar
     recorded = rf.records(all_figures, config.results, config.device, config.plan.argv())
     comparisons = []
     for figure in all_figures:
-        outcome = outcomes[figure.stage]
+        outcome = outcomes.get(figure.stage, Outcome("skipped: not in the plan"))
         now = figure.read(outcome.result) if outcome.result else None
         record = recorded.get(figure.name)
         verdict = rf.compare(figure, now, record, config.plan.has_goals)
