@@ -124,6 +124,9 @@ def figures(sel: Selection) -> tuple[Figure, ...]:
         # FLoRA's goal (<= 1.15 at batch 16) has never been met (README): held to its record only.
         Figure(f"families FLoRA / none, batch {fam}", "families", LOWER, 0.07, families("flora_over_none")),
         Figure(f"families mixed / none, batch {fam}", "families", LOWER, 0.07, families("mixed_over_none")),
+        Figure(f"families FLoRA r4 / LoRA r4, batch {fam}", "families", LOWER, 0.07,
+               lambda r: _get((r.get("summary") or {}).get("crossover_flora_over_lora"),
+                              f"rank_4_batch_{fam}")),
         Figure(f"relay speedup vs prefix cache, {relay_at}", "relay", HIGHER, 0.10,
                lambda r: _get(_relay_speedup(r, batch, system), "relay_over_cache")),
         Figure(f"relay speedup vs no sharing, {relay_at}", "relay", HIGHER, 0.10,

@@ -42,9 +42,12 @@ def test_figures_read_the_recorded_h100_results() -> None:
     assert _figure("fairness light p99 TTFT").read(fairness) \
         == fairness["summary"]["light p99 TTFT vs alone (vtc)"]
     assert _figure("fairness resume").read(fairness) == fairness["swap"]["swap_in / recompute"]
-    assert _figure("families FLoRA").read(_json("decode-families-nvidia-h100-80gb-hbm3.json")) \
+    assert _figure("families FLoRA / none").read(_json("decode-families-nvidia-h100-80gb-hbm3.json")) \
         == families["flora_r4_over_none"]
     assert _figure("serving HTTP / offline").read(_json("serve-h100/serve-summary.json")) == serving["ratio"]
+    crossover = _json("decode-families-nvidia-h100-80gb-hbm3.json")["summary"]["crossover_flora_over_lora"]
+    assert _figure("families FLoRA r4 / LoRA r4").read(_json("decode-families-nvidia-h100-80gb-hbm3.json")) \
+        == crossover["rank_4_batch_16"]
 
 
 def test_every_size_robust_figure_but_relay_has_an_h100_record() -> None:
