@@ -34,6 +34,8 @@ SCRIPTS = {
                      "scheduler and policies, an H100 step-time model (CPU)"),
     "slots": ("slot_bench", "adapter slots on a virtual clock: the real scheduler and adapter tiers, "
               "the serving workload, an H100 step-time model (CPU)"),
+    "regression": ("regression", "the headline benchmarks at reduced size, each figure against the one "
+                   "recorded for this device (one GPU pass, about 8 minutes: scripts/gpu-regress.sh)"),
 }
 """Benchmarks with their own command line: name -> (module, summary)."""
 
@@ -98,9 +100,13 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
 
 
 def _run_script(args: argparse.Namespace) -> None:
+    """The benchmark's `main(argv)`; a non-zero status it returns is the process's exit status."""
     import importlib
+    import sys
 
-    importlib.import_module(f"loraplex.benchmarks.{args.module}").main(args.args)
+    status = importlib.import_module(f"loraplex.benchmarks.{args.module}").main(args.args)
+    if status:
+        sys.exit(status)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:

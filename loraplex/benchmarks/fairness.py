@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from loraplex.engine.policy import FcfsPolicy, VtcPolicy
 from loraplex.engine_config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from loraplex.kernels import select_ops
 from loraplex.types import SamplingParams
+
 
 @dataclass(frozen=True)
 class FairnessBenchConfig:
@@ -129,12 +129,16 @@ def run(config: FairnessBenchConfig) -> dict[str, Any]:
     light = {name: runs[names[name]]["light"] for name in config.runs if names[name] in runs}
     summary = {}
     if "alone" in light and "vtc" in light:
-        summary["light p99 TTFT vs alone (vtc)"] = _ratio(light["vtc"]["ttft_p99_s"], light["alone"]["ttft_p99_s"])
-        summary["light p99 TBT vs alone (vtc)"] = _ratio(light["vtc"]["tbt_p99_s"], light["alone"]["tbt_p99_s"])
+        summary["light p99 TTFT vs alone (vtc)"] = _ratio(light["vtc"]["ttft_p99_s"],
+                                                          light["alone"]["ttft_p99_s"])
+        summary["light p99 TBT vs alone (vtc)"] = _ratio(light["vtc"]["tbt_p99_s"],
+                                                         light["alone"]["tbt_p99_s"])
     if "alone" in light and "fcfs" in light:
-        summary["light p99 TTFT vs alone (fcfs)"] = _ratio(light["fcfs"]["ttft_p99_s"], light["alone"]["ttft_p99_s"])
+        summary["light p99 TTFT vs alone (fcfs)"] = _ratio(light["fcfs"]["ttft_p99_s"],
+                                                           light["alone"]["ttft_p99_s"])
     if "vtc" in light and "fcfs" in light:
-        summary["throughput vtc / fcfs"] = _ratio(runs["vtc"]["output_tokens_per_s"], runs["fcfs"]["output_tokens_per_s"])
+        summary["throughput vtc / fcfs"] = _ratio(runs["vtc"]["output_tokens_per_s"],
+                                                  runs["fcfs"]["output_tokens_per_s"])
     result = {
         "benchmark": "fairness", "config": asdict(config), "device": _device_name(device),
         "torch": torch.__version__, "kv_blocks": engine.memory.num_kv_blocks, "runs": runs,
@@ -175,7 +179,8 @@ def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[BenchReq
                                params=SamplingParams(max_tokens=request.max_tokens, ignore_eos=True,
                                                      temperature=0.0),
                                adapter=request.adapter, tenant=request.tenant)
-            arrived[request_id], tenant_of[request_id], times[request_id] = (request.arrival_s, request.tenant, [])
+            arrived[request_id], tenant_of[request_id] = request.arrival_s, request.tenant
+            times[request_id] = []
         for output in engine.step():
             times[output.request_id].append(time.perf_counter() - started)
             tokens += 1

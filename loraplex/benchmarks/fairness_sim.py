@@ -1,8 +1,8 @@
 """`loraplex bench fairness`'s workload on a virtual clock: the real Scheduler, VtcPolicy,
 FcfsPolicy, BlockManager (prefix cache on, as in the engine) and host swap pool, driven by the
 slot simulation's engine loop (async scheduling; loraplex/benchmarks/slot_sim.py) with the
-H100's offline step-time model, fed the benchmark's own requests (loraplex/benchmarks/fairness_workload.py, same seed) on
-its engine's sizes (4,096 KV blocks of 16 tokens, a 16 GiB swap pool of 2 MiB blocks, at most
+H100's offline step-time model, fed the benchmark's own requests
+(loraplex/benchmarks/fairness_workload.py, same seed) on its engine's sizes (4,096 KV blocks of 16 tokens, a 16 GiB swap pool of 2 MiB blocks, at most
 256 running, 8,192 tokens a step); a tenant's system prompt, when the workload has one, is
 pinned as the engine pins a registered one. It runs
 on a CPU in seconds and shows light tenants' TTFT and TBT against running alone, so that a
@@ -23,11 +23,18 @@ from typing import Any
 
 import numpy as np
 
-from loraplex.benchmarks.fairness_workload import HEAVY, TENANTS, FairnessWorkload, make_arrivals, system_prompts
+from loraplex.benchmarks.fairness_workload import (
+    HEAVY,
+    TENANTS,
+    FairnessWorkload,
+    make_arrivals,
+    system_prompts,
+)
 from loraplex.benchmarks.results import RESULTS, write
 from loraplex.benchmarks.serve_workload import BenchRequest
 from loraplex.benchmarks.slot_sim import SlotSimConfig, SlotSimulation, StepModel
 from loraplex.engine.prefix_cache import block_hashes
+
 H100_OFFLINE_STEP = StepModel(base_ms=6.8, per_decode_ms=0.062, per_prefill_token_ms=0.030,
                               per_sampled_token_ms=0.0, per_swapped_out_block_ms=0.040)
 GOALS = {"light p99 TTFT vs alone (vtc)": 1.5, "light p99 TBT vs alone (vtc)": 1.1}
@@ -67,10 +74,12 @@ def simulate_run(config: FairnessSimConfig, policy: str, heavy: bool = True) -> 
         timings = [t for rid, t in sim.timings.items() if tenant_of[rid] in members]
         if not timings:
             continue
-        ttft = [(t.first_token_s if t.first_token_s is not None else sim.now) - t.arrival_s for t in timings]
+        ttft = [(sim.now if t.first_token_s is None else t.first_token_s) - t.arrival_s
+                for t in timings]
         tbt = [b - a for t in timings for a, b in zip(t.token_s, t.token_s[1:])]
         tokens += sum(len(t.token_s) for t in timings)
-        row[group] = {"requests": len(timings), "started": sum(t.first_token_s is not None for t in timings),
+        row[group] = {"requests": len(timings),
+                      "started": sum(t.first_token_s is not None for t in timings),
                       "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
                       "tbt_p50_s": _pct(tbt, 50), "tbt_p99_s": _pct(tbt, 99)}
     minutes = elapsed / 60
@@ -84,7 +93,8 @@ def simulate_run(config: FairnessSimConfig, policy: str, heavy: bool = True) -> 
 def _pin(sim: SlotSimulation, prompts: dict[str, list[int]]) -> None:
     """Each tenant's system prompt prefilled and its full blocks held, as the engine pins a
     registered system prompt (`LLMEngine.pin_prompt`)."""
-    warm_up = [BenchRequest(i, 0.0, tenant, tenant, tokens, 1) for i, (tenant, tokens) in enumerate(prompts.items())]
+    warm_up = [BenchRequest(i, 0.0, tenant, tenant, tokens, 1)
+               for i, (tenant, tokens) in enumerate(prompts.items())]
     sim.serve(warm_up)
     for tenant, tokens in prompts.items():
         hashes = block_hashes(tokens, sim.blocks.block_size, tenant, tenant)
@@ -100,7 +110,8 @@ def simulate(config: FairnessSimConfig) -> dict[str, Any]:
         "light p99 TTFT vs alone (vtc)": _ratio(vtc["ttft_p99_s"], alone["ttft_p99_s"]),
         "light p99 TTFT vs alone (fcfs)": _ratio(fcfs["ttft_p99_s"], alone["ttft_p99_s"]),
         "light p99 TBT vs alone (vtc)": _ratio(vtc["tbt_p99_s"], alone["tbt_p99_s"]),
-        "throughput vtc / fcfs": _ratio(runs["vtc"]["output_tokens_per_s"], runs["fcfs"]["output_tokens_per_s"]),
+        "throughput vtc / fcfs": _ratio(runs["vtc"]["output_tokens_per_s"],
+                                        runs["fcfs"]["output_tokens_per_s"]),
     }
     return {"benchmark": "fairness-simulated", "config": asdict(config), "runs": runs, "summary": summary}
 
@@ -115,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     results = []
     for seed in args.seed:
-        config = FairnessSimConfig(workload=FairnessWorkload(seed=seed, system_prompt_len=args.system_prompt_len))
+        workload = FairnessWorkload(seed=seed, system_prompt_len=args.system_prompt_len)
+        config = FairnessSimConfig(workload=workload)
         result = simulate(config)
         for name, run in result["runs"].items():
             print(f"seed {seed} {name:28s} {json.dumps({k: run[k] for k in run if k != 'policy'})}")

@@ -17,8 +17,7 @@ def write(result: dict[str, Any], out_dir: Path = RESULTS, name: str = "decode")
     taken from the result; the result records the commit of the code that ran (`code_commit`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     result.setdefault("commit", code_commit())
-    device = result["device"].replace(" ", "-").replace("/", "-").lower()
-    path = out_dir / f"{name}-{device}.json"
+    path = out_dir / f"{name}-{device_slug(result['device'])}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path
 
@@ -42,3 +41,8 @@ def code_commit() -> str:
     if described.returncode or not commit:
         return "unknown"
     return commit + ("-modified" if status.stdout.strip() else "")
+
+
+def device_slug(device: str) -> str:
+    """A device's name as result files carry it: `NVIDIA H100 80GB HBM3` -> `nvidia-h100-80gb-hbm3`."""
+    return device.replace(" ", "-").replace("/", "-").lower()

@@ -31,9 +31,11 @@ def test_preempted_requests_resume_from_their_host_copy_not_from_scratch(seed_0)
 
 def test_the_light_tenants_arrivals_are_the_same_alone_and_beside_the_heavy_one():
     workload = FairnessWorkload(duration_s=5.0)
-    alone = [(r.arrival_s, r.tenant, r.prompt_token_ids, r.max_tokens) for r in make_arrivals(workload, heavy=False)]
+    def rows(requests):
+        return [(r.arrival_s, r.tenant, r.prompt_token_ids, r.max_tokens) for r in requests]
+
     everyone = make_arrivals(workload)
-    light = [(r.arrival_s, r.tenant, r.prompt_token_ids, r.max_tokens) for r in everyone if r.tenant != HEAVY]
+    alone, light = rows(make_arrivals(workload, heavy=False)), rows(r for r in everyone if r.tenant != HEAVY)
     assert alone == light and len(everyone) > len(light)
 
 
