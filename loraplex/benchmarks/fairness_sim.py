@@ -2,16 +2,16 @@
 FcfsPolicy, BlockManager (prefix cache on, as in the engine) and host swap pool, driven by the
 slot simulation's engine loop (async scheduling; loraplex/benchmarks/slot_sim.py) with the
 H100's offline step-time model, fed the benchmark's own requests
-(loraplex/benchmarks/fairness_workload.py, same seed) on its engine's sizes (4,096 KV blocks of 16 tokens, a 16 GiB swap pool of 2 MiB blocks, at most
-256 running, 8,192 tokens a step); a tenant's system prompt, when the workload has one, is
-pinned as the engine pins a registered one. It runs
-on a CPU in seconds and shows light tenants' TTFT and TBT against running alone, so that a
-scheduler change that costs them is seen in CI, not on the next GPU pass.
+(loraplex/benchmarks/fairness_workload.py, same seed) on its engine's sizes (4,096 KV blocks of
+16 tokens, a 16 GiB swap pool of 2 MiB blocks, at most 256 running, 8,192 tokens a step); a
+tenant's system prompt, when the workload has one, is pinned as the engine pins a registered
+one. It runs on a CPU in seconds and shows light tenants' TTFT and TBT against running alone,
+so that a scheduler change that costs them is seen in CI, not on the next GPU pass.
 
 Step time: the H100's decode line (6.8 ms + 0.062 ms a decode row, fitted to
-bench/results/decode-nvidia-h100-80gb-hbm3.json), 0.030 ms a prompt token, no HTTP, and 0.040 ms
-a block swapped out (2 MiB at the 52 GB/s the fairness run measured); swap-ins run beside the
-step. The four adapters stay resident (four slots, as the benchmark's engine has)."""
+bench/results/decode-nvidia-h100-80gb-hbm3.json), 0.030 ms a prompt token, no HTTP, and 0.040
+ms a block swapped out (2 MiB at the 52 GB/s the fairness run measured); swap-ins run beside
+the step. The four adapters stay resident (four slots, as the benchmark's engine has)."""
 
 from __future__ import annotations
 
