@@ -29,14 +29,16 @@ DEMO_MODEL_ID = "loraplex-demo"
 DEMO_TENANT = "demo"
 DEMO_KEY_FILE = "demo-api-key"
 ADMIN_KEY_FILE = "admin-api-key"
+GGUF_CACHE_DIR = "models"
 
 logger = logging.getLogger("loraplex.serve")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("serve", help="run the OpenAI-compatible server")
-    parser.add_argument("--model", metavar="DIR",
-                        help="local Hugging Face model folder (default: the built-in demo)")
+    parser.add_argument("--model", metavar="DIR|FILE.gguf",
+                        help="local Hugging Face model folder, or a GGUF file (imported once into "
+                        f"<data-dir>/{GGUF_CACHE_DIR}/) (default: the built-in demo)")
     parser.add_argument("--model-name", metavar="ID",
                         help="the base model's id in the API (default: the folder's name)")
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"default {DEFAULT_HOST}")
@@ -94,7 +96,13 @@ def run(args: argparse.Namespace) -> None:
 
 def _served_model(args: argparse.Namespace, data_dir: Path) -> ServedModel:
     if args.model is not None:
+        from loraplex.model.gguf_file import is_gguf
+
         folder = Path(args.model).expanduser().resolve()
+        if is_gguf(folder):
+            from loraplex.model.gguf_import import import_cached
+
+            folder = import_cached(folder, data_dir / GGUF_CACHE_DIR)
         return ServedModel(folder, args.model_name or folder.name, None)
     from loraplex.demo import ensure_demo
 
