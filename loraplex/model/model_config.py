@@ -44,6 +44,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str | None
+    name: str | None = None
+    """The model's own name (config.json `_name_or_path`: a hub id as it is, a path's last
+    part), None when the config has none."""
 
     @property
     def shape(self) -> BaseModelShape:
@@ -106,6 +109,7 @@ class ModelConfig:
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             bos_token_id=data.get("bos_token_id"),
             torch_dtype=data.get("torch_dtype") or data.get("dtype"),
+            name=_name(data.get("_name_or_path")),
         )
 
 
@@ -121,6 +125,17 @@ def _architecture(data: dict[str, Any]) -> str:
     raise ModelLoadError(
         f"unsupported architecture {found}; loraplex serves {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
+
+
+def _name(name_or_path: Any) -> str | None:
+    """A hub id (`org/model`) as it is; a local path (absolute, relative or deeper) by its last
+    part."""
+    if not isinstance(name_or_path, str) or not name_or_path.strip():
+        return None
+    name = name_or_path.strip()
+    if name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1:
+        return name.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1] or None
+    return name
 
 
 def _rope(data: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

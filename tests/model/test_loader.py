@@ -107,3 +107,20 @@ def test_a_config_nested_thousands_deep_is_refused_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text('{"a": ' * 5000 + "1" + "}" * 5000)
     with pytest.raises(ModelLoadError, match="is not valid JSON: .*nested"):
         ModelConfig.load(tmp_path)
+
+
+@pytest.mark.parametrize(("name_or_path", "name"), [
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"),
+    ("/fsx/runs/smollm2/final/", "final"),
+    ("./checkpoints/step-100", "step-100"),
+    ("runs/a/b", "b"),
+    ("", None),
+    (None, None),
+])
+def test_the_model_name_comes_from_name_or_path(name_or_path, name):
+    from loraplex.model.model_config import ModelConfig
+    from tests.factories import hf_config
+
+    data = hf_config("qwen2").to_dict() | {"_name_or_path": name_or_path}
+    assert ModelConfig.from_dict(data).name == name

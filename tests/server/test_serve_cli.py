@@ -184,7 +184,7 @@ def test_the_demo_on_a_fresh_registry_and_after_a_restart(tmp_path: Path) -> Non
     key_file, admin_key_file = data_dir / "demo-api-key", data_dir / "admin-api-key"
     with loraplex_serve(data_dir) as served:  # a registry with nothing in it
         key = key_file.read_text().strip()
-        assert f"demo API key (tenant 'demo', also in {key_file}): {key}" in served.output()
+        assert f"API key of tenant 'demo' (also in {key_file}): {key}" in served.output()
         assert key_file.stat().st_mode & 0o777 == 0o600
         client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=key, max_retries=0)
         names = sorted(adapter.name for adapter in DEMO_ADAPTERS)
@@ -251,3 +251,46 @@ def test_serve_help_lists_every_engine_option() -> None:
     for name in option_owners():
         assert f"--{name.replace('_', '-')}" in result.stdout, name
     assert "--max-num-batched-tokens INT" in result.stdout and "(default: 2048)" in result.stdout
+
+
+def test_a_gguf_file_on_a_fresh_registry_gets_keys_and_its_own_name(tmp_path: Path) -> None:
+    """`serve --model FILE.gguf`: imported once into the data dir, served under the GGUF's own
+    name, with a first tenant and its key and an admin key printed; a restart reuses the import
+    and prints the same key. A registry that already has tenants gets no `default` tenant."""
+    from tests.model.gguf_support import make_tiny_model, write_gguf
+
+    write_gguf(make_tiny_model("llama"), tmp_path / "tiny-q8.gguf", "Q8_0", name="Tiny Test Model")
+    data_dir = tmp_path / "data"
+    key_file, admin_key_file = data_dir / "default-api-key", data_dir / "admin-api-key"
+    keys = []
+    for start in range(2):
+        with loraplex_serve(data_dir, "--model", str(tmp_path / "tiny-q8.gguf")) as served:
+            key = key_file.read_text().strip()
+            keys.append(key)
+            output = served.output()
+            assert f"API key of tenant 'default' (also in {key_file}): {key}" in output
+            assert f"admin API key in {admin_key_file}" in output
+            assert ("importing" in output) == (start == 0)
+            client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=key, max_retries=0)
+            assert [m.id for m in client.models.list().data] == ["Tiny-Test-Model"]
+            completion = client.completions.create(model="Tiny-Test-Model", prompt="the", max_tokens=3)
+            assert completion.usage.completion_tokens == 3
+            admin = httpx.get(f"{served.url}/admin/api/me", timeout=10,
+                              headers={"Authorization": f"Bearer {admin_key_file.read_text().strip()}"})
+            assert admin.json()["role"] == "admin"
+    assert keys[0] == keys[1]
+    assert sorted(p.name for p in (data_dir / "models").iterdir()) == ["tiny-q8"]
+
+    in_use = tmp_path / "in-use"
+    with _registry_created(in_use) as registry:
+        registry.tenants.create("acme")
+    with loraplex_serve(in_use, "--model", str(data_dir / "models" / "tiny-q8")) as served:
+        assert "API key of tenant" not in served.output()
+        assert (in_use / "admin-api-key").is_file() and not (in_use / "default-api-key").exists()
+        with _registry(in_use) as registry:
+            assert [t.name for t in registry.tenants.list()] == ["acme"]
+            assert registry.models.get().model_id == "Tiny-Test-Model"  # config.json's _name_or_path
+
+
+def _registry_created(data_dir: Path) -> Registry:
+    return Registry.open(RegistryConfig(data_dir=data_dir))
