@@ -242,8 +242,8 @@ def _swap_costs(engine: LLMEngine, config: FairnessBenchConfig, vocab: int) -> d
     _sync(device)
     swap_in_s = time.perf_counter() - start
     params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
-    prompt = np.random.default_rng(1).integers(FIRST_TOKEN, vocab, config.resume_tokens).tolist()
-    for i in range(3):
+    for i in range(3):  # a new prompt each time: a repeated one would come from the prefix cache
+        prompt = np.random.default_rng(i + 1).integers(FIRST_TOKEN, vocab, config.resume_tokens).tolist()
         started = time.perf_counter()
         engine.add_request(f"resume-{i}", prompt_token_ids=prompt, params=params, adapter="light-1")
         while engine.has_unfinished_requests():
