@@ -111,6 +111,20 @@ ALL_SEVEN = ATTENTION + ("gate_proj", "up_proj", "down_proj")
 
 
 
+def load_peft_adapters(base_model, adapters: dict[str, Path]):
+    """A PeftModel over a copy of `base_model` holding every adapter (name -> folder), in eval
+    mode; `set_adapter(name)` picks one."""
+    import copy
+
+    from peft import PeftModel
+
+    first, *rest = adapters
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(base_model), adapters[first], adapter_name=first)
+    for name in rest:
+        peft_model.load_adapter(adapters[name], adapter_name=name)
+    return peft_model.eval()
+
+
 def make_adapters(base_model, folder: Path) -> dict[str, Path]:
     """Every adapter of ADAPTERS for `base_model`, saved under `folder` (seeds 1, 2, ...)."""
     return {spec.name: make_adapter(base_model, spec, folder, seed=i + 1) for i, spec in enumerate(ADAPTERS)}

@@ -5,13 +5,11 @@ logits within 1e-4 relative. Also with chunked vs whole prefill and across preem
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from loraplex import LLM, SamplingParams
-from tests.factories import make_adapters, make_hf_model
+from tests.factories import load_peft_adapters, make_adapters, make_hf_model
 
 MAX_TOKENS = 8
 CHUNK = 16
@@ -33,13 +31,7 @@ def case(request, tmp_path_factory):
 
 def _hf_references(hf, adapters, prompts, names):
     """(greedy tokens, logits [MAX_TOKENS, vocab]) of each request run alone."""
-    from peft import PeftModel
-
-    first, *rest = adapters
-    peft_model = PeftModel.from_pretrained(copy.deepcopy(hf), adapters[first], adapter_name=first)
-    for name in rest:
-        peft_model.load_adapter(adapters[name], adapter_name=name)
-    peft_model.eval()
+    peft_model = load_peft_adapters(hf, adapters)
     references = []
     for prompt, name in zip(prompts, names):
         kwargs = dict(max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,

@@ -5,14 +5,12 @@ recomputed prompt is neither scored twice nor loses entries)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from loraplex import LLM, SamplingParams
 from loraplex.engine import prompt_logprobs
-from tests.factories import make_adapters, make_hf_model
+from tests.factories import load_peft_adapters, make_adapters, make_hf_model
 
 TOP = 3
 PROMPT_LENGTHS = (1, 2, 5, 16, 17, 33, 40, 9, 24, 3)
@@ -32,13 +30,7 @@ def case(tmp_path_factory):
 
 def _hf_log_softmax(hf, adapters, prompts, names) -> list[torch.Tensor]:
     """log_softmax of transformers + PEFT's logits [len(prompt), vocab] for each prompt alone."""
-    from peft import PeftModel
-
-    first, *rest = adapters
-    peft_model = PeftModel.from_pretrained(copy.deepcopy(hf), adapters[first], adapter_name=first)
-    for name in rest:
-        peft_model.load_adapter(adapters[name], adapter_name=name)
-    peft_model.eval()
+    peft_model = load_peft_adapters(hf, adapters)
     references = []
     for prompt, name in zip(prompts, names):
         with torch.no_grad():

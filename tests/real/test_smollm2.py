@@ -5,14 +5,12 @@ three random LoRA adapters and the base model."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from loraplex import LLM, SamplingParams
-from tests.factories import AdapterSpec, make_adapter
+from tests.factories import AdapterSpec, load_peft_adapters, make_adapter
 
 MAX_TOKENS = 12
 QUESTIONS = (
@@ -82,18 +80,12 @@ def test_the_base_model_answers(smollm2, tokenizer):
 
 
 def test_mixed_adapter_batch_is_token_exact_with_transformers_peft(smollm2, hf_model, tokenizer, tmp_path):
-    from peft import PeftModel
-
     adapters = {spec.name: make_adapter(hf_model, spec, tmp_path, seed=i + 1)
                 for i, spec in enumerate(ADAPTERS)}
     prompts = [_chat_ids(tokenizer, question) for question in QUESTIONS]
     names = [ADAPTER_CYCLE[i % len(ADAPTER_CYCLE)] for i in range(len(prompts))]
 
-    first, *rest = adapters
-    peft_model = PeftModel.from_pretrained(copy.deepcopy(hf_model), adapters[first], adapter_name=first)
-    for name in rest:
-        peft_model.load_adapter(adapters[name], adapter_name=name)
-    peft_model.eval()
+    peft_model = load_peft_adapters(hf_model, adapters)
     references = []
     for prompt, name in zip(prompts, names):
         # generation stops at eos, as the engine's does (min_new_tokens would mask eos's logit)
