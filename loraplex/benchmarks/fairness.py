@@ -23,7 +23,15 @@ import numpy as np
 import torch
 
 from loraplex.benchmarks import synthetic
-from loraplex.benchmarks.fairness_workload import TENANTS, FairnessWorkload, make_arrivals, system_prompts
+from loraplex.benchmarks.fairness_workload import (
+    RUNS,
+    TENANTS,
+    FairnessWorkload,
+    group_figures,
+    make_arrivals,
+    summarize,
+    system_prompts,
+)
 from loraplex.benchmarks.results import RESULTS, write
 from loraplex.benchmarks.serve_workload import FIRST_TOKEN, BenchRequest
 from loraplex.engine.llm_engine import LLMEngine
@@ -121,24 +129,10 @@ def run(config: FairnessBenchConfig) -> dict[str, Any]:
     workload = config.workload(model_config.vocab_size)
     if config.system_prompt_len:
         _pin_system_prompts(engine, workload)
-    arrivals = {"alone": make_arrivals(workload, heavy=False), "fcfs": make_arrivals(workload),
-                "vtc": make_arrivals(workload)}
-    names = {"alone": "light tenants alone (vtc)", "fcfs": "fcfs", "vtc": "vtc"}
-    runs = {names[name]: _run(engine, config, arrivals[name], "fcfs" if name == "fcfs" else "vtc", name)
-            for name in ("alone", "fcfs", "vtc") if name in config.runs}
-    light = {name: runs[names[name]]["light"] for name in config.runs if names[name] in runs}
-    summary = {}
-    if "alone" in light and "vtc" in light:
-        summary["light p99 TTFT vs alone (vtc)"] = _ratio(light["vtc"]["ttft_p99_s"],
-                                                          light["alone"]["ttft_p99_s"])
-        summary["light p99 TBT vs alone (vtc)"] = _ratio(light["vtc"]["tbt_p99_s"],
-                                                         light["alone"]["tbt_p99_s"])
-    if "alone" in light and "fcfs" in light:
-        summary["light p99 TTFT vs alone (fcfs)"] = _ratio(light["fcfs"]["ttft_p99_s"],
-                                                           light["alone"]["ttft_p99_s"])
-    if "vtc" in light and "fcfs" in light:
-        summary["throughput vtc / fcfs"] = _ratio(runs["vtc"]["output_tokens_per_s"],
-                                                  runs["fcfs"]["output_tokens_per_s"])
+    runs = {RUNS[name]: _run(engine, config, make_arrivals(workload, heavy=name != "alone"),
+                             "fcfs" if name == "fcfs" else "vtc", name)
+            for name in RUNS if name in config.runs}
+    summary = summarize(runs)
     result = {
         "benchmark": "fairness", "config": asdict(config), "device": _device_name(device),
         "torch": torch.__version__, "kv_blocks": engine.memory.num_kv_blocks, "runs": runs,
@@ -165,8 +159,7 @@ def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[BenchReq
                                if policy == "vtc" else FcfsPolicy(engine.tenants))
     before = engine.stats()
     times: dict[str, list[float]] = {}
-    arrived: dict[str, float] = {}
-    tenant_of: dict[str, str] = {}
+    arrived: dict[str, tuple[float, str]] = {}  # request id -> (arrival, tenant)
     pending = list(arrivals)
     started = time.perf_counter()
     end = config.duration_s + config.drain_s
@@ -179,8 +172,7 @@ def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[BenchReq
                                params=SamplingParams(max_tokens=request.max_tokens, ignore_eos=True,
                                                      temperature=0.0),
                                adapter=request.adapter, tenant=request.tenant)
-            arrived[request_id], tenant_of[request_id] = request.arrival_s, request.tenant
-            times[request_id] = []
+            arrived[request_id], times[request_id] = (request.arrival_s, request.tenant), []
         for output in engine.step():
             times[output.request_id].append(time.perf_counter() - started)
             tokens += 1
@@ -191,17 +183,7 @@ def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[BenchReq
     while engine.has_unfinished_requests():
         engine.step()
     after = engine.stats()
-    per_tenant = {}
-    for group, members in (("light", [t for t in TENANTS if t != "heavy"]), ("heavy", ["heavy"])):
-        ids = [r for r in arrived if tenant_of[r] in members]
-        if not ids:
-            continue
-        ttft = [(times[r][0] if times[r] else elapsed) - arrived[r] for r in ids]
-        tbt = [b - a for r in ids for a, b in zip(times[r], times[r][1:])]
-        per_tenant[group] = {
-            "requests": len(ids), "started": sum(bool(times[r]) for r in ids),
-            "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "tbt_p50_s": _pct(tbt, 50),
-            "tbt_p99_s": _pct(tbt, 99)}
+    per_tenant = group_figures(arrived, times, elapsed)
     minutes = elapsed / 60
     swapped_out = after.swap_bytes_out - before.swap_bytes_out
     swapped_in = after.swap_bytes_in - before.swap_bytes_in
@@ -312,14 +294,6 @@ def plot(json_path: Path, png_path: Path) -> None:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    return round(float(np.percentile(values, q)), 4) if values else None
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 3) if a is not None and b else None
 
 
 def _device_name(device: torch.device) -> str:

@@ -21,13 +21,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from loraplex.benchmarks.fairness_workload import (
-    HEAVY,
+    RUNS,
     TENANTS,
     FairnessWorkload,
+    group_figures,
     make_arrivals,
+    summarize,
     system_prompts,
 )
 from loraplex.benchmarks.results import RESULTS, write
@@ -67,23 +67,12 @@ def simulate_run(config: FairnessSimConfig, policy: str, heavy: bool = True) -> 
     requests = make_arrivals(config.workload, heavy)
     sim.serve(requests, end_s=config.workload.duration_s + config.drain_s)
     elapsed = sim.now - sim.start_s
-    tenant_of = {f"{sim.num_runs}-{r.index}": r.tenant for r in requests}
-    row: dict[str, Any] = {"policy": policy, "elapsed_s": round(elapsed, 2)}
-    tokens = 0
-    for group, members in (("light", TENANTS[1:]), ("heavy", (HEAVY,))):
-        timings = [t for rid, t in sim.timings.items() if tenant_of[rid] in members]
-        if not timings:
-            continue
-        ttft = [(sim.now if t.first_token_s is None else t.first_token_s) - t.arrival_s
-                for t in timings]
-        tbt = [b - a for t in timings for a, b in zip(t.token_s, t.token_s[1:])]
-        tokens += sum(len(t.token_s) for t in timings)
-        row[group] = {"requests": len(timings),
-                      "started": sum(t.first_token_s is not None for t in timings),
-                      "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
-                      "tbt_p50_s": _pct(tbt, 50), "tbt_p99_s": _pct(tbt, 99)}
+    arrived = {f"{sim.num_runs}-{r.index}": (r.arrival_s, r.tenant) for r in requests}
+    token_s = {request_id: timing.token_s for request_id, timing in sim.timings.items()}
+    row: dict[str, Any] = {"policy": policy, "elapsed_s": round(elapsed, 2),
+                           **group_figures(arrived, token_s, elapsed)}
     minutes = elapsed / 60
-    row["output_tokens_per_s"] = round(tokens / elapsed, 1)
+    row["output_tokens_per_s"] = round(sum(map(len, token_s.values())) / elapsed, 1)
     row["preemptions_per_minute"] = {f"{cause}:{mode}": round(n / minutes, 1)
                                      for (cause, mode), n in sorted(sim.scheduler.preemptions.items())}
     row["num_steps"] = sim.num_steps
@@ -103,16 +92,9 @@ def _pin(sim: SlotSimulation, prompts: dict[str, list[int]]) -> None:
 
 def simulate(config: FairnessSimConfig) -> dict[str, Any]:
     """The benchmark's three runs and its summary ratios."""
-    runs = {"light tenants alone (vtc)": simulate_run(config, "vtc", heavy=False),
-            "fcfs": simulate_run(config, "fcfs"), "vtc": simulate_run(config, "vtc")}
-    alone, fcfs, vtc = (runs[k]["light"] for k in ("light tenants alone (vtc)", "fcfs", "vtc"))
-    summary = {
-        "light p99 TTFT vs alone (vtc)": _ratio(vtc["ttft_p99_s"], alone["ttft_p99_s"]),
-        "light p99 TTFT vs alone (fcfs)": _ratio(fcfs["ttft_p99_s"], alone["ttft_p99_s"]),
-        "light p99 TBT vs alone (vtc)": _ratio(vtc["tbt_p99_s"], alone["tbt_p99_s"]),
-        "throughput vtc / fcfs": _ratio(runs["vtc"]["output_tokens_per_s"],
-                                        runs["fcfs"]["output_tokens_per_s"]),
-    }
+    runs = {RUNS[name]: simulate_run(config, "fcfs" if name == "fcfs" else "vtc", heavy=name != "alone")
+            for name in RUNS}
+    summary = summarize(runs)
     return {"benchmark": "fairness-simulated", "config": asdict(config), "runs": runs, "summary": summary}
 
 
@@ -136,11 +118,3 @@ def main(argv: list[str] | None = None) -> None:
     name = "fairness" + (f"-{args.tag}" if args.tag else "")
     result = {"benchmark": "fairness-simulated", "device": "simulated-h100", "seeds": results}
     print(f"wrote {write(result, args.out, name)}")
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    return round(float(np.percentile(values, q)), 4) if values else None
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 3) if a is not None and b else None

@@ -3,12 +3,13 @@
 one's rate; prompt and output lengths uniform in their ranges. With `system_prompt_len`, each
 tenant's prompts start with that tenant's own system prompt (the rest is the request's own).
 The GPU benchmark (`loraplex bench fairness`) and its simulation (`fairness-sim`) serve the very
-same list. Needs numpy only."""
+same list, and report it with the same figures (`group_figures`, `summarize`). Needs numpy only."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -16,6 +17,8 @@ from loraplex.benchmarks.serve_workload import FIRST_TOKEN, BenchRequest
 
 TENANTS = ("heavy", "light-1", "light-2", "light-3")
 HEAVY = TENANTS[0]
+RUNS = {"alone": "light tenants alone (vtc)", "fcfs": "fcfs", "vtc": "vtc"}
+"""The benchmark's runs: short name -> the name its results carry."""
 
 
 @dataclass(frozen=True)
@@ -65,3 +68,47 @@ def make_arrivals(workload: FairnessWorkload, heavy: bool = True) -> list[BenchR
         own = tokens.integers(FIRST_TOKEN, workload.vocab_size, prompt_len - workload.system_prompt_len)
         requests.append(BenchRequest(index, at, tenant, tenant, system[tenant] + own.tolist(), output_len))
     return requests if heavy else [r for r in requests if r.tenant != HEAVY]
+
+
+def group_figures(arrived: dict[str, tuple[float, str]], token_s: dict[str, list[float]],
+                  end_s: float) -> dict[str, dict[str, Any]]:
+    """Light and heavy tenants' requests, how many started, and their TTFT and TBT p50 and p99,
+    from each request's (arrival, tenant) and the times its tokens came (one that got none
+    counts as waiting until `end_s`). Times in seconds on one clock."""
+    figures = {}
+    for group, members in (("light", TENANTS[1:]), ("heavy", (HEAVY,))):
+        ids = [r for r, (_, tenant) in arrived.items() if tenant in members]
+        if not ids:
+            continue
+        ttft = [(token_s[r][0] if token_s.get(r) else end_s) - arrived[r][0] for r in ids]
+        tbt = [b - a for r in ids for a, b in zip(token_s.get(r, []), token_s.get(r, [])[1:])]
+        figures[group] = {"requests": len(ids), "started": sum(bool(token_s.get(r)) for r in ids),
+                          "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+                          "tbt_p50_s": _pct(tbt, 50), "tbt_p99_s": _pct(tbt, 99)}
+    return figures
+
+
+def summarize(runs: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """The benchmark's headline ratios from whichever of its runs (named as in RUNS) are there."""
+    light = {name: runs[RUNS[name]]["light"] for name in RUNS if RUNS[name] in runs}
+    summary = {}
+    if "alone" in light and "vtc" in light:
+        summary["light p99 TTFT vs alone (vtc)"] = _ratio(light["vtc"]["ttft_p99_s"],
+                                                          light["alone"]["ttft_p99_s"])
+        summary["light p99 TBT vs alone (vtc)"] = _ratio(light["vtc"]["tbt_p99_s"],
+                                                         light["alone"]["tbt_p99_s"])
+    if "alone" in light and "fcfs" in light:
+        summary["light p99 TTFT vs alone (fcfs)"] = _ratio(light["fcfs"]["ttft_p99_s"],
+                                                           light["alone"]["ttft_p99_s"])
+    if "vtc" in light and "fcfs" in light:
+        summary["throughput vtc / fcfs"] = _ratio(runs["vtc"]["output_tokens_per_s"],
+                                                  runs["fcfs"]["output_tokens_per_s"])
+    return summary
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 4) if values else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
