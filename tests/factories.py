@@ -125,6 +125,22 @@ def load_peft_adapters(base_model, adapters: dict[str, Path]):
     return peft_model.eval()
 
 
+def generate_with_logits(llm, prompts: list[list[int]], adapters: list[str | None], params):
+    """`llm.generate` that also returns each output's logits, [generated tokens, vocab], as the
+    engine sampled from them (the runner's on_logits hook)."""
+    import torch
+
+    logits: dict[str, list] = {}
+
+    def record(sampled_ids, step_logits):
+        for request_id, row in zip(sampled_ids, step_logits):
+            logits.setdefault(request_id, []).append(row.clone())
+
+    llm.engine.runner.on_logits = record
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, adapters=adapters)
+    return outputs, [torch.stack(logits[output.request_id]) for output in outputs]
+
+
 def make_adapters(base_model, folder: Path) -> dict[str, Path]:
     """Every adapter of ADAPTERS for `base_model`, saved under `folder` (seeds 1, 2, ...)."""
     return {spec.name: make_adapter(base_model, spec, folder, seed=i + 1) for i, spec in enumerate(ADAPTERS)}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from loraplex import LLM, SamplingParams
-from tests.factories import load_peft_adapters, make_adapters, make_hf_model
+from tests.factories import generate_with_logits, load_peft_adapters, make_adapters, make_hf_model
 
 MAX_TOKENS = 8
 CHUNK = 16
@@ -52,16 +52,9 @@ def _run(model_dir, adapters, prompts, names, max_tokens=MAX_TOKENS, **options):
     llm = LLM(model_dir, device="cpu", dtype="float32", **options)
     for name, path in adapters.items():
         llm.add_adapter(name, path)
-    logits: dict[str, list[torch.Tensor]] = {}
-
-    def record(sampled_ids, step_logits):
-        for request_id, row in zip(sampled_ids, step_logits):
-            logits.setdefault(request_id, []).append(row.clone())
-
-    llm.engine.runner.on_logits = record
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, adapters=names)
-    return llm, outputs, [torch.stack(logits[o.request_id]) for o in outputs]
+    outputs, logits = generate_with_logits(llm, prompts, names, params)
+    return llm, outputs, logits
 
 
 def _check(outputs, logits, references):

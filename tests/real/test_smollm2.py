@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from loraplex import LLM, SamplingParams
-from tests.factories import AdapterSpec, load_peft_adapters, make_adapter
+from tests.factories import AdapterSpec, generate_with_logits, load_peft_adapters, make_adapter
 
 MAX_TOKENS = 12
 QUESTIONS = (
@@ -103,20 +103,12 @@ def test_mixed_adapter_batch_is_token_exact_with_transformers_peft(smollm2, hf_m
     llm = LLM(smollm2.folder, device="cpu", dtype="float32", max_model_len=512, max_num_batched_tokens=64)
     for name, path in adapters.items():
         llm.add_adapter(name, path)
-    logits: dict[str, list[torch.Tensor]] = {}
-
-    def record(sampled_ids, step_logits):
-        for request_id, row in zip(sampled_ids, step_logits):
-            logits.setdefault(request_id, []).append(row.clone())
-
-    llm.engine.runner.on_logits = record
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, adapters=names)
+    outputs, logits = generate_with_logits(llm, prompts, names, params)
     distinct = set()
-    for i, (output, (tokens, ref)) in enumerate(zip(outputs, references)):
+    for i, (output, ours, (tokens, ref)) in enumerate(zip(outputs, logits, references)):
         assert output.token_ids == tokens, f"request {i} ({names[i]})"
         assert output.finish_reason == ("stop" if tokens[-1] == tokenizer.eos_token_id else "length")
-        ours = torch.stack(logits[output.request_id])
         error = ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
         assert error < 1e-4, f"request {i} ({names[i]}): logits differ by {error:.2e} relative"
         distinct.add(tuple(tokens))
