@@ -138,7 +138,7 @@ class LLMEngine:
                                    HostBlockPool(num_host_blocks) if num_host_blocks else None)
         self.runner = ModelRunner(
             self.model, self.kv_cache, self.lora, ops, config.scheduler.max_num_seqs,
-            config.scheduler.max_num_batched_tokens, max_blocks_per_seq=-(-self.max_model_len // block_size),
+            config.scheduler.max_num_batched_tokens, self.max_model_len,
             use_cuda_graphs=use_graphs, num_host_blocks=num_host_blocks,
             flora_graphs=config.lora.flora_graphs, relay=RelayRule(config.relay_attention))
         self.graphs: CaptureReport | None = self.runner.graphs.capture_all() if use_graphs else None
@@ -178,7 +178,7 @@ class LLMEngine:
             self.model, torch.zeros((1, *self._kv_block_shape()), dtype=self.dtype, device=self.device),
             LoraSlotBuffers(model, 1, config.lora.max_lora_rank, self.dtype, self.device), ops,
             config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
-            max_blocks_per_seq=-(-self.max_model_len // config.cache.block_size))
+            self.max_model_len)
         # The logits of a slice of scored prompt positions (prompt logprobs) come on top.
         activations = scratch.measure_peak_bytes(1, config.scheduler.max_num_batched_tokens) + SLICE_BYTES
         scratch.measure_peak_bytes(3, 17)  # compiles the kernels for uneven prompts too

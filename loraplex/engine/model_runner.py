@@ -67,7 +67,7 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, kv_cache: torch.Tensor, lora: LoraSlotBuffers, ops: Ops,
-        max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
+        max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
         use_cuda_graphs: bool = False, num_host_blocks: int = 0, flora_graphs: bool = False,
         relay: RelayRule | None = None,
     ) -> None:
@@ -77,11 +77,11 @@ class ModelRunner:
         self.model, self.kv_cache, self.lora, self.ops = model, kv_cache, lora, ops
         self.swapper = KvSwapper(kv_cache, num_host_blocks) if num_host_blocks else None
         self.device = kv_cache.device
-        self.batch = InputBatch(max_num_seqs, max_blocks_per_seq)
         self.inputs = StepInputs(max(max_num_batched_tokens, max_num_seqs), max_num_seqs,
-                                 max_blocks_per_seq, kv_cache.shape[3], self.device,
+                                 max_model_len, kv_cache.shape[3], self.device,
                                  SlotFamilies(lora.slot_flora_rank, lora.slot_input_scaled,
                                               lora.slot_needs_expand), relay)
+        self.batch = InputBatch(max_num_seqs, self.inputs.max_blocks_per_seq)
         # [max_num_seqs + 1]: the last token sampled for each row; the spare row takes padding's.
         self.row_tokens = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=self.device)
         self.on_logits: Callable[[list[str], torch.Tensor], None] | None = None
@@ -228,15 +228,17 @@ class ModelRunner:
         integer arguments on whether they divide by 16, and the LoRA shrink splits its input
         dim by how many token tiles there are. So: steps of 16, 32, ... up to
         `max_num_batched_tokens` tokens and one token fewer, with adapters, in one sequence,
-        many and uneven ones; and without adapters, greedy and sampling. Returns the steps
-        run."""
+        many and uneven ones (as many sequences as it takes where one would be longer than a
+        sequence can be); and without adapters, greedy and sampling. Returns the steps run."""
         sizes = [1 << i for i in range(4, max_num_batched_tokens.bit_length())
                  if 1 << i < max_num_batched_tokens] + [max_num_batched_tokens]
         shapes = [(num_seqs, size // num_seqs) for size, num_seqs in zip(sizes, itertools.cycle((1, 16, 3)))]
         shapes += [(1, size - 1) for size in sizes if size > 16]
-        shapes = [(n, t) for n, t in shapes if t >= 2 and n <= self.inputs.max_seqs]
+        shapes = [self.inputs.dummy_shape(n, t) for n, t in shapes if n <= self.inputs.max_seqs]
+        shapes = [(n, t) for n, t in dict.fromkeys(shapes) if t >= 2]
         variants = [(shape, True, False) for shape in shapes]
-        variants += [(shape, has_lora, is_greedy) for shape in ((3, 17), (1, max_num_batched_tokens))
+        variants += [(shape, has_lora, is_greedy)
+                     for shape in map(self.inputs.dummy_shape, (3, 1), (17, max_num_batched_tokens))
                      for has_lora in (False, True) for is_greedy in (False, True)]
         with torch.inference_mode():
             for (num_seqs, tokens_per_seq), has_lora, is_greedy in variants:
@@ -255,6 +257,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
+        num_seqs, tokens_per_seq = self.inputs.dummy_shape(num_seqs, tokens_per_seq)
         shape = self.inputs.fill_dummy(num_seqs, tokens_per_seq, adapter_slot=1, is_greedy=False,
                                        has_lora=True, flora_rows=flora_rows)
         self.inputs.upload()

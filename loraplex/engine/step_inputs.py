@@ -148,13 +148,16 @@ class SlotFamilies:
 
 
 class StepInputs:
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
+    def __init__(self, max_tokens: int, max_seqs: int, max_seq_tokens: int, block_size: int,
                  device: torch.device, families: SlotFamilies | None = None,
                  relay: RelayRule | None = None) -> None:
         """Room for `max_tokens` tokens and `max_seqs` sequences; the spare row of row_tokens
         (padding's destination) is `max_seqs`. `relay`: when decode steps form relay groups
         (None: never)."""
         self.max_tokens, self.max_seqs, self.block_size = max_tokens, max_seqs, block_size
+        self.max_seq_tokens = max_seq_tokens
+        """The most tokens one sequence holds (the context: the rotary tables' length)."""
+        self.max_blocks_per_seq = max_blocks_per_seq = -(-max_seq_tokens // block_size)
         self.device, self.families = device, families
         self.relay = relay if relay is not None else NO_RELAY
         self.num_relay_steps = self.num_relay_groups = self.num_relay_members = 0
@@ -321,6 +324,16 @@ class StepInputs:
             self._copied[self._turn] = torch.cuda.Event()
             self._copied[self._turn].record()
 
+    def dummy_shape(self, num_seqs: int, tokens_per_seq: int) -> tuple[int, int]:
+        """(sequences, tokens each) of a dummy step of about `num_seqs` x `tokens_per_seq` tokens
+        that fits: at most `max_seqs` sequences, none longer than the context (attention would read
+        past its block-table row and the rotary tables; on a GPU, past the tensors: an illegal
+        memory access; no real step holds such a sequence). A shape that fits is returned as it
+        is; another keeps its total where the sequences allow."""
+        num_tokens = num_seqs * tokens_per_seq
+        num_seqs = min(self.max_seqs, max(num_seqs, -(-num_tokens // self.max_seq_tokens)))
+        return num_seqs, min(num_tokens // num_seqs, self.max_seq_tokens)
+
     def fill_dummy(self, num_seqs: int, tokens_per_seq: int, adapter_slot: int, is_greedy: bool,
                    has_lora: bool, has_input_scale: bool = False, has_expand: bool = True,
                    flora_rows: int = 0, has_relay: bool = False) -> StepShape:
@@ -329,6 +342,10 @@ class StepInputs:
         step's memory (several tokens each: attention reads block 0 over and over). Every
         sequence samples. `flora_rows` (a decode step's, at most FLORA_ROW_BUCKETS[-1]): that many
         padding FLoRA rows."""
+        if tokens_per_seq > self.max_seq_tokens or num_seqs > self.max_seqs:
+            raise ValueError(f"a dummy step of {num_seqs} sequences of {tokens_per_seq} tokens does not "
+                             f"fit {self.max_seqs} sequences of {self.max_seq_tokens} tokens "
+                             "(see dummy_shape)")
         host = self._next_host_set()
         num_tokens = num_seqs * tokens_per_seq
         ends = np.arange(1, num_seqs + 1) * tokens_per_seq

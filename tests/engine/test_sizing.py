@@ -54,3 +54,25 @@ def test_options_override_the_sizing():
 def test_too_little_memory_is_refused_with_the_options_to_change():
     with pytest.raises(ModelLoadError, match="raise gpu_memory_utilization"):
         _plan(GIB, max_loras=8, max_lora_rank=64)
+
+
+def test_warm_up_steps_never_hold_a_sequence_longer_than_the_context(tiny_llama):
+    """A step budget far above max_model_len with few sequences: the warm-up's dummy steps spread
+    their tokens over sequences no longer than the context (one 16,384-token dummy sequence with a
+    320-token context and 16 sequences read past the block table and the rotary tables on the
+    H100: an illegal memory access at start-up)."""
+    from loraplex import LLM
+
+    model_dir, adapters = tiny_llama
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_model_len=40, max_num_seqs=2,
+              max_num_batched_tokens=512)
+    inputs = llm.engine.runner.inputs
+    assert inputs.max_seq_tokens == 40
+    shapes = []
+    fill_dummy = inputs.fill_dummy
+    inputs.fill_dummy = lambda n, t, **kw: shapes.append((n, t)) or fill_dummy(n, t, **kw)
+    assert llm.engine.runner.warm_up(512) == len(shapes) > 0
+    assert all(n <= 2 and t <= 40 for n, t in shapes), shapes
+    assert (2, 40) in shapes  # the budget's largest step: as many tokens as two sequences hold
+    with pytest.raises(ValueError, match="does not fit"):
+        fill_dummy(1, 41, adapter_slot=0, is_greedy=True, has_lora=False)
