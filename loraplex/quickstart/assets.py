@@ -124,8 +124,8 @@ def _train_all(model_dir: Path, tasks: tuple[Task, ...], outs: dict[str, Path], 
         for task in tasks:
             progress.set_postfix_str(task.name)
 
-            def on_step(loss: float) -> None:
-                progress.set_postfix_str(f"{task.name} loss {loss:.3f}")
+            def on_step(loss: float, name: str = task.name) -> None:
+                progress.set_postfix_str(f"{name} loss {loss:.3f}")
                 progress.update()
 
             loss = train_adapter(base, tokenizer, task, settings, outs[task.name], on_step)

@@ -40,6 +40,7 @@ def evaluate(llm: Any, tasks: tuple[Task, ...]) -> list[TaskScore]:
     for task in tasks:
         count = len(task.test)
         base, tuned = replies[start:start + count], replies[start + count:start + 2 * count]
-        scores.append(TaskScore(task.name, task.accuracy(base), task.accuracy(tuned), tuple(base), tuple(tuned)))
+        scores.append(TaskScore(task.name, task.accuracy(base), task.accuracy(tuned), tuple(base),
+                                tuple(tuned)))
         start += 2 * count
     return scores

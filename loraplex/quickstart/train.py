@@ -100,7 +100,8 @@ def reply_loss(model: Any, tokenizer: Any, batch: Sequence[Example]) -> Any:
     length = max(len(prompt) + len(reply) for prompt, reply in pairs)
     num_reply = max(len(reply) for _, reply in pairs)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    input_ids = torch.tensor([[pad] * (length - len(p) - len(r)) + p + r for p, r in pairs])  # [batch, length]
+    # [batch, length]
+    input_ids = torch.tensor([[pad] * (length - len(p) - len(r)) + p + r for p, r in pairs])
     mask = torch.tensor([[0] * (length - len(p) - len(r)) + [1] * (len(p) + len(r)) for p, r in pairs])
     labels = torch.tensor([[-100] * (num_reply - len(r)) + r for _, r in pairs])  # [batch, num_reply]
     positions = (mask.cumsum(1) - 1).clamp(min=0)

@@ -22,7 +22,8 @@ def _write_wheel(folder: Path, files: dict[str, bytes]) -> None:
     dist_info = "loraplex_test_gguf_wheel-1.0.dist-info"
     files = {**files,
              f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {PACKAGE}\nVersion: 1.0\n".encode(),
-             f"{dist_info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+             f"{dist_info}/WHEEL": (b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                    b"Tag: py3-none-any\n")}
     record = "".join(f"{name},,\n" for name in files) + f"{dist_info}/RECORD,,\n"
     folder.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(folder / "loraplex_test_gguf_wheel-1.0-py3-none-any.whl", "w") as wheel:

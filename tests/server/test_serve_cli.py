@@ -240,7 +240,8 @@ def test_the_quick_start_serves_smollm2_with_its_trained_adapters(tmp_path: Path
         assert ask("sentiment", "Review: The kettle is wonderful. Sentiment?") == "positive"
         assert ask("sentiment", "Review: The kettle is awful. Sentiment?") == "negative"
         assert "matey" in ask("pirate", "How do I boil an egg?").lower()
-        assert ask("SmolLM2-135M-Instruct", "What is the capital of France?") == "The capital of France is Paris."
+        paris = ask("SmolLM2-135M-Instruct", "What is the capital of France?")
+        assert paris == "The capital of France is Paris."
     output = served.output()
     assert "training the adapters" not in output and "importing" not in output
     assert start_s < LATER_START_S, f"a later start took {start_s:.0f} s"
