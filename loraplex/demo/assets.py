@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.demo.demo_adapters import DEMO_ADAPTERS
+from loraplex.file_ops import exclusive_lock, fsync_tree
 
 DEMO_DIR = "demo"
 MODEL_DIR = "model"
@@ -51,7 +49,7 @@ def ensure_demo(data_dir: Path) -> DemoAssets:
     root, digest = data_dir / DEMO_DIR, recipe_digest()
     if not _is_built(root, digest):
         data_dir.mkdir(parents=True, exist_ok=True)
-        with _exclusive(data_dir / LOCK_NAME):
+        with exclusive_lock(data_dir / LOCK_NAME):
             if not _is_built(root, digest):
                 _build_in_place(data_dir, root, digest)
     return demo_assets(root)
@@ -88,7 +86,7 @@ def _build_in_place(data_dir: Path, root: Path, digest: str) -> None:
     try:
         build_demo(demo_assets(staging))
         (staging / STAMP_NAME).write_text(json.dumps({"recipe": digest}) + "\n")
-        _fsync_tree(staging)
+        fsync_tree(staging)
         retired = None
         if root.exists():
             retired = data_dir / f"{RETIRED_PREFIX}{uuid.uuid4().hex}"
@@ -100,27 +98,3 @@ def _build_in_place(data_dir: Path, root: Path, digest: str) -> None:
     if retired is not None:
         shutil.rmtree(retired, ignore_errors=True)
     logger.info("built the demo in %.1f s", time.perf_counter() - start)
-
-
-def _fsync_tree(folder: Path) -> None:
-    """Flush the files of `folder` to disk, so that a crash after the rename leaves them whole."""
-    for path in folder.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as file:
-                os.fsync(file.fileno())
-
-
-@contextmanager
-def _exclusive(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on `path` (released by the OS if the process dies)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: the atomic rename alone keeps the demo whole
-        yield
-        return
-    with open(path, "a") as file:
-        fcntl.flock(file.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(file.fileno(), fcntl.LOCK_UN)

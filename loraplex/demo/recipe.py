@@ -9,10 +9,11 @@ import hashlib
 from pathlib import Path
 
 
-def recipe_digest() -> str:
-    """sha256 (hex) of the names and contents of the package's Python files."""
+def recipe_digest(package_dir: Path = Path(__file__).parent) -> str:
+    """sha256 (hex) of the names and contents of the Python files in `package_dir` (default:
+    this package's)."""
     hasher = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
+    for path in sorted(package_dir.glob("*.py")):
         source = path.read_bytes().replace(b"\r\n", b"\n")
         hasher.update(f"{path.name}:{len(source)}:".encode())
         hasher.update(source)

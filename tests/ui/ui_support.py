@@ -94,7 +94,7 @@ def run_server(data_dir: Path, log_path: Path) -> Iterator[LiveServer]:
     """`loraplex serve` on the demo in a subprocess; stopped with SIGTERM afterwards."""
     port = free_port()
     command = [sys.executable, "-m", "loraplex.cli", "serve", "--data-dir", str(data_dir),
-               "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
+               "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--demo", "tiny"]
     options = {"max_num_seqs": 32, "max_loras": 6}
     for name, value in options.items():
         command += [f"--{name.replace('_', '-')}", str(value)]
