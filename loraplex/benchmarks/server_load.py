@@ -1,8 +1,8 @@
-"""Load test: many concurrent streaming clients against `loraplex serve` on the built-in demo.
+"""Load test: many concurrent streaming clients against `loraplex serve` on the tiny demo.
 
     loraplex bench load [--clients 200] [--limited-clients 40] [--requests 3] [--max-tokens 32]
 
-Starts `loraplex serve` (CPU, the demo; built once into --data-dir) unless --url is given, then
+Starts `loraplex serve --demo tiny` (CPU; built once into --data-dir) unless --url is given, then
 runs, all at once: `--clients` streaming chat clients of tenant `demo` (no limits) spread over
 the base model and the three demo adapters, and `--limited-clients` more of a tenant limited to
 --limit concurrent requests, which must see 429s past its limit and nothing else. Each client
@@ -183,8 +183,9 @@ def serve_demo(data_dir: Path, log_path: Path) -> Iterator[str]:
     env = os.environ | {"LORAPLEX_DATA_DIR": str(data_dir)}
     env.pop("LORAPLEX_DATABASE_URL", None)
     with open(log_path, "wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "serve", "--device", "cpu",
-                                    "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        command = [sys.executable, "-m", "loraplex.cli", "serve", "--demo", "tiny", "--device", "cpu",
+                   "--port", str(port)]
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600  # the first start builds the demo
