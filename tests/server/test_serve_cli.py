@@ -216,12 +216,9 @@ def test_the_quick_start_serves_smollm2_with_its_trained_adapters(tmp_path: Path
     """`loraplex serve` with no model, on a data dir that already holds the quick start (a later
     start: nothing is imported or trained): SmolLM2-135M-Instruct and its three adapters, each
     answering as trained, through the official client."""
-    from tests.quickstart.conftest import QUICKSTART_CACHE, cached_quickstart
+    from tests.quickstart.conftest import copy_quickstart
 
-    cached_quickstart()
-    data_dir = tmp_path / "data"
-    for folder in ("models", "quickstart"):
-        shutil.copytree(QUICKSTART_CACHE / folder, data_dir / folder)
+    data_dir = copy_quickstart(tmp_path / "data")
     started = time.monotonic()
     with loraplex_serve(data_dir) as served:
         start_s = time.monotonic() - started
