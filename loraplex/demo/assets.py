@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
-import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.demo.demo_adapters import DEMO_ADAPTERS
-from loraplex.file_ops import exclusive_lock, fsync_tree
+from loraplex.file_ops import build_in_place, exclusive_lock
 
 DEMO_DIR = "demo"
 MODEL_DIR = "model"
@@ -51,7 +48,7 @@ def ensure_demo(data_dir: Path) -> DemoAssets:
         data_dir.mkdir(parents=True, exist_ok=True)
         with exclusive_lock(data_dir / LOCK_NAME):
             if not _is_built(root, digest):
-                _build_in_place(data_dir, root, digest)
+                _build_in_place(root, digest)
     return demo_assets(root)
 
 
@@ -74,27 +71,15 @@ def _is_built(root: Path, digest: str) -> bool:
     return is_current and all(path.is_file() for path in required)
 
 
-def _build_in_place(data_dir: Path, root: Path, digest: str) -> None:
+def _build_in_place(root: Path, digest: str) -> None:
     """Build into a temporary folder, then swap it in for `root`. The caller holds the lock."""
     from loraplex.demo.build import build_demo
 
-    for leftover in [*data_dir.glob(BUILDING_PREFIX + "*"), *data_dir.glob(RETIRED_PREFIX + "*")]:
-        shutil.rmtree(leftover, ignore_errors=True)
-    logger.info("building the demo model and adapters into %s (first start only)", root)
-    start = time.perf_counter()
-    staging = Path(tempfile.mkdtemp(prefix=BUILDING_PREFIX, dir=data_dir))
-    try:
+    def build(staging: Path) -> None:
         build_demo(demo_assets(staging))
         (staging / STAMP_NAME).write_text(json.dumps({"recipe": digest}) + "\n")
-        fsync_tree(staging)
-        retired = None
-        if root.exists():
-            retired = data_dir / f"{RETIRED_PREFIX}{uuid.uuid4().hex}"
-            root.rename(retired)
-        staging.rename(root)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if retired is not None:
-        shutil.rmtree(retired, ignore_errors=True)
+
+    logger.info("building the demo model and adapters into %s (first start only)", root)
+    start = time.perf_counter()
+    build_in_place(root, build, BUILDING_PREFIX, RETIRED_PREFIX)
     logger.info("built the demo in %.1f s", time.perf_counter() - start)

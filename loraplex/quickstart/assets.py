@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
-import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex.file_ops import exclusive_lock, fsync_tree
+from loraplex.file_ops import build_in_place, exclusive_lock
 from loraplex.quickstart.source import GGUFSource, find_gguf
 from loraplex.quickstart.tasks import Task, make_tasks
 from loraplex.quickstart.train import TRAIN, TrainSettings
@@ -65,7 +62,7 @@ def ensure_quickstart(data_dir: Path, *, source: GGUFSource = SMOLLM2, show_prog
                  "model": json.loads((model_dir / "gguf-source.json").read_text()),
                  "settings": repr(settings)}
         if not _is_built(root, stamp, tasks):
-            _train_in_place(data_dir, root, stamp, model_dir, tasks, settings, show_progress)
+            _train_in_place(root, stamp, model_dir, tasks, settings, show_progress)
     return QuickstartAssets(model_dir, MODEL_ID, _adapter_dirs(root, tasks))
 
 
@@ -82,30 +79,18 @@ def _is_built(root: Path, stamp: dict, tasks: tuple[Task, ...]) -> bool:
                               for name in ("adapter_config.json", "adapter_model.safetensors"))
 
 
-def _train_in_place(data_dir: Path, root: Path, stamp: dict, model_dir: Path, tasks: tuple[Task, ...],
+def _train_in_place(root: Path, stamp: dict, model_dir: Path, tasks: tuple[Task, ...],
                     settings: TrainSettings, show_progress: bool) -> None:
     """Train into a temporary folder, then swap it in for `root`. The caller holds the lock."""
-    for leftover in [*data_dir.glob(BUILDING_PREFIX + "*"), *data_dir.glob(RETIRED_PREFIX + "*")]:
-        shutil.rmtree(leftover, ignore_errors=True)
+
+    def build(staging: Path) -> None:
+        _train_all(model_dir, tasks, _adapter_dirs(staging, tasks), settings, show_progress)
+        (staging / STAMP_NAME).write_text(json.dumps(stamp) + "\n")
+
     logger.info("training the adapters %s on %s into %s (first start only)",
                 ", ".join(task.name for task in tasks), MODEL_ID, root)
     start = time.perf_counter()
-    staging = Path(tempfile.mkdtemp(prefix=BUILDING_PREFIX, dir=data_dir))
-    try:
-        _train_all(model_dir, tasks, _adapter_dirs(staging, tasks), settings, show_progress)
-        (staging / STAMP_NAME).write_text(json.dumps(stamp) + "\n")
-        fsync_tree(staging)
-        staging.chmod(0o755)  # mkdtemp made it private
-        retired = None
-        if root.exists():
-            retired = data_dir / f"{RETIRED_PREFIX}{uuid.uuid4().hex}"
-            root.rename(retired)
-        staging.rename(root)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if retired is not None:
-        shutil.rmtree(retired, ignore_errors=True)
+    build_in_place(root, build, BUILDING_PREFIX, RETIRED_PREFIX)
     logger.info("trained the adapters in %.1f s", time.perf_counter() - start)
 
 
