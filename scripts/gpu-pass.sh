@@ -3,7 +3,7 @@
 # repository root with the stages named on the command line, in order:
 #   install   the offline install (pip install --no-deps --no-build-isolation --no-index -e .),
 #             then loraplex.kernels imported from another folder
-#   tests     every GPU test (pytest -m gpu)
+#   tests     every GPU test (pytest -m gpu; with ./wheels carried, the server's packages first)
 #   decode    loraplex bench decode: start-up, first batches, cold adapters, throughput
 #   logprobs  loraplex bench prompt-logprobs: scoring prompts against plain prefill
 #   kernels   loraplex bench kernels for attention (decode and prefill)
@@ -29,6 +29,12 @@ for stage in "$@"; do
             } 2>&1 | tee "$OUT/install.log"
             ;;
         tests)
+            # tests/engine imports the CLI, which needs the server's packages: carry ./wheels
+            if [ -d wheels ]; then
+                python3 -m pip install -q --no-index --find-links wheels fastapi fastapi-offline \
+                    'uvicorn[standard]' python-multipart sqlalchemy alembic prometheus-client httpx tqdm \
+                    > /dev/null 2>&1
+            fi
             python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/engine 2>&1 \
                 | tee "$OUT/gpu-tests.log" | tail -30
             ;;
