@@ -53,21 +53,37 @@ def test_the_servers_cpu_per_token_is_split_by_thread(monkeypatch: pytest.Monkey
         while time.thread_time() < end:
             pass
 
+    burned, release = threading.Event(), threading.Event()
+
+    def engine_work() -> None:
+        burn(0.3)
+        burned.set()
+        release.wait()  # alive (its clock readable) until the last scrape
+
     before = serve_bench.scrape_counters("http://server")
-    engine = threading.Thread(target=burn, args=(0.3,), name=ENGINE_THREAD_NAME)
+    engine = threading.Thread(target=engine_work, name=ENGINE_THREAD_NAME)
     engine.start()
-    engine.join(0.05)  # still running when scraped below
-    burn(0.1)
-    after = serve_bench.scrape_counters("http://server")
-    engine.join()
-    after["generation_tokens"] = before["generation_tokens"] + 1000
+    try:
+        engine.join(0.05)  # still running when scraped below
+        burn(0.1)
+        after = serve_bench.scrape_counters("http://server")
+        assert burned.wait(30)
+        # The process's figure against the threads' once the engine thread is idle (while it
+        # runs, the collectors read the two a moment apart).
+        settled = serve_bench.scrape_counters("http://server")
+    finally:
+        release.set()
+        engine.join()
+    for scrape in (after, settled):
+        scrape["generation_tokens"] = before["generation_tokens"] + 1000
     counters = serve_bench.engine_counters(before, after)
     assert 0.1 <= counters["event_loop_cpu_s"] < 0.25
     assert 0.05 < counters["engine_thread_cpu_s"] <= 0.3
     assert counters["event_loop_cpu_ms_per_token"] == pytest.approx(counters["event_loop_cpu_s"], abs=1e-3)
-    threads = counters["event_loop_cpu_s"] + counters["engine_thread_cpu_s"]
-    assert counters["server_cpu_s"] >= threads - 0.03  # the process's figure counts 10 ms ticks
-
+    settled = serve_bench.engine_counters(before, settled)
+    assert settled["engine_thread_cpu_s"] == pytest.approx(0.3, abs=0.02)
+    threads = settled["event_loop_cpu_s"] + settled["engine_thread_cpu_s"]
+    assert settled["server_cpu_s"] >= threads - 0.03  # the process's figure counts 10 ms ticks
 
 def test_fairness_preemptions_are_counted_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     import io
