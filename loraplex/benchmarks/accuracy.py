@@ -1,23 +1,29 @@
 """`loraplex bench accuracy`: the mixed-adapter engine in bf16 (Triton kernels, CUDA graphs)
-against its float32 reference path (torch reference ops, no graphs) on the same random
-Llama-3-8B-shaped model and adapters.
+against its float32 reference path (torch reference ops, no graphs) on the same model and
+adapters: a random Llama-3-8B-shaped model with random adapters, or (`--model`, `--adapter`) a
+real model with trained PEFT adapters, prompted with the quick start's task prompts in its chat
+template.
 
 The bf16 engine generates greedily; the float32 engine is then fed the same tokens (teacher
 forcing), so every position is compared in the same context: the share of positions whose
-float32 argmax is the token bf16 chose, and the relative distance of the logits."""
+float32 argmax is the token bf16 chose, the relative distance of the logits, and the error of
+the chosen token's log-probability. transformers + PEFT in bf16 on the same weights, adapters
+and tokens is the baseline for what bf16 alone costs."""
 
 from __future__ import annotations
 
 import gc
+import json
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from loraplex.benchmarks import synthetic
-from loraplex.benchmarks.decode import _device_name
+from loraplex.benchmarks.decode import _device_name, load_or_random_model
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.lora_weights import HostAdapter
 from loraplex.engine_config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
@@ -29,8 +35,9 @@ from loraplex.types import SamplingParams
 @dataclass(frozen=True)
 class AccuracyConfig:
     num_requests: int = 64
-    """Each with its own adapter."""
+    """Each with its own adapter (random model), or the adapters and none in turn (`model_path`)."""
     prompt_len: int = 256
+    """Of the random model's prompts (a real model's are the task prompts as they are)."""
     new_tokens: int = 64
     rank: int = 16
     init: str = "scaled"
@@ -39,40 +46,117 @@ class AccuracyConfig:
     device: str = "cuda"
     model: dict[str, Any] = field(default_factory=dict)
     """config.json overrides of the Llama-3-8B shape."""
+    model_path: str = ""
+    """A real model's folder (as `loraplex model import` writes it) instead of a random model."""
+    adapters: dict[str, str] = field(default_factory=dict)
+    """With `model_path`: PEFT adapter folders by name. Request i uses none, then each adapter
+    in turn; an adapter named after a quick-start task gets that task's prompts."""
     seed: int = 0
+
+
+@dataclass
+class _Case:
+    """What both engines and transformers run: the bf16 model, the adapters by name (host
+    tensors, or PEFT folders that each engine reads in its own dtype), each request's adapter
+    (None: the base model) and prompt."""
+
+    model: LlamaForCausalLM
+    adapters: dict[str, HostAdapter | Path]
+    assignment: list[str | None]
+    prompts: list[list[int]]
+    max_len: int
+    max_rank: int
 
 
 def run(config: AccuracyConfig) -> dict[str, Any]:
     device = torch.device(config.device)
-    model_config = synthetic.model_config(config.model)
-    max_len = config.prompt_len + config.new_tokens + 16
+    torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference computes in float32
     started = time.perf_counter()
-    model = synthetic.random_model(model_config, select_ops(device), torch.bfloat16, device, max_len,
-                                   config.seed, scaled_residual=config.init == "scaled")
-    adapters = [synthetic.random_adapter(model_config, config.rank, torch.bfloat16, device, str(i),
-                                         seed=1000 + i, pin=False) for i in range(config.num_requests)]
-    generator = torch.Generator().manual_seed(config.seed)
-    prompts = torch.randint(1000, model_config.vocab_size - 1000, (config.num_requests, config.prompt_len),
-                            generator=generator).tolist()
+    case = _real_case(config, device) if config.model_path else _random_case(config, device)
     _progress("model and adapters built", started)
-    tokens, bf16_logits = _generate(config, model, adapters, prompts, "bfloat16", forced=None)
+    tokens, bf16_logits = _generate(config, case, case.adapters, "bfloat16", forced=None)
     bf16_s = time.perf_counter() - started
     _progress("bf16 engine done", started)
-    hf_logits = _hf_peft_logits(model, adapters, prompts, tokens)
+    hf_logits = _hf_peft_logits(case.model, case, tokens)
     _progress("transformers + PEFT bf16 done", started)
-    reference = _float32_copy(model, device, max_len)
-    del model
+    reference = _float32_copy(case.model, device, case.max_len)
+    case.model = reference
     gc.collect()
     torch.cuda.empty_cache() if device.type == "cuda" else None
-    fp32_adapters = [_float32_adapter(a) for a in adapters]
-    _, fp32_logits = _generate(config, reference, fp32_adapters, prompts, "float32", forced=tokens)
+    fp32_adapters = {name: _float32_adapter(a) if isinstance(a, HostAdapter) else a
+                     for name, a in case.adapters.items()}
+    _, fp32_logits = _generate(config, case, fp32_adapters, "float32", forced=tokens)
     _progress("float32 reference done", started)
-    return {
+    result = {
         "check": "accuracy", "config": asdict(config), "device": _device_name(device),
         "torch": torch.__version__, "seconds": round(time.perf_counter() - started, 1),
         "bf16_run_seconds": round(bf16_s, 1), **compare(bf16_logits, fp32_logits),
         "transformers_peft_bf16": compare(hf_logits, fp32_logits),
     }
+    if config.model_path:
+        hf_fp32_logits = _hf_peft_logits(reference, case, tokens)
+        _progress("transformers + PEFT float32 done", started)
+        result["transformers_peft_float32"] = compare(hf_fp32_logits, fp32_logits)
+        result["by_adapter"] = {
+            name or "base": {
+                "loraplex_bf16": compare(*_rows(case, name, bf16_logits, fp32_logits)),
+                "transformers_peft_bf16": compare(*_rows(case, name, hf_logits, fp32_logits)),
+            } for name in dict.fromkeys(case.assignment)}
+        result["sample_replies"] = _sample_replies(config.model_path, case, tokens)
+    return result
+
+
+def _random_case(config: AccuracyConfig, device: torch.device) -> _Case:
+    max_len = config.prompt_len + config.new_tokens + 16
+    model_config, model = load_or_random_model("", config.model, select_ops(device), torch.bfloat16, device,
+                                               max_len, config.seed, scaled_residual=config.init == "scaled")
+    names = [f"adapter-{i}" for i in range(config.num_requests)]
+    adapters: dict[str, HostAdapter | Path] = {
+        name: synthetic.random_adapter(model_config, config.rank, torch.bfloat16, device, str(i),
+                                       seed=1000 + i, pin=False) for i, name in enumerate(names)}
+    generator = torch.Generator().manual_seed(config.seed)
+    prompts = torch.randint(1000, model_config.vocab_size - 1000, (config.num_requests, config.prompt_len),
+                            generator=generator).tolist()
+    return _Case(model, adapters, list(names), prompts, max_len, config.rank)
+
+
+def _real_case(config: AccuracyConfig, device: torch.device) -> _Case:
+    from transformers import AutoTokenizer
+
+    from loraplex.quickstart.tasks import make_tasks
+    from loraplex.quickstart.train import chat_prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+    tasks = {task.name: task.test + task.train for task in make_tasks()}
+    every_task = [ex for examples in zip(*tasks.values()) for ex in examples]
+    turns: list[str | None] = [None, *config.adapters]
+    assignment, prompts = [], []
+    for i in range(config.num_requests):
+        name = turns[i % len(turns)]
+        examples = tasks.get(name or "", every_task)
+        assignment.append(name)
+        prompts.append(chat_prompt_ids(tokenizer, examples[(i // len(turns)) % len(examples)].prompt))
+    max_len = max(map(len, prompts)) + config.new_tokens + 16
+    _, model = load_or_random_model(config.model_path, {}, select_ops(device), torch.bfloat16, device, max_len,
+                                    config.seed)
+    adapters: dict[str, HostAdapter | Path] = {name: Path(folder) for name, folder in config.adapters.items()}
+    ranks = [json.loads((folder / "adapter_config.json").read_text())["r"] for folder in adapters.values()]
+    return _Case(model, adapters, assignment, prompts, max_len, max(ranks, default=config.rank))
+
+
+def _rows(case: _Case, name: str | None, ours: list[torch.Tensor], reference: list[torch.Tensor]
+          ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    picked = [i for i, a in enumerate(case.assignment) if a == name]
+    return [ours[i] for i in picked], [reference[i] for i in picked]
+
+
+def _sample_replies(model_path: str, case: _Case, tokens: list[list[int]], count: int = 8) -> list[dict]:
+    """The first requests' prompts and bf16 replies, as text (to see that they are answers)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return [{"adapter": case.assignment[i], "prompt": tokenizer.decode(case.prompts[i]),
+             "reply": tokenizer.decode(tokens[i])} for i in range(min(count, len(tokens)))]
 
 
 def _progress(what: str, started: float) -> None:
@@ -82,68 +166,98 @@ def _progress(what: str, started: float) -> None:
 def compare(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> dict[str, Any]:
     """Greedy agreement (the two argmaxes agree) and relative logit error over every (request,
     position), logits [positions, vocab] per request."""
-    agree, errors = [], []
+    agree, errors, logprob_errors = [], [], []
     for a, b in zip(ours, reference):
-        agree.extend((a.argmax(dim=-1) == b.argmax(dim=-1)).tolist())
+        chosen = a.argmax(dim=-1, keepdim=True)
+        agree.extend((chosen[:, 0] == b.argmax(dim=-1)).tolist())
         errors.extend(((a - b).norm(dim=-1) / b.norm(dim=-1)).tolist())
-    errors_np = np.asarray(errors)
+        logprob_a = torch.log_softmax(a.float(), dim=-1).gather(-1, chosen)
+        logprob_b = torch.log_softmax(b.float(), dim=-1).gather(-1, chosen)
+        logprob_errors.extend((logprob_a - logprob_b).abs()[:, 0].tolist())
+    errors_np, logprob_np = np.asarray(errors), np.asarray(logprob_errors)
     return {
         "positions": len(agree), "identical_greedy_fraction": round(float(np.mean(agree)), 5),
         "logits_rel_error_max": float(errors_np.max()),
         "logits_rel_error_median": float(np.median(errors_np)),
         "logits_rel_error_p99": float(np.quantile(errors_np, 0.99)),
+        "chosen_logprob_abs_error_median": float(np.median(logprob_np)),
+        "chosen_logprob_abs_error_p99": float(np.quantile(logprob_np, 0.99)),
+        "chosen_logprob_abs_error_max": float(logprob_np.max()),
     }
 
 
-def _generate(config: AccuracyConfig, model: LlamaForCausalLM, adapters: list[HostAdapter],
-              prompts: list[list[int]], dtype: str, forced: list[list[int]] | None,
-              ) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy generation of every prompt with its own adapter; with `forced`, the tokens fed
-    back are those instead of the sampled ones. Returns (tokens, logits [new_tokens, vocab]
-    float32 on the CPU) per request."""
-    max_len = model.max_positions
+def _generate(config: AccuracyConfig, case: _Case, adapters: dict[str, HostAdapter | Path], dtype: str,
+              forced: list[list[int]] | None) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy generation of every prompt with its adapter; with `forced`, the tokens fed back
+    are those instead of the sampled ones. Returns (tokens, logits [new_tokens, vocab] float32
+    on the CPU) per request."""
+    max_len = case.model.max_positions
     engine = LLMEngine(EngineConfig(
-        model="synthetic-llama-3-8b", device=config.device, dtype=dtype, max_model_len=max_len,
+        model=config.model_path or "synthetic-llama-3-8b", device=config.device, dtype=dtype, max_model_len=max_len,
         kernels="auto" if dtype == "bfloat16" else "reference", enforce_eager=forced is not None,
-        cache=CacheConfig(num_kv_blocks=config.num_requests * -(-max_len // 16) + 1),
-        scheduler=SchedulerConfig(max_num_seqs=config.num_requests, max_num_batched_tokens=4096),
-        lora=LoRAConfig(max_lora_rank=config.rank, max_loras=config.num_requests),
-    ), model=model)
-    for i, host in enumerate(adapters):
-        engine.add_adapter(f"adapter-{i}", host)
+        cache=CacheConfig(num_kv_blocks=len(case.prompts) * -(-max_len // 16) + 1),
+        scheduler=SchedulerConfig(max_num_seqs=len(case.prompts), max_num_batched_tokens=4096),
+        lora=LoRAConfig(max_lora_rank=case.max_rank, max_loras=max(1, len(adapters))),
+    ), model=case.model)
+    for name, source in adapters.items():
+        engine.add_adapter(name, source)
     logits: dict[str, list[torch.Tensor]] = {}
     _record_logits(engine, logits)
     if forced is not None:
         _force_tokens(engine, {f"r{i}": t for i, t in enumerate(forced)})
     params = SamplingParams(max_tokens=config.new_tokens, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt_token_ids=prompt, params=params, adapter=f"adapter-{i}")
+    for i, (prompt, adapter) in enumerate(zip(case.prompts, case.assignment)):
+        engine.add_request(f"r{i}", prompt_token_ids=prompt, params=params, adapter=adapter)
     outputs = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
             outputs[output.request_id] = output.token_ids
-    ids = [f"r{i}" for i in range(len(prompts))]
+    engine.close()
+    ids = [f"r{i}" for i in range(len(case.prompts))]
     return [outputs[r] for r in ids], [torch.stack(logits[r]) for r in ids]
 
 
 @torch.no_grad()
-def _hf_peft_logits(model: LlamaForCausalLM, adapters: list[HostAdapter], prompts: list[list[int]],
-                    tokens: list[list[int]], chunk: int = 8) -> list[torch.Tensor]:
-    """transformers + PEFT in bf16 on the same weights, adapters and tokens: the logits of every
-    generated position (a baseline for what bf16 alone costs)."""
-    config = model.config
-    names = {f"adapter-{i}": a for i, a in enumerate(adapters)}
-    peft = synthetic.add_peft_adapters(synthetic.hf_model_sharing_weights(model), names, config)
+def _hf_peft_logits(model: LlamaForCausalLM, case: _Case, tokens: list[list[int]], chunk: int = 8
+                    ) -> list[torch.Tensor]:
+    """transformers + PEFT on `model`'s weights (shared, in its dtype), the same adapters and
+    tokens: the logits of every generated position. Requests with prompts of one length run
+    together, `chunk` at a time, each with its own adapter."""
+    peft = _peft_model(synthetic.hf_model_sharing_weights(model), case, model)
     device = model.embed_tokens.device
     new = len(tokens[0])
-    logits = []
-    for start in range(0, len(prompts), chunk):
-        rows = range(start, min(start + chunk, len(prompts)))
-        ids = torch.tensor([prompts[i] + tokens[i][:-1] for i in rows], device=device)
-        out = peft(input_ids=ids, adapter_names=[f"adapter-{i}" for i in rows], logits_to_keep=new)
-        logits.extend(out.logits.float().cpu())
+    logits: list[torch.Tensor | None] = [None] * len(case.prompts)
+    by_length: dict[int, list[int]] = {}
+    for i, prompt in enumerate(case.prompts):
+        by_length.setdefault(len(prompt), []).append(i)
+    for rows in by_length.values():
+        for start in range(0, len(rows), chunk):
+            part = rows[start:start + chunk]
+            ids = torch.tensor([case.prompts[i] + tokens[i][:-1] for i in part], device=device)
+            kwargs = {"adapter_names": [case.assignment[i] or "__base__" for i in part]} if case.adapters else {}
+            out = peft(input_ids=ids, logits_to_keep=new, **kwargs)
+            for i, row in zip(part, out.logits.float().cpu()):
+                logits[i] = row
     del peft
-    return logits
+    return logits  # type: ignore[return-value]
+
+
+def _peft_model(hf_model: Any, case: _Case, model: LlamaForCausalLM) -> Any:
+    """PEFT around `hf_model` with the case's adapters: the host tensors copied in, or the PEFT
+    folders read (cast to the model's dtype)."""
+    from peft import PeftModel
+
+    hosts = {n: a for n, a in case.adapters.items() if isinstance(a, HostAdapter)}
+    if hosts:
+        return synthetic.add_peft_adapters(hf_model, hosts, model.config)
+    peft = None
+    for name, folder in case.adapters.items():
+        if peft is None:
+            peft = PeftModel.from_pretrained(hf_model, folder, adapter_name=name)
+        else:
+            peft.load_adapter(folder, adapter_name=name)
+    peft = peft if peft is not None else hf_model
+    return peft.to(dtype=model.embed_tokens.dtype).eval()
 
 
 def _record_logits(engine: LLMEngine, into: dict[str, list[torch.Tensor]]) -> None:

@@ -63,6 +63,9 @@ def add_benchmarks(parser: argparse.ArgumentParser) -> None:
                         help="profile a few decode steps per batch size instead of benchmarking")
     decode.add_argument("--bandwidth", type=float, default=3.0e12,
                         help="memory bandwidth for the floor, bytes/s (default: 3.0e12, the H100's)")
+    decode.add_argument("--model", default="", metavar="FOLDER",
+                        help="a model folder (as `loraplex model import` writes): its shape and weights "
+                             "instead of a random Llama-3-8B")
     _common(decode)
     decode.set_defaults(run=run_decode)
     scoring = kinds.add_parser("prompt-logprobs", help="scoring prompts (echo + logprobs, max_tokens 0) "
@@ -81,6 +84,11 @@ def add_benchmarks(parser: argparse.ArgumentParser) -> None:
     accuracy.add_argument("--rank", type=int, default=16)
     accuracy.add_argument("--init", choices=("normal", "scaled"), default="scaled",
                           help="random weights: all N(0, 0.02), or residual projections scaled down")
+    accuracy.add_argument("--model", default="", metavar="FOLDER",
+                          help="a real model's folder (as `loraplex model import` writes) instead of a "
+                               "random model; its prompts are the quick start's tasks in its chat template")
+    accuracy.add_argument("--adapter", action="append", default=[], metavar="NAME=FOLDER",
+                          help="with --model: a PEFT adapter (repeat; requests take none and each in turn)")
     _common(accuracy)
     accuracy.set_defaults(run=run_accuracy)
     for name, (module, summary) in SCRIPTS.items():
@@ -124,7 +132,7 @@ def run_decode(args: argparse.Namespace) -> None:
         batch_sizes=args.batch_sizes, prompt_len=args.prompt_len, new_tokens=args.new_tokens, rank=args.rank,
         hf_batch_sizes=args.hf_batch_sizes, hf_new_tokens=args.hf_new_tokens, bandwidth=args.bandwidth,
         device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
-        model=args.model_overrides,
+        model=args.model_overrides, model_path=args.model,
     )
     if args.profile:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -155,11 +163,21 @@ def run_prompt_logprobs(args: argparse.Namespace) -> None:
 def run_accuracy(args: argparse.Namespace) -> None:
     from loraplex.benchmarks import accuracy
 
+    adapters = {}
+    for item in args.adapter:
+        name, sep, folder = item.partition("=")
+        if not sep or not name or not folder:
+            raise SystemExit(f"--adapter takes NAME=FOLDER, not {item!r}")
+        adapters[name] = folder
+    if adapters and not args.model:
+        raise SystemExit("--adapter needs --model (a random model gets random adapters)")
     config = accuracy.AccuracyConfig(
         num_requests=args.num_requests, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
         rank=args.rank, init=args.init, device=args.device, model=args.model_overrides,
+        model_path=args.model, adapters=adapters,
     )
     result = accuracy.run(config)
-    path = write(result, args.out, name=f"accuracy-{args.init}-init")
+    name = f"accuracy-{Path(args.model).name}" if args.model else f"accuracy-{args.init}-init"
+    path = write(result, args.out, name=name)
     print(json.dumps({k: v for k, v in result.items() if k != "config"}, indent=2))
     print(f"wrote {path}")

@@ -1,6 +1,8 @@
 """`loraplex bench decode`: multi-adapter decode throughput on a Llama-3-8B-shaped model with
-random weights, against transformers + PEFT on the same weights and adapters, each figure next
-to its floor (weights + KV + adapter bytes that a step must read / memory bandwidth)."""
+random weights (or a real model's folder, `--model`), against transformers + PEFT on the same
+weights and adapters, each figure next to its floor (weights + KV + adapter bytes that a step
+must read / memory bandwidth). The adapters are random, one per request: a step costs the same
+whatever their values."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from loraplex.benchmarks import synthetic
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine_config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from loraplex.kernels import select_ops
+from loraplex.model.llama import LlamaForCausalLM
+from loraplex.model.loader import load_model
 from loraplex.model.model_config import ModelConfig
 from loraplex.types import SamplingParams
 
@@ -40,16 +44,19 @@ class DecodeBenchConfig:
     dtype: str = "bfloat16"
     model: dict[str, Any] = field(default_factory=dict)
     """config.json overrides of the Llama-3-8B shape (a tiny model for a CPU smoke run)."""
+    model_path: str = ""
+    """A model folder (config.json and safetensors, as `loraplex model import` writes them):
+    its shape and weights instead of the random Llama-3-8B."""
     seed: int = 0
 
 
 def run(config: DecodeBenchConfig) -> dict[str, Any]:
     device, dtype = torch.device(config.device), getattr(torch, config.dtype)
-    model_config = synthetic.model_config(config.model)
     max_len = config.prompt_len + config.new_tokens + 16
     ops = select_ops(device)
     started = time.perf_counter()
-    model = synthetic.random_model(model_config, ops, dtype, device, max_len, seed=config.seed)
+    model_config, model = load_or_random_model(config.model_path, config.model, ops, dtype, device, max_len,
+                                               config.seed)
     num_adapters = max(config.batch_sizes)
     adapters = {f"adapter-{i}": synthetic.random_adapter(
         model_config, config.rank, dtype, device, str(i), seed=1000 + i, pin=device.type == "cuda")
@@ -78,6 +85,19 @@ def run(config: DecodeBenchConfig) -> dict[str, Any]:
         "torch": torch.__version__, "setup_s": round(setup_s, 1), "startup": startup,
         "first_batches": warm_up, "weight_bytes": _weight_bytes(model), "rows": rows,
     }
+
+
+def load_or_random_model(path: str, overrides: dict[str, Any], ops, dtype: torch.dtype, device: torch.device,
+                         max_len: int, seed: int, scaled_residual: bool = False,
+                         ) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """The model in folder `path`, or (no path) a random one of the Llama-3-8B shape with
+    `overrides`."""
+    if path:
+        model_config = ModelConfig.load(path)
+        return model_config, load_model(path, model_config, ops, dtype, device, max_len)
+    model_config = synthetic.model_config(overrides)
+    return model_config, synthetic.random_model(model_config, ops, dtype, device, max_len, seed=seed,
+                                                scaled_residual=scaled_residual)
 
 
 def _count_compiles() -> list[str]:
@@ -135,9 +155,9 @@ def profile(config: DecodeBenchConfig, steps: int = 8) -> str:
     from torch.profiler import profile as torch_profile
 
     device, dtype = torch.device(config.device), getattr(torch, config.dtype)
-    model_config = synthetic.model_config(config.model)
     max_len = config.prompt_len + steps + 32
-    model = synthetic.random_model(model_config, select_ops(device), dtype, device, max_len, seed=config.seed)
+    model_config, model = load_or_random_model(config.model_path, config.model, select_ops(device), dtype,
+                                               device, max_len, config.seed)
     num_adapters = max(config.batch_sizes)
     engine = _engine(config, model, max_len)
     for i in range(num_adapters):
@@ -178,8 +198,8 @@ def _engine(config: DecodeBenchConfig, model, max_len: int, flora_graphs: bool =
     """Slots and KV blocks sized from memory, as `loraplex serve` sizes them (`flora_graphs`:
     decode graphs for FLoRA steps too)."""
     return LLMEngine(EngineConfig(
-        model="synthetic-llama-3-8b", device=config.device, dtype=config.dtype, max_model_len=max_len,
-        seed=config.seed, cache=CacheConfig(block_size=16),
+        model=config.model_path or "synthetic-llama-3-8b", device=config.device, dtype=config.dtype,
+        max_model_len=max_len, seed=config.seed, cache=CacheConfig(block_size=16),
         scheduler=SchedulerConfig(max_num_seqs=max(config.batch_sizes), max_num_batched_tokens=16384),
         lora=LoRAConfig(max_lora_rank=config.rank, flora_graphs=flora_graphs),
     ), model=model)
