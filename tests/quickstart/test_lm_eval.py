@@ -1,7 +1,10 @@
 """lm-evaluation-harness, unchanged, on the quick start through a real `loraplex serve`: the
 project's own lm-eval tasks (loraplex/quickstart/lm_eval_tasks: each adapter's held-out test set,
 scored by its task's rule) through `local-chat-completions` with the chat template, on the base
-model and on each adapter. Each adapter beats the base model on its own task by a stated margin."""
+model and on each adapter. Each adapter beats the base model on its own task by a stated margin.
+And by likelihood: the sentiment test set as a choice between its labels, through
+`local-completions` (echo + logprobs on the completions API, the chat template applied by
+lm-eval with the model's own tokenizer)."""
 
 from __future__ import annotations
 
@@ -22,6 +25,9 @@ from tests.server.test_serve_cli import ServeProcess, loraplex_serve
 
 MIN_MARGIN = 0.5
 """Each adapter's lm-eval accuracy on its own task exceeds the base model's by at least this."""
+LIKELIHOOD_MIN_MARGIN = 0.3
+"""The sentiment adapter's accuracy by likelihood over the base model's (measured: 1.0 against
+0.5, the base model no better than a coin between the two labels)."""
 NUM_CONCURRENT = 12
 """Requests lm-eval keeps in flight, batched by the server: a whole test set at once."""
 TAG = "loraplex_quickstart"
@@ -83,3 +89,35 @@ def test_each_adapter_beats_the_base_model_on_its_own_lm_eval_task(
           {name: (f"{b:.1%}", f"{a:.1%}") for name, (b, a) in scores.items()})
     for name, (base_accuracy, adapter_accuracy) in scores.items():
         assert adapter_accuracy >= base_accuracy + MIN_MARGIN, (name, scores)
+
+
+def test_the_sentiment_adapter_beats_the_base_model_by_likelihood(
+        served: ServeProcess, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    key = (data_dir / "demo-api-key").read_text().strip()
+    for name, value in (OFFLINE | {"OPENAI_API_KEY": key}).items():
+        monkeypatch.setenv(name, value)
+    task = next(t for t in make_tasks() if t.name == "sentiment")
+    model_dir = next((data_dir / "models").iterdir())
+    scores = {}
+    for model in (MODEL_ID, task.name):
+        results = lm_eval.simple_evaluate(
+            model="local-completions", tasks=["loraplex_sentiment_choice"],
+            task_manager=TaskManager(include_path=str(TASKS_DIR)), apply_chat_template=True, log_samples=True,
+            model_args={"model": model, "base_url": f"{served.url}/v1/completions",
+                        "num_concurrent": NUM_CONCURRENT, "max_retries": 1,
+                        "tokenizer_backend": "huggingface", "tokenizer": str(model_dir)})
+        samples = sorted(results["samples"]["loraplex_sentiment_choice"], key=lambda sample: sample["doc_id"])
+        assert len(samples) == len(task.test)
+        for sample, example in zip(samples, task.test):
+            # Two requests a review, one a label, on the review in the chat template.
+            (context, positive), (same_context, negative) = sample["arguments"]
+            assert (positive, negative, same_context) == ("positive", "negative", context)
+            assert example.prompt in context and context.rstrip().endswith("<|im_start|>assistant")
+            assert sample["target"] == ("positive", "negative").index(example.answer)
+            assert all(isinstance(logprob, float) and logprob < 0 for ((logprob, _),) in sample["resps"])
+        scores[model] = results["results"]["loraplex_sentiment_choice"]["acc,none"]
+    print("lm-eval by likelihood through loraplex serve, accuracy:", scores)
+    assert scores[task.name] >= scores[MODEL_ID] + LIKELIHOOD_MIN_MARGIN, scores

@@ -29,6 +29,21 @@ def load_test_set(task: str, **metadata: Any) -> dict[str, Any]:
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(docs)})
 
 
+CHOICES = {"sentiment": ("positive", "negative")}
+"""The labels of the tasks that are scored by likelihood as well (`*_choice.yaml`)."""
+
+
+def load_choice_set(task: str, **metadata: Any) -> dict[str, Any]:
+    """`custom_dataset` of a likelihood task: the test split of `task` with its labels
+    (`choices`) and the index of the right one (`label`)."""
+    import datasets
+
+    choices = CHOICES[task]
+    docs = [{"prompt": ex.prompt, "choices": list(choices), "label": choices.index(ex.answer)}
+            for ex in _tasks()[task].test]
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(docs)})
+
+
 def process_results(doc: dict[str, Any], results: list[str]) -> dict[str, float]:
     """acc: 1.0 when the reply is right by the task's own rule, else 0.0."""
     task = _tasks()[doc["task"]]
