@@ -137,8 +137,8 @@ def _real_case(config: AccuracyConfig, device: torch.device) -> _Case:
         assignment.append(name)
         prompts.append(chat_prompt_ids(tokenizer, examples[(i // len(turns)) % len(examples)].prompt))
     max_len = max(map(len, prompts)) + config.new_tokens + 16
-    _, model = load_or_random_model(config.model_path, {}, select_ops(device), torch.bfloat16, device, max_len,
-                                    config.seed)
+    _, model = load_or_random_model(config.model_path, {}, select_ops(device), torch.bfloat16, device,
+                                    max_len, config.seed)
     adapters: dict[str, HostAdapter | Path] = {name: Path(folder) for name, folder in config.adapters.items()}
     ranks = [json.loads((folder / "adapter_config.json").read_text())["r"] for folder in adapters.values()]
     return _Case(model, adapters, assignment, prompts, max_len, max(ranks, default=config.rank))
@@ -193,7 +193,8 @@ def _generate(config: AccuracyConfig, case: _Case, adapters: dict[str, HostAdapt
     on the CPU) per request."""
     max_len = case.model.max_positions
     engine = LLMEngine(EngineConfig(
-        model=config.model_path or "synthetic-llama-3-8b", device=config.device, dtype=dtype, max_model_len=max_len,
+        model=config.model_path or "synthetic-llama-3-8b", device=config.device, dtype=dtype,
+        max_model_len=max_len,
         kernels="auto" if dtype == "bfloat16" else "reference", enforce_eager=forced is not None,
         cache=CacheConfig(num_kv_blocks=len(case.prompts) * -(-max_len // 16) + 1),
         scheduler=SchedulerConfig(max_num_seqs=len(case.prompts), max_num_batched_tokens=4096),
@@ -234,7 +235,8 @@ def _hf_peft_logits(model: LlamaForCausalLM, case: _Case, tokens: list[list[int]
         for start in range(0, len(rows), chunk):
             part = rows[start:start + chunk]
             ids = torch.tensor([case.prompts[i] + tokens[i][:-1] for i in part], device=device)
-            kwargs = {"adapter_names": [case.assignment[i] or "__base__" for i in part]} if case.adapters else {}
+            names = [case.assignment[i] or "__base__" for i in part]
+            kwargs = {"adapter_names": names} if case.adapters else {}
             out = peft(input_ids=ids, logits_to_keep=new, **kwargs)
             for i, row in zip(part, out.logits.float().cpu()):
                 logits[i] = row
@@ -245,19 +247,12 @@ def _hf_peft_logits(model: LlamaForCausalLM, case: _Case, tokens: list[list[int]
 def _peft_model(hf_model: Any, case: _Case, model: LlamaForCausalLM) -> Any:
     """PEFT around `hf_model` with the case's adapters: the host tensors copied in, or the PEFT
     folders read (cast to the model's dtype)."""
-    from peft import PeftModel
+    from loraplex.peft_reference import peft_with_adapters
 
     hosts = {n: a for n, a in case.adapters.items() if isinstance(a, HostAdapter)}
     if hosts:
         return synthetic.add_peft_adapters(hf_model, hosts, model.config)
-    peft = None
-    for name, folder in case.adapters.items():
-        if peft is None:
-            peft = PeftModel.from_pretrained(hf_model, folder, adapter_name=name)
-        else:
-            peft.load_adapter(folder, adapter_name=name)
-    peft = peft if peft is not None else hf_model
-    return peft.to(dtype=model.embed_tokens.dtype).eval()
+    return peft_with_adapters(hf_model, case.adapters).to(dtype=model.embed_tokens.dtype).eval()
 
 
 def _record_logits(engine: LLMEngine, into: dict[str, list[torch.Tensor]]) -> None:

@@ -21,18 +21,13 @@ class DemoModel:
 
 def load_demo_model(assets: DemoAssets) -> DemoModel:
     """Load the base model and every adapter of `assets` (float32, CPU)."""
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from loraplex.peft_reference import peft_with_adapters
 
     tokenizer = AutoTokenizer.from_pretrained(assets.model_dir)
     base = AutoModelForCausalLM.from_pretrained(assets.model_dir)
-    model = None
-    for name, folder in assets.adapters.items():
-        if model is None:
-            model = PeftModel.from_pretrained(base, folder, adapter_name=name)
-        else:
-            model.load_adapter(folder, adapter_name=name)
-    model.eval()
+    model = peft_with_adapters(base, assets.adapters).eval()
     return DemoModel(model, tokenizer)
 
 
