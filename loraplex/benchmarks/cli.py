@@ -61,8 +61,9 @@ def add_benchmarks(parser: argparse.ArgumentParser) -> None:
     decode.add_argument("--hf-new-tokens", type=int, default=16)
     decode.add_argument("--profile", action="store_true",
                         help="profile a few decode steps per batch size instead of benchmarking")
-    decode.add_argument("--bandwidth", type=float, default=3.0e12,
-                        help="memory bandwidth for the floor, bytes/s (default: 3.0e12, the H100's)")
+    decode.add_argument("--bandwidth", type=float, default=0.0,
+                        help="memory bandwidth for the floor, bytes/s (default: the device's, measured "
+                             "by a copy)")
     decode.add_argument("--model", default="", metavar="FOLDER",
                         help="a model folder (as `loraplex model import` writes): its shape and weights "
                              "instead of a random Llama-3-8B")

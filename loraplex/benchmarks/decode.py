@@ -1,21 +1,23 @@
 """`loraplex bench decode`: multi-adapter decode throughput on a Llama-3-8B-shaped model with
 random weights (or a real model's folder, `--model`), against transformers + PEFT on the same
-weights and adapters, each figure next to its floor (weights + KV + adapter bytes that a step
-must read / memory bandwidth). The adapters are random, one per request: a step costs the same
-whatever their values."""
+weights and adapters, each figure next to its floor: the bytes a step must read (weights, KV,
+adapters) at the device's measured copy bandwidth, or its FLOPs at the device's measured matrix
+throughput, whichever binds (loraplex.benchmarks.device_floors). The adapters are random, one
+per request: a step costs the same whatever their values."""
 
 from __future__ import annotations
 
 import json
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from loraplex.benchmarks import synthetic
+from loraplex.benchmarks.device_floors import DeviceFloors, measure
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine_config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from loraplex.kernels import select_ops
@@ -23,6 +25,9 @@ from loraplex.model.llama import LlamaForCausalLM
 from loraplex.model.loader import load_model
 from loraplex.model.model_config import ModelConfig
 from loraplex.types import SamplingParams
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The projections every benchmark adapter targets."""
 
 
 @dataclass(frozen=True)
@@ -38,8 +43,8 @@ class DecodeBenchConfig:
     startup_batch: int = 64
     """Requests of the first batches after start-up (first against again, cold adapters
     against resident ones)."""
-    bandwidth: float = 3.0e12
-    """Memory bandwidth the floor is computed with (bytes/s; 3.0 TB/s = measured H100 copy)."""
+    bandwidth: float = 0.0
+    """Memory bandwidth the floor is computed with (bytes/s); 0: the device's, measured."""
     device: str = "cuda"
     dtype: str = "bfloat16"
     model: dict[str, Any] = field(default_factory=dict)
@@ -54,6 +59,7 @@ def run(config: DecodeBenchConfig) -> dict[str, Any]:
     device, dtype = torch.device(config.device), getattr(torch, config.dtype)
     max_len = config.prompt_len + config.new_tokens + 16
     ops = select_ops(device)
+    floors = device_floors(config)  # before the model and KV cache take the memory
     started = time.perf_counter()
     model_config, model = load_or_random_model(config.model_path, config.model, ops, dtype, device, max_len,
                                                config.seed)
@@ -82,7 +88,8 @@ def run(config: DecodeBenchConfig) -> dict[str, Any]:
         rows += _run_hf_baselines(config, model, model_config, adapters)
     return {
         "benchmark": "decode", "config": asdict(config), "device": _device_name(device),
-        "torch": torch.__version__, "setup_s": round(setup_s, 1), "startup": startup,
+        "torch": torch.__version__, "device_floors": floors.as_dict(), "setup_s": round(setup_s, 1),
+        "startup": startup,
         "first_batches": warm_up, "weight_bytes": _weight_bytes(model), "rows": rows,
     }
 
@@ -280,16 +287,39 @@ def _run_hf(model, config: DecodeBenchConfig, model_config: ModelConfig, batch: 
     return _row(engine_name, batch, adapter_names is not None, step_s, prefill_s, config, model_config, None)
 
 
+def device_floors(config: DecodeBenchConfig) -> DeviceFloors:
+    """The device's measured figures (`config.bandwidth`, when set, in place of the copy's)."""
+    floors = measure(config.device, config.dtype)
+    return replace(floors, copy_bytes_per_s=config.bandwidth) if config.bandwidth else floors
+
+
 def _row(engine: str, batch: int, with_adapters: bool, step_s: float, prefill_s: float,
          config: DecodeBenchConfig, model_config: ModelConfig, model) -> dict[str, Any]:
-    floor_s = _floor_bytes(config, model_config, batch, with_adapters) / config.bandwidth
+    floor = device_floors(config).floor(_floor_bytes(config, model_config, batch, with_adapters),
+                                        _step_flops(config, model_config, batch, with_adapters))
+    floor_s = floor["floor_s"]
     return {
         "engine": engine, "batch": batch, "adapters": batch if with_adapters else 0,
         "rank": config.rank if with_adapters else 0,
         "step_ms": round(step_s * 1e3, 3), "tok_s": round(batch / step_s, 1),
         "floor_step_ms": round(floor_s * 1e3, 3), "floor_tok_s": round(batch / floor_s, 1),
-        "fraction_of_floor": round(floor_s / step_s, 3), "prefill_s": round(prefill_s, 3),
+        "fraction_of_floor": round(floor_s / step_s, 3), "floor_binding": floor["binding"],
+        "bytes_floor_ms": round(floor["bytes_floor_s"] * 1e3, 3),
+        "flops_floor_ms": round(floor["flops_floor_s"] * 1e3, 3), "prefill_s": round(prefill_s, 3),
     }
+
+
+def _step_flops(config: DecodeBenchConfig, c: ModelConfig, batch: int, with_adapters: bool) -> float:
+    """FLOPs of a decode step: every row through the weights (the lm_head included), its
+    attention over its mean context (scores and values), and its adapter's shrink and expand."""
+    layer = (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
+             + 3 * c.hidden_size * c.intermediate_size)
+    weights = 2 * batch * (c.num_layers * layer + c.vocab_size * c.hidden_size)
+    mean_context = config.prompt_len + config.new_tokens / 2
+    attention = 4 * batch * mean_context * c.num_layers * c.q_size
+    per_rank = c.num_layers * sum(sum(c.shape.features(m)) for m in LORA_MODULES)
+    adapters = 2 * batch * config.rank * per_rank if with_adapters else 0
+    return weights + attention + adapters
 
 
 def _floor_bytes(config: DecodeBenchConfig, c: ModelConfig, batch: int, with_adapters: bool) -> float:
@@ -299,8 +329,7 @@ def _floor_bytes(config: DecodeBenchConfig, c: ModelConfig, batch: int, with_ada
     weights = (c.num_layers * layer + c.vocab_size * c.hidden_size) * element
     mean_context = config.prompt_len + config.new_tokens / 2
     kv = batch * mean_context * c.num_layers * 2 * c.kv_size * element
-    per_rank = c.num_layers * sum(sum(c.shape.features(m)) for m in (
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")) * element
+    per_rank = c.num_layers * sum(sum(c.shape.features(m)) for m in LORA_MODULES) * element
     adapters = batch * config.rank * per_rank if with_adapters else 0
     return weights + kv + adapters
 
@@ -324,7 +353,7 @@ def _print_row(row: dict[str, Any]) -> None:
     print(f"{row['engine']:18s} batch {row['batch']:4d}  adapters {row['adapters']:4d}  "
           f"{row['tok_s']:9.1f} tok/s  step {row['step_ms']:8.2f} ms  "
           f"floor {row['floor_step_ms']:7.2f} ms ({row['floor_tok_s']:9.1f} tok/s)  "
-          f"{100 * row['fraction_of_floor']:5.1f}% of floor", flush=True)
+          f"{100 * row['fraction_of_floor']:5.1f}% of floor ({row['floor_binding']})", flush=True)
 
 
 def plot(json_path: Path, png_path: Path) -> None:

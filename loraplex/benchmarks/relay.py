@@ -7,9 +7,11 @@ on one engine (Llama-3-8B shape, random weights, bf16):
 
 4 tenants, each with its own rank-16 adapter and an S-token system prompt (S = 2,048 and 4,096);
 each request has 64 prompt tokens of its own and generates 192; batches 64, 128, 256. Decode
-throughput (steps after every request has its first token) next to two floors (bytes a step
-must read / 3.0 TB/s): the unique floor (weights, adapters, each shared prompt's KV once, each
-request's own KV) and the mode's nominal floor (every request reads its whole context). Also the
+throughput (steps after every request has its first token) next to two floors, each the bytes a
+step must read at the device's measured copy bandwidth or its FLOPs at the device's measured
+matrix throughput, whichever binds (loraplex.benchmarks.device_floors): the unique floor
+(weights, adapters, each shared prompt's KV once, each request's own KV) and the mode's nominal
+floor (every request reads its whole context). Also the
 time to first token of one request joining a warm (pinned) prompt against a cold one. Batches
 whose KV does not fit without sharing are skipped for "none" (and say so)."""
 
@@ -24,6 +26,8 @@ from typing import Any
 import torch
 
 from loraplex.benchmarks import synthetic
+from loraplex.benchmarks.decode import LORA_MODULES
+from loraplex.benchmarks.device_floors import measure
 from loraplex.benchmarks.results import RESULTS, write
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.relay_groups import RelayRule
@@ -33,7 +37,6 @@ from loraplex.types import SamplingParams
 
 NUM_TENANTS = 4
 MODES = ("relay", "cache", "none")
-BANDWIDTH = 3.0e12
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,6 +81,7 @@ def make_engine(args: argparse.Namespace, max_len: int, max_num_seqs: int) -> tu
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     max_len = max(args.system_lens) + args.own_len + args.new_tokens + 16
+    floors = measure(args.device, args.dtype)  # before the model and KV cache take the memory
     engine, config = make_engine(args, max_len, max(args.batches))
     device = engine.device
     rows, joins = [], []
@@ -93,7 +97,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(json.dumps(joins[-1]), flush=True)
     return {"device": device_name(device), "torch": torch.__version__, "model": "llama-3-8b shape",
             "dtype": args.dtype, "tenants": NUM_TENANTS, "rank": args.rank, "own_len": args.own_len,
-            "new_tokens": args.new_tokens, "bandwidth_bytes_per_s": BANDWIDTH,
+            "new_tokens": args.new_tokens, "device_floors": floors.as_dict(),
             "num_kv_blocks": engine.blocks.num_blocks, "rows": rows, "join_warm": joins,
             "speedups": _speedups(rows)}
 
@@ -143,10 +147,14 @@ def _run_mode(engine: LLMEngine, args, config, systems: list[list[int]], batch: 
         engine.unpin_prompt(key)
     step_s = (ended - decode_start) / (args.new_tokens - 1)
     unique, nominal = _floor_bytes(engine, config, args, batch, system_len)
-    floor_s, nominal_s = unique / BANDWIDTH, nominal / BANDWIDTH
+    floors, flops = measure(args.device, args.dtype), _step_flops(config, args, batch, system_len)
+    unique_floor, nominal_floor = floors.floor(unique, flops), floors.floor(nominal, flops)
+    floor_s, nominal_s = unique_floor["floor_s"], nominal_floor["floor_s"]
     return row | {
         "step_ms": round(step_s * 1e3, 3), "decode_tok_s": round(batch / step_s, 1),
         "unique_floor_ms": round(floor_s * 1e3, 3), "nominal_floor_ms": round(nominal_s * 1e3, 3),
+        "unique_floor_binding": unique_floor["binding"],
+        "flops_floor_ms": round(unique_floor["flops_floor_s"] * 1e3, 3),
         "step_over_unique_floor": round(step_s / floor_s, 3),
         "step_over_nominal_floor": round(step_s / nominal_s, 3),
         "prefill_s": round(decode_start - started, 3), "peak_kv_blocks": engine.blocks.peak_used_blocks,
@@ -183,13 +191,25 @@ def _floor_bytes(engine: LLMEngine, config, args, batch: int, system_len: int) -
     weights = sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters()
                   if n != "embed_tokens")
     per_token = config.num_layers * 2 * config.kv_size * element
-    per_rank = config.num_layers * sum(sum(config.shape.features(m)) for m in (
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")) * element
+    per_rank = config.num_layers * sum(sum(config.shape.features(m)) for m in LORA_MODULES) * element
     adapters = NUM_TENANTS * args.rank * per_rank
     own = args.own_len + args.new_tokens / 2
     unique = weights + adapters + (NUM_TENANTS * system_len + batch * own) * per_token
     nominal = weights + adapters + batch * (system_len + own) * per_token
     return unique, nominal
+
+
+def _step_flops(config, args, batch: int, system_len: int) -> float:
+    """FLOPs of one decode step at the mean own context: every row through the weights and its
+    tenant's adapter, and its attention over the shared prompt and its own tokens (the same
+    whether the prompt's KV is read once or per request)."""
+    layer = (config.hidden_size * (config.q_size + 2 * config.kv_size) + config.q_size * config.hidden_size
+             + 3 * config.hidden_size * config.intermediate_size)
+    weights = 2 * batch * (config.num_layers * layer + config.vocab_size * config.hidden_size)
+    context = system_len + args.own_len + args.new_tokens / 2
+    attention = 4 * batch * context * config.num_layers * config.q_size
+    per_rank = config.num_layers * sum(sum(config.shape.features(m)) for m in LORA_MODULES)
+    return weights + attention + 2 * batch * args.rank * per_rank
 
 
 def _speedups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

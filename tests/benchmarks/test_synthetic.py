@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from loraplex import SamplingParams
@@ -61,6 +62,11 @@ def test_decode_benchmark_runs_end_to_end(tmp_path):
                        ("transformers", 2, 0), ("transformers+peft", 2, 2)]
     assert all(r["floor_tok_s"] > r["tok_s"] > 0 for r in result["rows"]), [
         (r["engine"], r["batch"], r["tok_s"], r["floor_tok_s"]) for r in result["rows"]]
+    floors = result["device_floors"]  # measured on this machine, not an H100's constants
+    assert floors["device"] == "cpu" and floors["copy_bytes_per_s"] > 0 and floors["matmul_flops_per_s"] > 0
+    for r in result["rows"]:
+        assert r["floor_step_ms"] == max(r["bytes_floor_ms"], r["flops_floor_ms"])
+        assert r["floor_binding"] == ("bytes" if r["bytes_floor_ms"] >= r["flops_floor_ms"] else "flops")
     path = write(result, tmp_path)
     assert json.loads(path.read_text())["rows"] == result["rows"]
 
@@ -95,3 +101,14 @@ def test_prompt_logprobs_benchmark_runs_end_to_end(tmp_path):
 
 def _device_file_name() -> str:
     return decode._device_name(torch.device("cpu")).replace(" ", "-").replace("/", "-").lower()
+
+
+def test_a_floor_is_the_longer_of_the_bytes_and_the_flops() -> None:
+    from loraplex.benchmarks.device_floors import DeviceFloors
+
+    floors = DeviceFloors("x", copy_bytes_per_s=2e12, matmul_flops_per_s=1e15, dtype="bfloat16")
+    bytes_bound = floors.floor(num_bytes=4e9, flops=1e12)  # 2 ms of bytes, 1 ms of FLOPs
+    assert bytes_bound["binding"] == "bytes" and bytes_bound["floor_s"] == pytest.approx(2e-3)
+    flops_bound = floors.floor(num_bytes=1e9, flops=3e12)  # 0.5 ms of bytes, 3 ms of FLOPs
+    assert flops_bound["binding"] == "flops" and flops_bound["floor_s"] == pytest.approx(3e-3)
+    assert floors.as_dict()["copy_tb_per_s"] == 2.0
