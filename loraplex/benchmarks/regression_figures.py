@@ -179,7 +179,7 @@ def _relay_join(result: dict, system_len: int) -> dict | None:
 def full_size_paths(results: Path, device: str) -> dict[str, Path]:
     """Each stage's full-size result for `device` in `results`, where one was recorded: the
     files the benchmarks write (decode-<device>.json, ...); for serving, the serve-summary.json
-    beside the synthetic server's serve-offline-<device>.json (scripts/gpu-issue-14.sh's folder)."""
+    beside the synthetic server's serve-offline-<device>.json (scripts/gpu-serving.sh's folder)."""
     slug = device_slug(device)
     paths = {"decode": results / f"decode-{slug}.json", "fairness": results / f"fairness-{slug}.json",
              "families": results / f"decode-families-{slug}.json", "relay": results / f"relay-{slug}.json"}

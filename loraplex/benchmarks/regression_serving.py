@@ -1,4 +1,4 @@
-"""The regression pass's serving stage: scripts/gpu-issue-14.sh's first run, smaller. The
+"""The regression pass's serving stage: scripts/gpu-serving.sh's first run, smaller. The
 synthetic server (Llama-3-8B shape, 1,000 rank-16 adapters over 40 tenants, 32 device slots)
 runs the saturation workload through the engine directly, then serves it; `loraplex bench
 serve` sends the same requests over HTTP; SIGTERM drains the server; serve_report sums up

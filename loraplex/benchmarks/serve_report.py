@@ -1,4 +1,4 @@
-"""The serving benchmark's goals, read from the JSON that `scripts/gpu-issue-14.sh` leaves (one
+"""The serving benchmark's goals, read from the JSON that `scripts/gpu-serving.sh` leaves (one
 file per run of `loraplex bench serve`, and the synthetic server's offline pass):
 
 - 1,000 adapters against 32 resident ones at the same Poisson rate: output throughput within 5%,

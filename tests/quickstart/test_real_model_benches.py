@@ -1,5 +1,5 @@
 """`loraplex bench accuracy --model` and `bench decode --model` on the quick start's real model
-and trained adapters, small enough for CPU: the GPU runs (scripts/gpu-issue-21.sh) take the same
+and trained adapters, small enough for CPU: the GPU runs (scripts/gpu-real-model.sh) take the same
 path at 64 prompts x 128 tokens and batches up to 256."""
 
 from __future__ import annotations

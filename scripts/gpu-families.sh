@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16 (adapter families) on a lent GPU: the offline install, the GPU tests of the family
+# Adapter families (first built for issue 16) on a lent GPU: the offline install, the GPU tests of the family
 # kernels (DoRA/IA3 expand epilogue, FLoRA stack/combine, IA3 in the rotary and activation
 # kernels) and of mixed batches through the Triton path and the decode graphs, then the
 # FLoRA products benchmark (fused against per-slice products, 60 s at most), then the

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issue 14's GPU pass, in one server start, within one 600 s device command: the serving
-# benchmark through HTTP on a Llama-3-8B-shaped model with random bf16 weights, 1,000 rank-16
+# The serving benchmark's GPU pass (first built for issue 14), in one server start, within one
+# 600 s device command: the serving benchmark through HTTP on a Llama-3-8B-shaped model with random bf16 weights, 1,000 rank-16
 # adapters on all seven projections over 40 tenants, 32 device adapter slots.
 #
-#   scripts/gpu-issue-14.sh            (from the repository root; the lead runs it with carry: wheels)
+#   scripts/gpu-serving.sh            (from the repository root; the lead runs it with carry: wheels)
 #
 # 1. installs the server's wheels from ./wheels (no network there; see the README's "Serving
 #    benchmark" section for how the folder is made) and the project (scripts/gpu-pass.sh install);

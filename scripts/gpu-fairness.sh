@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 29's GPU pass (the fairness regression), stages named on the command line, in order:
+# The fairness benchmark's GPU pass (issue 29, the fairness regression), stages named on the
+# command line, in order:
 #   install          scripts/gpu-pass.sh install
 #   fairness         loraplex bench fairness at this tree (alone, FCFS, VTC)
 #   system-prompts   the same with each tenant's registered 256-token system prompt pinned

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 21's GPU figures on the real model (SmolLM2-135M-Instruct with the quick start's three
-# trained adapters), stages named on the command line, in order:
-#   stash      keep .device/gguf-a (the GGUF file's first half) and .device/issue-21 (the
+# The real model's GPU figures (SmolLM2-135M-Instruct with the quick start's three trained
+# adapters; issue 21), stages named on the command line, in order:
+#   stash      keep .device/gguf-a (the GGUF file's first half) and .device/real-model (the
 #              adapters, the `gguf` wheel, the file's digest) where the next call finds them
 #   install    the project (scripts/gpu-pass.sh install) and the `gguf` wheel
 #   import     join .device/gguf-a and gguf-b, check its digest, `loraplex model import` it
@@ -10,14 +10,14 @@
 #   decode     decode throughput at batch 1, 64 and 256, without and with adapters (random,
 #              rank 16, one per request), beside transformers and transformers + PEFT
 # The GGUF file (98 MB) is larger than one device call may carry, so it goes in two calls on one
-# warm machine: `stash` carrying .device/gguf-a and .device/issue-21, then the rest carrying
-# .device/gguf-b (all made by `scripts/gpu-issue-21.sh prepare` here, never committed).
+# warm machine: `stash` carrying .device/gguf-a and .device/real-model, then the rest carrying
+# .device/gguf-b (all made by `scripts/gpu-real-model.sh prepare` here, never committed).
 # Set LORAPLEX_COMMIT to the commit that the results should record (the device has no git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results/gpu-issue-21}
-STASH=${STASH:-/tmp/loraplex-issue-21}
-CARRY=$STASH/issue-21
+OUT=${OUT:-bench/results/real-model}
+STASH=${STASH:-/tmp/loraplex-real-model}
+CARRY=$STASH/real-model
 MODEL="$STASH/SmolLM2-135M-Instruct"
 export PYTHONUNBUFFERED=1
 
@@ -27,7 +27,7 @@ for stage in "$@"; do
         prepare)  # here, not on the device: the carried files from the installed package and quick start
             data=${QUICKSTART_DATA:?set QUICKSTART_DATA to a data dir where the quick start was built}
             gguf=$(python3 -c "from loraplex.quickstart.assets import SMOLLM2; from loraplex.quickstart.source import installed_gguf; print(installed_gguf(SMOLLM2))")
-            CARRY=.device/issue-21
+            CARRY=.device/real-model
             rm -rf "$CARRY" .device/gguf-a .device/gguf-b && mkdir -p "$CARRY/wheels"
             size=$(stat -c %s "$gguf")
             head -c $((size / 2)) "$gguf" > .device/gguf-a
@@ -39,7 +39,7 @@ for stage in "$@"; do
             ;;
         stash)
             rm -rf "$STASH" && mkdir -p "$STASH" && cp .device/gguf-a "$STASH/gguf-a" \
-                && cp -r .device/issue-21 "$CARRY" && du -sh "$STASH"/*
+                && cp -r .device/real-model "$CARRY" && du -sh "$STASH"/*
             ;;
         install)
             scripts/gpu-pass.sh install > /dev/null 2>&1 && echo installed || { echo "install failed"; exit 1; }

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 12's kernel pass on a lent GPU machine (torch 2.11, triton 3.6, nothing downloadable),
+# The relay kernel pass (first built for issue 12) on a lent GPU machine (torch 2.11, triton 3.6,
+# nothing downloadable),
 # run from the repository root; about 4 minutes a stage group. Stages, in order, as named on the
 # command line (default: the first four; `engine` alone is its own ~4-minute command):
 #   tests   the relay kernel's bf16 GPU tests, plus plain decode's and the CUDA-graph replays
