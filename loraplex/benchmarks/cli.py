@@ -14,21 +14,15 @@ DEFAULT_OUT = RESULTS
 
 SCRIPTS = {
     "kernels": ("kernel_speed", "the Triton kernels at Llama-3-8B shapes against their ceilings"),
-    "skinny-gemm": ("skinny_gemm_vs_cublas", "the skinny GEMM against cuBLAS at decode sizes"),
     "relay-kernels": ("relay_kernels", "RelayAttention decode against plain paged decode: "
                       "group size x prefix length x batch, and the crossover"),
     "relay": ("relay", "tenants' shared system prompts: relay decode against the prefix cache with "
               "plain paged decode and against no sharing, next to their floors"),
     "relay-offline": ("relay_offline", "an offline batch with unregistered shared prefixes: global "
                       "prefix grouping against the prefix cache alone and against no sharing"),
-    "decode-gaps": ("decode_gaps", "where a decode step's wall time goes beyond its kernels"),
     "decode-families": ("families", "decode by adapter family: LoRA, DoRA, IA3, FLoRA, mixed"),
-    "flora-products": ("flora_products", "FLoRA's base products: rows through the fused weight "
-                       "against one product per slice"),
-    "engine-overhead": ("engine_overhead", "the engine's own CPU time per step (CPU is fine)"),
     "load": ("server_load", "many streaming clients against `loraplex serve` on the demo"),
     "serve": ("serve_bench", "the serving benchmark: arrivals, tenants, Zipf adapters, through HTTP"),
-    "precision": ("precision_study", "where a bf16 engine loses accuracy (CPU emulation)"),
     "fairness": ("fairness", "light tenants beside a flooding one: VTC with KV swapping against FCFS"),
     "fairness-sim": ("fairness_sim", "the fairness benchmark's workload on a virtual clock: the real "
                      "scheduler and policies, an H100 step-time model (CPU)"),

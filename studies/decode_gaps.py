@@ -2,7 +2,7 @@
 the captured graph replayed and synchronised each time, and replays queued back to back (pure
 GPU time). Llama-3-8B shape, random bf16 weights, batch sizes from the command line.
 
-    loraplex bench decode-gaps [--batch-sizes 1,64] [--steps 50]"""
+    python studies/decode_gaps.py [--batch-sizes 1,64] [--steps 50]"""
 
 from __future__ import annotations
 

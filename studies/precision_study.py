@@ -9,9 +9,9 @@ bf16, float32 product (exact for bf16 x bf16), output rounded or not. "split" ro
 to hi + lo, hi = bf16(x), lo = bf16(x - hi) (16 significant bits): the two-pass bf16 GEMM
 W hi + W lo, emulated as one float32 GEMM of the exact sum hi + lo.
 
-    loraplex bench precision [--quick] [--skip-width] [--render]
+    python studies/precision_study.py [--quick] [--skip-width] [--render]
 
-Writes bench/results/precision-study-cpu.json and precision-study-cpu.md."""
+Writes studies/results/precision-study-cpu.json and precision-study-cpu.md."""
 
 from __future__ import annotations
 
@@ -22,13 +22,16 @@ import math
 import platform
 import time
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from loraplex.benchmarks.results import RESULTS
+STUDY_RESULTS = Path("studies/results")
+"""Where the studies' results go (run them from the repository root)."""
+
 
 LLAMA3_ROPE = dict(theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max=8192)
 MAX_AGREEMENT_GAP = 0.01
@@ -441,8 +444,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--render", action="store_true", help="only rewrite the markdown from the JSON")
     args = parser.parse_args(argv)
     if args.render:
-        result = json.loads((RESULTS / "precision-study-cpu.json").read_text())
-        (RESULTS / "precision-study-cpu.md").write_text(markdown(result))
+        result = json.loads((STUDY_RESULTS / "precision-study-cpu.json").read_text())
+        (STUDY_RESULTS / "precision-study-cpu.md").write_text(markdown(result))
         return
     torch.set_num_threads(2)
     started = time.perf_counter()
@@ -466,9 +469,9 @@ def main(argv: list[str] | None = None) -> None:
         "seconds": round(time.perf_counter() - started, 1),
     }
     suffix = "-quick" if args.quick else ""
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"precision-study-cpu{suffix}.json").write_text(json.dumps(result, indent=1))
-    (RESULTS / f"precision-study-cpu{suffix}.md").write_text(markdown(result))
+    STUDY_RESULTS.mkdir(exist_ok=True)
+    (STUDY_RESULTS / f"precision-study-cpu{suffix}.json").write_text(json.dumps(result, indent=1))
+    (STUDY_RESULTS / f"precision-study-cpu{suffix}.md").write_text(markdown(result))
     _progress("done", started)
 
 
@@ -494,7 +497,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         "# bf16 against float32 on a random Llama: where the error comes from (CPU emulation)",
         "",
-        f"`loraplex bench precision`, {result['seconds']:.0f} s on {result['device']}, torch "
+        f"`python studies/precision_study.py`, {result['seconds']:.0f} s on {result['device']}, torch "
         f"{result['torch']}. A plain-torch Llama ({shape['num_layers']} layers, hidden {shape['hidden']}, "
         f"intermediate {shape['intermediate']}, {shape['num_heads']}/{shape['num_kv_heads']} heads, vocab "
         f"{shape['vocab']}), {shape['num_seqs']} x {shape['seq_len']} random tokens, teacher-forced, "

@@ -1,11 +1,11 @@
 """The engine's own CPU time per step with many running requests: scheduling, step metadata
 (the runner's input preparation) and output processing, timed apart from the model.
 
-    loraplex bench engine-overhead [--requests 256] [--prompt 512] [--steps 200]
+    python studies/engine_overhead.py [--requests 256] [--prompt 512] [--steps 200]
 
 A tiny random Llama keeps the model's own time small; the phases timed do not depend on the
 model's size. Half the requests carry one of four adapters. Writes
-bench/results/engine_overhead.json."""
+studies/results/engine_overhead.json."""
 
 from __future__ import annotations
 
@@ -14,15 +14,18 @@ import json
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from loraplex.benchmarks import synthetic
-from loraplex.benchmarks.results import RESULTS
 from loraplex.engine.llm_engine import InFlight, LLMEngine
 from loraplex.engine_config import EngineConfig
 from loraplex.kernels import select_ops
 from loraplex.types import SamplingParams
+
+STUDY_RESULTS = Path("studies/results")
+"""Where the studies' results go (run them from the repository root)."""
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=300)
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     figures = measure(args)
     for key, value in figures.items():
         print(f"{key:45s} {value}")
-    out = RESULTS / "engine_overhead.json"
+    out = STUDY_RESULTS / "engine_overhead.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(figures, indent=2) + "\n")
 

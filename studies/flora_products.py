@@ -2,7 +2,7 @@
 with the rows each layout gives them, replayed from a CUDA graph over 8 layers of distinct
 weights (past the 50 MB L2).
 
-    loraplex bench flora-products [--out bench/results]
+    python studies/flora_products.py [--out studies/results]
 
 Layouts, for a batch of B tokens with FLoRA rank r on every token (R = B r rows a slice):
   none       the batch alone: one product a group (B rows);
@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from loraplex.benchmarks.results import RESULTS
+STUDY_RESULTS = Path("studies/results")
+"""Where the studies' results go (run them from the repository root)."""
+
 
 # (slice widths, in_features) of qkv, o, gate_up, down.
 GROUPS = (((4096, 1024, 1024), 4096), ((4096,), 4096), ((14336, 14336), 4096), ((4096,), 14336))
@@ -74,8 +76,8 @@ def layer_us(weights: list[list[torch.Tensor]], inputs: list[tuple]) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="loraplex bench flora-products")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser = argparse.ArgumentParser(prog="python studies/flora_products.py")
+    parser.add_argument("--out", type=Path, default=STUDY_RESULTS)
     args = parser.parse_args(argv)
     device, dtype = torch.device("cuda"), torch.bfloat16
     weights = [[torch.randn(sum(s), k, device=device, dtype=dtype) for s, k in GROUPS]

@@ -1,6 +1,6 @@
 """Skinny GEMM (kernels/skinny_gemm.py) against cuBLAS at decode batch sizes (GPU only).
 
-    loraplex bench skinny-gemm [--out bench/results] [--shapes qkv,o] [--m 1,8] [--no-sweep]
+    python studies/skinny_gemm_vs_cublas.py [--out studies/results] [--shapes qkv,o] [--m 1,8] [--no-sweep]
 
 For each Llama-3-8B projection (qkv, o, gate_up, down, lm_head; bf16 weight [N, K]) and each
 M in 1, 2, 4, 8, 16, 32, times y = x @ w.T by
@@ -28,8 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.benchmarks import kernel_speed as bk
-from loraplex.benchmarks.results import RESULTS
 from loraplex.kernels import skinny_gemm
+
+STUDY_RESULTS = Path("studies/results")
+"""Where the studies' results go (run them from the repository root)."""
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}
@@ -134,7 +136,7 @@ def parse_list(text: str, allowed) -> list:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=STUDY_RESULTS)
     parser.add_argument("--shapes", type=lambda t: parse_list(t, SHAPES), default=list(SHAPES),
                         help=f"comma-separated, of {','.join(SHAPES)}")
     parser.add_argument("--m", type=lambda t: parse_list(t, M_VALUES), default=list(M_VALUES),
