@@ -111,7 +111,7 @@ def print_summary(title: str, rows: list[dict]) -> None:
         return f"{'-':>17}" if fig is None else \
             f"{fig['time_us']:8.2f} {100 * fig['fraction_of_ceiling']:6.1f}% "
 
-    print(f"\n{title}\nus per call and fraction of {bk.CEILING_BYTES_PER_S / 1e12:.1f} TB/s "
+    print(f"\n{title}\nus per call and fraction of {bk.ceiling_bytes_per_s() / 1e12:.1f} TB/s "
           "(weight + x + y bytes); speedup = faster cuBLAS time / best skinny time")
     print(f"{'shape':<8} {'M':>3} {CUBLAS:>17} {CUBLAS_T:>17} {DEFAULT:>17} "
           f"{'best skinny':>17} {'speedup':>7}  {'winner':<9} best config")

@@ -6,9 +6,9 @@
 Each case is timed by replaying a CUDA graph of many calls (as the engine runs them), cycling
 over enough independent input sets that the inputs do not sit in L2 between calls; the figure
 is the median over replays, per call. Achieved bandwidth = bytes that must move (each input
-read once, each output written once) / time, printed next to the 3.0 TB/s measured copy
-ceiling of the lent H100. Writes bench/results/kernels-<gpu>.json; `--sweep` instead times
-alternative launch configs of decode attention and LoRA (kernels-<gpu>-sweep.json).
+read once, each output written once) / time, printed next to the device's own copy bandwidth,
+measured at start (loraplex.benchmarks.device_floors; 3.0 TB/s on the lent H100). Writes
+bench/results/kernels-<gpu>.json; `--sweep` instead times alternative launch configs of decode attention and LoRA (kernels-<gpu>-sweep.json).
 `--only` keeps the cases whose names match a regular expression (`--only lora`);
 `--lora-baseline` also times another implementation of lora.py (a file with the same
 wrappers, e.g. `git show <commit>:kernels/lora.py > /tmp/lora_old.py`) on each LoRA case;
@@ -34,12 +34,21 @@ from types import ModuleType
 import torch
 import triton
 
+from loraplex.benchmarks.device_floors import measure
 from loraplex.benchmarks.results import RESULTS
 from loraplex.kernels import activation, decode_attention, lora, norm, prefill_attention, rotary
 from loraplex.kernels import sampling as sampling_mod
 
-CEILING_BYTES_PER_S = 3.0e12  # device copy, measured on the lent H100 (DESIGN.md)
-CEILING_FLOPS = 795e12  # bf16 dense GEMM 8192^3, measured there
+
+def ceiling_bytes_per_s() -> float:
+    """This GPU's device-copy bandwidth, measured once (loraplex.benchmarks.device_floors)."""
+    return measure("cuda", "bfloat16").copy_bytes_per_s
+
+
+def ceiling_flops() -> float:
+    """This GPU's bf16 8192-cube product throughput, measured once."""
+    return measure("cuda", "bfloat16").matmul_flops_per_s
+
 L2_DEFEAT_BYTES = 160e6  # input sets cycled per graph: about 3x the 50 MB L2
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 4096, 32, 8, 128
@@ -99,7 +108,7 @@ def num_sets(bytes_per_call: float) -> int:
 def result(kernel: str, case: str, seconds: float, nbytes: float, flops: float = 0.0,
            **notes) -> Result:
     gbps = nbytes / seconds / 1e9
-    return Result(kernel, case, seconds * 1e6, nbytes, gbps, nbytes / seconds / CEILING_BYTES_PER_S,
+    return Result(kernel, case, seconds * 1e6, nbytes, gbps, nbytes / seconds / ceiling_bytes_per_s(),
                   flops, flops / seconds / 1e12 if flops else 0.0, notes)
 
 
@@ -434,12 +443,14 @@ def gpu_bench_meta(command: str, **extra: object) -> dict:
         sys.exit(f"loraplex bench {command} needs a CUDA GPU")
     torch.manual_seed(0)
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "ceiling_bytes_per_s": CEILING_BYTES_PER_S, **extra}
+            "python": platform.python_version(), "ceiling_bytes_per_s": ceiling_bytes_per_s(),
+            "device_floors": measure("cuda", "bfloat16").as_dict(), **extra}
 
 
 def print_table(title: str, results: list[Result]) -> None:
     print(f"\n{title}")
-    print(f"{'kernel':<32} {'case':<44} {'us':>9} {'GB/s':>8} {'of 3.0TB/s':>10} {'TFLOP/s':>8}")
+    ceiling = f"of {ceiling_bytes_per_s() / 1e12:.1f}TB/s"
+    print(f"{'kernel':<32} {'case':<44} {'us':>9} {'GB/s':>8} {ceiling:>10} {'TFLOP/s':>8}")
     for r in results:
         tf = f"{r.tflops:8.1f}" if r.flops else " " * 8
         print(f"{r.kernel:<32} {r.case[:44]:<44} {r.time_us:9.2f} {r.gbps:8.0f} "
@@ -488,7 +499,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tag", help="suffix of the JSON file's name")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    meta = gpu_bench_meta("kernels", ceiling_flops=CEILING_FLOPS)
+    meta = gpu_bench_meta("kernels", ceiling_flops=ceiling_flops())
     name = meta["device"]
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = (f"-{args.tag}" if args.tag else "") + ("-sweep" if args.sweep else "")

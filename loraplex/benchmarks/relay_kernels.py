@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from loraplex.benchmarks.kernel_speed import (
-    CEILING_BYTES_PER_S,
+    ceiling_bytes_per_s,
     gpu_bench_meta,
     gpu_slug,
     num_sets,
@@ -91,7 +91,7 @@ def bench_case(batch: int, group_size: int, prefix_len: int, own_len: int,
     t_relay = time_per_call(relay, sets, min_calls=calls)
     t_prefix = time_per_call(prefix, sets, min_calls=calls)
     partials = batch * HEADS * cfg.num_splits * (HEAD_DIM + 1) * 4 * 2  # written, read
-    floor = unique / CEILING_BYTES_PER_S
+    floor = unique / ceiling_bytes_per_s()
     return {
         "batch": batch, "group_size": group_size, "num_groups": num_groups,
         "prefix_len": prefix_len, "own_len": own_len,
@@ -99,7 +99,7 @@ def bench_case(batch: int, group_size: int, prefix_len: int, own_len: int,
         "plain_us": t_plain * 1e6, "speedup": t_plain / t_relay,
         "floor_us": floor * 1e6, "relay_over_floor": t_relay / floor,
         "plain_over_floor": t_plain / floor,
-        "plain_nominal_floor_us": nominal / CEILING_BYTES_PER_S * 1e6,
+        "plain_nominal_floor_us": nominal / ceiling_bytes_per_s() * 1e6,
         "unique_bytes": unique, "nominal_bytes": nominal, "relay_partial_bytes": partials,
         "predicted_io_speedup": nominal / unique, "max_abs_diff_vs_plain": err,
         "prefix_config": asdict(cfg), "decode_config": asdict(plain_cfg),
