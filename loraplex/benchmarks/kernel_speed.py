@@ -8,7 +8,8 @@ over enough independent input sets that the inputs do not sit in L2 between call
 is the median over replays, per call. Achieved bandwidth = bytes that must move (each input
 read once, each output written once) / time, printed next to the device's own copy bandwidth,
 measured at start (loraplex.benchmarks.device_floors; 3.0 TB/s on the lent H100). Writes
-bench/results/kernels-<gpu>.json; `--sweep` instead times alternative launch configs of decode attention and LoRA (kernels-<gpu>-sweep.json).
+bench/results/kernels-<gpu>.json; `--sweep` instead times alternative launch configs of decode
+attention and LoRA (kernels-<gpu>-sweep.json).
 `--only` keeps the cases whose names match a regular expression (`--only lora`);
 `--lora-baseline` also times another implementation of lora.py (a file with the same
 wrappers, e.g. `git show <commit>:kernels/lora.py > /tmp/lora_old.py`) on each LoRA case;
