@@ -66,6 +66,11 @@ class SchedulingPolicy(ABC):
         waiting requests are admitted (True), or only what they leave (False)."""
         return True
 
+    def capped_tenants(self, decoding: Sequence[Request]) -> set[str]:
+        """Tenants whose prompt chunks share a smaller per-step budget this step
+        (SchedulerConfig.max_capped_prefill_tokens), given the requests that decode in it."""
+        return set()
+
     def counters(self) -> dict[str, float]:
         """Each tenant's service as the policy counts it (empty if it counts none)."""
         return {}
@@ -179,6 +184,16 @@ class VtcPolicy(SchedulingPolicy):
         victim = self.choose_victim(running)
         gap = self._counters.get(victim.tenant, 0.0) - self._counters.get(blocked.tenant, 0.0)
         return victim if gap > self.bound else None
+
+    def capped_tenants(self, decoding: Sequence[Request]) -> set[str]:
+        """The active tenants served more than a tenant that decodes in this step: their prompt
+        chunks would lengthen the step, and so the time between tokens, of a tenant behind them
+        in service."""
+        decoders = {r.tenant for r in decoding}
+        if not decoders:
+            return set()
+        least = min(self._counters.get(t, 0.0) for t in decoders)
+        return {t for t in self._active() if self._counters.get(t, 0.0) > least + self.bound}
 
     def prefills_first(self, request: Request) -> bool:
         """A running prompt goes before the waiting requests only if its tenant is less served

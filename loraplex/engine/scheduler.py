@@ -97,6 +97,8 @@ class Scheduler:
         active = [r for r in self.running if r.has_tokens_to_compute]
         decodes = [r for r in active if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in active if r.num_tokens - r.num_computed_tokens > 1]
+        self._capped = self.policy.capped_tenants(decodes)
+        self._capped_left = self.config.max_capped_prefill_tokens
         first: list[Request] = []
         later: list[Request] = []
         for request in prefills:
@@ -106,10 +108,13 @@ class Scheduler:
                 break
             if request.request_id in preempted:
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request, budget)
+            if num_new == 0:
+                continue
             if self._reserve_running(request, num_new, plan, scheduled, preempted):
                 scheduled[request.request_id] = num_new
                 budget -= num_new
+                self._charge_cap(request, num_new)
         if not preempted:
             budget, blocked = self._admit_waiting(budget, plan, scheduled)
             if blocked is not None:
@@ -123,10 +128,11 @@ class Scheduler:
                 break
             if request.request_id in preempted or request.status is not RequestStatus.RUNNING:
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self._reserve(request, num_new, plan):
+            num_new = self._chunk(request, budget)
+            if num_new and self._reserve(request, num_new, plan):
                 scheduled[request.request_id] = num_new
                 budget -= num_new
+                self._charge_cap(request, num_new)
         self._fill(plan, scheduled)
         return plan
 
@@ -214,7 +220,12 @@ class Scheduler:
             swapped = request.is_swapped
             cached = self._take_cached_prefix(request)
             swapped = swapped and request.num_computed_tokens > 0  # (its prefix may be evicted)
-            num_new = 0 if swapped else min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = 0 if swapped else self._chunk(request, budget)
+            if num_new == 0 and not swapped:  # its tenant's prompt tokens are capped this step
+                if slot:
+                    self.adapters.release(request.adapter)
+                self._return_cached_prefix(request, cached, swapped)
+                continue
             if not self._reserve(request, num_new, plan):
                 if slot:
                     self.adapters.release(request.adapter)
@@ -227,7 +238,20 @@ class Scheduler:
             if not swapped:
                 scheduled[request.request_id] = num_new
                 budget -= num_new
+                self._charge_cap(request, num_new)
         return budget, None
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        """Tokens `request` may compute this step: what it has left, within the step's budget,
+        and for a prompt of a capped tenant within what the cap has left."""
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if num_new > 1 and request.tenant in self._capped:
+            num_new = min(num_new, self._capped_left)
+        return num_new
+
+    def _charge_cap(self, request: Request, num_new: int) -> None:
+        if num_new > 1 and request.tenant in self._capped:
+            self._capped_left -= num_new
 
     def _first_to_free(self) -> str | None:
         """The adapter whose slot frees first if every running request runs to its length

@@ -39,12 +39,14 @@ class NoAdapters:
 
 
 class Simulation:
-    def __init__(self, policy: str, weights: dict[str, float], bound: float = 1024.0) -> None:
+    def __init__(self, policy: str, weights: dict[str, float], bound: float = 1024.0,
+                 capped_prefill: int = 1024) -> None:
         self.tenants = TenantTable()
         for tenant, weight in weights.items():
             self.tenants.set_weight(tenant, weight)
         self.policy = (VtcPolicy(self.tenants, bound) if policy == "vtc" else FcfsPolicy(self.tenants))
-        config = SchedulerConfig(max_num_seqs=MAX_SEQS, max_num_batched_tokens=512)
+        config = SchedulerConfig(max_num_seqs=MAX_SEQS, max_num_batched_tokens=512,
+                                 max_capped_prefill_tokens=capped_prefill)
         self.blocks = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
         self.host = HostBlockPool(4 * NUM_BLOCKS)
         self.scheduler = Scheduler(config, self.blocks, NoAdapters(), self.policy, self.host)
@@ -250,3 +252,32 @@ def test_a_fairness_victims_blocks_admit_the_waiting_request_in_the_same_step():
         assert sim.tick < 100
     assert sim.last_plan.swap_out and "light-10" in sim.last_plan.request_ids
     assert sim.scheduler.preemptions["fairness", "swap"] == 1, sim.scheduler.preemptions
+
+
+def test_a_tenant_far_ahead_computes_short_prompt_chunks_while_one_behind_decodes():
+    """The steps that a light tenant's tokens wait for stay short: while it decodes, a tenant
+    served more than the bound beyond it computes at most the capped prompt tokens a step; with
+    nobody behind it decoding, its prompts take the whole budget."""
+    sim = Simulation("vtc", {}, capped_prefill=64)
+    for _ in range(12):
+        sim.add("heavy", MAX_PROMPT, 8)
+    heavy_chunks_alone = []
+    for _ in range(4):
+        sim.step()
+        heavy_chunks_alone += [n for n in sim.last_plan.num_scheduled_tokens if n > 1]
+    assert max(heavy_chunks_alone) > 64  # alone, nothing caps it
+    sim.add("light", 8, 40)
+    capped_steps = 0
+    for _ in range(40):
+        sim.add("heavy", MAX_PROMPT, 8)  # the flood goes on
+        counters = sim.policy.counters()  # as the step is planned
+        gap = counters["heavy"] - counters.get("light", 0.0)
+        sim.step()
+        plan = sim.last_plan
+        rows = dict(zip(plan.request_ids, plan.num_scheduled_tokens))
+        light_decodes = any(rid.startswith("light") and n == 1 for rid, n in rows.items())
+        heavy_prompt = sum(n for rid, n in rows.items() if rid.startswith("heavy") and n > 1)
+        if light_decodes and gap > 1024.0:
+            capped_steps += 1
+            assert heavy_prompt <= 64, (sim.tick, rows)
+    assert capped_steps >= 10
