@@ -3,7 +3,7 @@ Importing this module compiles nothing; kernels are compiled on first call."""
 
 from __future__ import annotations
 
-from loraplex.kernels import Ops
+from loraplex.kernels import Ops, reference
 from loraplex.kernels.activation import silu_and_mul
 from loraplex.kernels.adapter_families import flora_combine, flora_stack, scale_rows
 from loraplex.kernels.argmax import argmax
@@ -36,5 +36,8 @@ def triton_ops() -> Ops:
         flora_combine=flora_combine,
         sample=sample,
         argmax=argmax,
+        # Structured outputs' token masks: torch ops for now (they work on any device and in
+        # a CUDA graph); a Triton path belongs in the sampling kernel.
+        mask_logits=reference.mask_logits,
         score_tokens=score_tokens,
     )
