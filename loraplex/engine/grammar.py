@@ -131,13 +131,15 @@ class GrammarCompiler:
 
     def _compile(self, spec: StructuredOutput) -> Any:
         compiler = self._compiler
-        if spec.json_object:
-            return compiler.compile_builtin_json_grammar()
+        # Compact JSON (no free whitespace): a model cannot pad its answer with endless blanks,
+        # which small models do when whitespace is allowed anywhere.
+        compact = {"any_whitespace": False, "separators": (",", ":")}
+        if spec.json_object:  # an object (not any JSON value), with any members
+            return compiler.compile_json_schema('{"type":"object"}', strict_mode=False, **compact)
         if spec.json_schema is not None:
             _check_schema(spec)
-            # Compact JSON (no free whitespace): a model cannot pad its answer with endless
-            # blanks, which small models do when whitespace is allowed anywhere.
-            return compiler.compile_json_schema(spec.json_schema, any_whitespace=False, separators=(",", ":"))
+            # strict_mode: no properties or items beyond those the schema names
+            return compiler.compile_json_schema(spec.json_schema, strict_mode=True, **compact)
         if spec.regex is not None:
             return compiler.compile_regex(spec.regex)
         if spec.choice is not None:

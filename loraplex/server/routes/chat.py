@@ -13,6 +13,7 @@ from loraplex.server.deps import ServicesDep
 from loraplex.server.generation import (
     Choice,
     Job,
+    compile_constraint,
     prompt_logprobs_of,
     resolve_model,
     run_job,
@@ -69,7 +70,7 @@ async def create_chat_completion(body: ChatCompletionRequest, principal: TenantD
                              default_max_tokens=None, logprobs=logprobs, prompt_param="messages",
                              prompt_logprobs=body.prompt_logprobs)
     job = Job(request_id_of(request.scope), principal.tenant, body.model, adapter, prompt_ids, params,
-              arrival, admission, n=body.n or 1)
+              arrival, admission, n=body.n or 1, grammar=await compile_constraint(services, params))
     outputs = await run_job(request, services, job, stream=bool(body.stream),
                             events=lambda first, rest: _events(services, job, body, first, rest))
     if isinstance(outputs, Response):

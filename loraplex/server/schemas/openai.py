@@ -55,6 +55,42 @@ class StreamOptions(Request):
         return self
 
 
+JsonValue = dict[str, Any] | bool
+
+
+class JsonSchemaFormat(Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$",
+                      description="The schema's name (OpenAI requires one).")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="The JSON schema the "
+                                           "output follows (missing: any JSON object).")
+    strict: bool | None = Field(None, description="Accepted: the output always follows the schema "
+                                "(every token is drawn from those the schema allows).")
+
+
+class ResponseFormat(Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, description="With `type: json_schema`.")
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("invalid_value", "json_schema is given with type json_schema, "
+                                      "and only then")
+        return self
+
+
+class StructuredOutputs(Request):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: JsonValue | str | None = Field(None, alias="json", description="A JSON schema (an object "
+                                          "or its JSON text).")
+    regex: str | None = Field(None, min_length=1)
+    choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
+    grammar: str | None = Field(None, min_length=1, description="An EBNF grammar (GBNF), rule `root` first.")
+    json_object: bool | None = None
+
+
 class SamplingFields(Request):
     """What completions and chat share. Features loraplex lacks are refused unless they are
     given their neutral value (penalties 0, an empty logit_bias, ...)."""
@@ -101,6 +137,18 @@ class SamplingFields(Request):
         "registered system prompts, put first (chat: as the system message; completions: before the "
         "prompt). Its KV cache is computed once and shared. A prompt bound to an adapter serves only "
         "with that adapter as `model`.")
+    response_format: ResponseFormat | None = Field(
+        None, description="`text`; `json_object` (the output is a JSON object); `json_schema` (it "
+        "follows `json_schema.schema`). On completions too, as vLLM takes it.")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM extension: constrain the output to a JSON schema (`json`), a "
+        "regular expression, one of a `choice` of strings, or an EBNF `grammar`.")
+    guided_json: JsonValue | str | None = Field(None, description="vLLM extension (older name): "
+                                                "`structured_outputs.json`.")
+    guided_regex: str | None = Field(None, min_length=1, description="vLLM extension (older name).")
+    guided_choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = Field(
+        None, description="vLLM extension (older name).")
+    guided_grammar: str | None = Field(None, min_length=1, description="vLLM extension (older name).")
     frequency_penalty: Literal[0] | None = unsupported()
     presence_penalty: Literal[0] | None = unsupported()
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = unsupported()
@@ -155,16 +203,11 @@ class ChatMessage(Request):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ResponseFormat(Request):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0, description="Same as max_tokens.")
     logprobs: bool | None = Field(None, description="Return the log-probability of each token.")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = Field(None, description="Only text.")
     best_of: Literal[1] | None = vllm_neutral()
     echo: Literal[False] | None = vllm_neutral()
     add_generation_prompt: Literal[True] | None = vllm_neutral()
