@@ -327,7 +327,8 @@ def test_bad_parameters_are_400_naming_the_parameter(server: Server) -> None:
             assert error["code"] == code, (change, error)
         chat_cases = [({"messages": []}, "messages"), ({"messages": [{"role": "wizard", "content": "x"}]},
                                                        "messages.0.role"),
-                      ({"tools": [{"type": "function"}]}, "tools"),
+                      ({"tools": [{"type": "function"}]}, "tools.0.function"),
+                      ({"tool_choice": "required"}, "tool_choice"),
                       ({"messages": [{"role": "user", "content": "y" * 600}]}, "messages")]
         for change, param in chat_cases:
             body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}]} | change

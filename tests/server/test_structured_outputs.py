@@ -1,8 +1,10 @@
 """Structured outputs through the official `openai` client against a real `loraplex serve` on the
 quick start (SmolLM2-135M-Instruct and its three trained adapters): `chat.completions.parse`
 with a Pydantic model gives a parsed object 20 of 20 times on each model, `json_object` answers
-parse 20 of 20, vLLM's fields constrain completions, and a constraint that cannot compile is a
-400 naming its field."""
+parse 20 of 20, vLLM's fields constrain completions, a constraint that cannot compile is a 400
+naming its field; tool calls with `tool_choice="required"` carry arguments valid against their
+schema 20 of 20, streamed (as deltas) and not, a named function is called, tool results go back
+in `tool` messages."""
 
 from __future__ import annotations
 
@@ -11,11 +13,11 @@ import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import openai
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from tests.quickstart.conftest import copy_quickstart
 from tests.server.test_serve_cli import loraplex_serve
@@ -128,3 +130,115 @@ def test_a_constraint_that_cannot_compile_is_a_400_naming_it(client: openai.Open
     error = info.value.body
     assert error["param"] == param, error
     assert param in error["message"] or "both constrain" in error["message"], error
+
+
+# Tool calling ---------------------------------------------------------------------------------
+class WeatherArguments(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    city: Words
+    unit: Literal["celsius", "fahrenheit"]
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                      "parameters": WeatherArguments.model_json_schema()}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time now.",
+                                      "parameters": {"type": "object", "properties": {}}}},
+]
+QUESTION = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+
+
+def check_call(name: str, arguments: str) -> None:
+    assert name in ("get_weather", "get_time"), name
+    if name == "get_weather":
+        WeatherArguments.model_validate_json(arguments)
+    else:
+        assert json.loads(arguments) == {}
+
+
+def test_required_tool_calls_carry_valid_arguments_every_time(client: openai.OpenAI) -> None:
+    def ask(i: int) -> list:
+        completion = client.chat.completions.create(
+            model=MODELS[i % len(MODELS)], messages=QUESTION, tools=TOOLS, tool_choice="required",
+            max_tokens=150, temperature=0.7, seed=i)
+        choice = completion.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        return choice.message.tool_calls
+
+    for calls in in_parallel(NUM_TRIES, ask):
+        assert calls and len({call.id for call in calls}) == len(calls)
+        for call in calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            check_call(call.function.name, call.function.arguments)
+
+
+def test_streamed_required_tool_calls_come_as_deltas_and_carry_valid_arguments(client: openai.OpenAI) -> None:
+    def ask(i: int) -> tuple[dict, int, str | None]:
+        stream = client.chat.completions.create(
+            model=MODELS[i % len(MODELS)], messages=QUESTION, tools=TOOLS, tool_choice="required",
+            max_tokens=150, temperature=0.7, seed=100 + i, stream=True)
+        calls: dict[int, dict] = {}
+        num_chunks, finish_reason = 0, None
+        for chunk in stream:
+            for choice in chunk.choices:
+                assert not choice.delta.content
+                for delta in choice.delta.tool_calls or []:
+                    num_chunks += 1
+                    call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+                    if delta.id is not None:
+                        assert call["id"] is None  # id and name come once, first
+                        call["id"], call["name"] = delta.id, delta.function.name
+                    call["arguments"] += delta.function.arguments or ""
+                finish_reason = choice.finish_reason or finish_reason
+        return calls, num_chunks, finish_reason
+
+    for calls, num_chunks, finish_reason in in_parallel(NUM_TRIES, ask):
+        assert finish_reason == "tool_calls" and calls and sorted(calls) == list(range(len(calls)))
+        for call in calls.values():
+            check_call(call["name"], call["arguments"])
+        assert num_chunks > len(calls)  # the arguments came in pieces, as they were generated
+
+
+def test_a_named_function_and_one_call_at_most(client: openai.OpenAI) -> None:
+    completion = client.chat.completions.create(
+        model="extract", messages=QUESTION, tools=TOOLS, max_tokens=60, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [call] = completion.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    WeatherArguments.model_validate_json(call.function.arguments)
+    for i in range(4):
+        completion = client.chat.completions.create(
+            model=MODELS[0], messages=QUESTION, tools=TOOLS, tool_choice="required", max_tokens=150,
+            parallel_tool_calls=False, temperature=1.0, seed=i)
+        assert len(completion.choices[0].message.tool_calls) == 1
+
+
+def test_tool_results_go_back_in_tool_messages(client: openai.OpenAI) -> None:
+    messages = [*QUESTION,
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "call_1", "type": "function",
+                    "function": {"name": "get_weather",
+                                 "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "clear"}'}]
+    for tool_choice in ("none", "auto"):
+        completion = client.chat.completions.create(model=MODELS[0], messages=messages, tools=TOOLS,
+                                                    tool_choice=tool_choice, max_tokens=30, temperature=0)
+        message = completion.choices[0].message
+        if tool_choice == "none":
+            assert message.content and not message.tool_calls
+        for call in message.tool_calls or []:  # auto: calls, if any, are well-formed
+            check_call(call.function.name, call.function.arguments)
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"tool_choice": {"type": "function", "function": {"name": "nowhere"}}}, "tool_choice"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "tools"),
+])
+def test_bad_tool_requests_are_a_400_naming_the_field(client: openai.OpenAI, extra: dict, param: str) -> None:
+    body = {"tools": TOOLS} | extra
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="extract", messages=QUESTION, max_tokens=5, extra_body=body)
+    assert info.value.body["param"] == param, info.value.body

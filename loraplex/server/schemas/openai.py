@@ -193,13 +193,70 @@ class TextPart(Request):
     text: str
 
 
+MAX_TOOLS = 128
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class FunctionDefinition(Request):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments "
+                                              "(missing: no arguments).")
+    strict: bool | None = Field(None, description="Accepted: with `tool_choice` `required` or a named "
+                                "function, the arguments always follow `parameters`.")
+
+
+class Tool(Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChosenFunction(Request):
+    name: FunctionName
+
+
+class NamedToolChoice(Request):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class FunctionCall(Request):
+    name: FunctionName
+    arguments: str = Field(description="The arguments, as JSON text.")
+
+
+class ToolCall(Request):
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(Request):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] = Field(description="Text, or a list of text parts.")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(None, description="Text, or a list of text parts "
+                                                 "(null only for an assistant's tool calls).")
     name: str | None = Field(None, max_length=64)
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1, max_length=MAX_TOOLS)] | None = Field(
+        None, description="An assistant's calls of your tools.")
+    tool_call_id: str | None = Field(None, min_length=1, max_length=256, description="A `tool` "
+                                     "message's answer to this call.")
+
+    @model_validator(mode="after")
+    def _content_unless_tool_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError("missing", "content is required (it may be null only for an "
+                                      "assistant message with tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError("invalid_value", "only assistant messages have tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise PydanticCustomError("invalid_value", "a tool message, and only a tool message, "
+                                      "has a tool_call_id")
+        return self
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -212,15 +269,20 @@ class ChatCompletionRequest(SamplingFields):
     echo: Literal[False] | None = vllm_neutral()
     add_generation_prompt: Literal[True] | None = vllm_neutral()
     continue_final_message: Literal[False] | None = vllm_neutral()
-    tools: Annotated[list[Any], Field(max_length=0)] | None = unsupported()
-    tool_choice: Literal["none", "auto"] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="Functions the model may call, rendered through the chat template (or, if "
+        "the template takes no tools, in a system message).")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="`auto` (default with tools): the model may answer or call tools; "
+        "`required`: it calls one or more (arguments constrained by their schemas); a named "
+        "function: it calls that one; `none`: it answers in text.")
+    parallel_tool_calls: bool | None = Field(None, description="With false, at most one call.")
     functions: Annotated[list[Any], Field(max_length=0)] | None = unsupported()
     function_call: Literal["none", "auto"] | None = None
     modalities: list[Literal["text"]] | None = None
     audio: None = unsupported()
     prediction: None = unsupported()
     web_search_options: None = unsupported()
-    parallel_tool_calls: Ignored
     metadata: Ignored
     store: Ignored
     service_tier: Ignored
@@ -234,7 +296,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 # Responses ------------------------------------------------------------------------------------
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class Usage(BaseModel):
@@ -300,9 +362,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -319,9 +393,22 @@ class ChatCompletion(_Envelope):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
