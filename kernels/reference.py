@@ -434,10 +434,13 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def mask_logits(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits [batch, vocab] float, rows [m] int64 (rows of logits that are masked), bitmask
-    [m, ceil(vocab / 32)] int32 (bit j of word i set: token 32 i + j allowed) -> a copy of logits
-    whose masked rows have -inf at every token their mask leaves out (other rows unchanged)."""
+    """logits [batch, vocab] float, rows [m] int64 (rows of logits that are masked; -1:
+    padding), bitmask [m, >= ceil(vocab / 32)] int32 (bit j of word i set: token 32 i + j
+    allowed) -> a copy of logits whose masked rows have -inf at every token their mask leaves
+    out (other rows unchanged)."""
     vocab = logits.shape[-1]
+    keep = rows >= 0
+    rows, bitmask = rows[keep], bitmask[keep]
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(len(bitmask), -1)[:, :vocab].bool()
     masked = logits.clone()

@@ -3,7 +3,7 @@ Importing this module compiles nothing; kernels are compiled on first call."""
 
 from __future__ import annotations
 
-from loraplex.kernels import Ops, reference
+from loraplex.kernels import Ops
 from loraplex.kernels.activation import silu_and_mul
 from loraplex.kernels.adapter_families import flora_combine, flora_stack, scale_rows
 from loraplex.kernels.argmax import argmax
@@ -16,6 +16,7 @@ from loraplex.kernels.rotary import rotary_store_kv
 from loraplex.kernels.sampling import sample
 from loraplex.kernels.scoring import score_tokens
 from loraplex.kernels.skinny_gemm import linear
+from loraplex.kernels.token_mask import mask_logits
 
 
 def triton_ops() -> Ops:
@@ -36,8 +37,6 @@ def triton_ops() -> Ops:
         flora_combine=flora_combine,
         sample=sample,
         argmax=argmax,
-        # Structured outputs' token masks: torch ops for now (they work on any device and in
-        # a CUDA graph); a Triton path belongs in the sampling kernel.
-        mask_logits=reference.mask_logits,
+        mask_logits=mask_logits,
         score_tokens=score_tokens,
     )

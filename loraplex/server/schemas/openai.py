@@ -1,7 +1,7 @@
 """OpenAI API request and response bodies (the subset loraplex serves). Requests are strict:
 an unknown field is a 400 naming it (as OpenAI answers), known fields that do not change the
 output (user, metadata, store, ...) are accepted and ignored, and known features loraplex does
-not implement (tools, penalties, ...) are refused by name rather than ignored. vLLM's
+not implement (penalties, audio, ...) are refused by name rather than ignored. vLLM's
 request extensions that the field's clients send are taken with vLLM's meaning where loraplex
 implements them, accepted at their neutral value only where it does not (docs/api.md lists
 them)."""
