@@ -33,6 +33,7 @@ class Ops:
     flora_combine: Callable
     sample: Callable
     argmax: Callable
+    mask_logits: Callable
     score_tokens: Callable
 
 
@@ -56,6 +57,7 @@ def reference_ops() -> Ops:
         flora_combine=r.flora_combine,
         sample=r.sample,
         argmax=r.argmax,
+        mask_logits=r.mask_logits,
         score_tokens=r.score_tokens,
     )
 

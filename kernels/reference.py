@@ -433,6 +433,21 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def mask_logits(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [batch, vocab] float, rows [m] int64 (rows of logits that are masked; -1:
+    padding), bitmask [m, >= ceil(vocab / 32)] int32 (bit j of word i set: token 32 i + j
+    allowed) -> a copy of logits whose masked rows have -inf at every token their mask leaves
+    out (other rows unchanged)."""
+    vocab = logits.shape[-1]
+    keep = rows >= 0
+    rows, bitmask = rows[keep], bitmask[keep]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(len(bitmask), -1)[:, :vocab].bool()
+    masked = logits.clone()
+    masked[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return masked
+
+
 def score_tokens(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """logits [rows, vocab] float32, targets [rows] int -> float32 [rows, 4]:
     log_softmax(logits)[target], the target's rank (1 + the tokens scored higher), the row's

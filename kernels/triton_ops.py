@@ -16,6 +16,7 @@ from loraplex.kernels.rotary import rotary_store_kv
 from loraplex.kernels.sampling import sample
 from loraplex.kernels.scoring import score_tokens
 from loraplex.kernels.skinny_gemm import linear
+from loraplex.kernels.token_mask import mask_logits
 
 
 def triton_ops() -> Ops:
@@ -36,5 +37,6 @@ def triton_ops() -> Ops:
         flora_combine=flora_combine,
         sample=sample,
         argmax=argmax,
+        mask_logits=mask_logits,
         score_tokens=score_tokens,
     )

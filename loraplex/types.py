@@ -15,6 +15,42 @@ MAX_STOP_SEQUENCES = 16
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output, compiled by the grammar engine (xgrammar): exactly one
+    of the kinds below. Equal constraints compile once (the compiled grammars are cached by this
+    value, `param` left out)."""
+
+    json_schema: str | None = None
+    """A JSON schema, as JSON text: the output is a JSON value that it accepts."""
+    json_object: bool = False
+    """Any JSON object."""
+    regex: str | None = None
+    """The output matches this regular expression, whole."""
+    choice: tuple[str, ...] | None = None
+    """The output is one of these strings."""
+    grammar: str | None = None
+    """An EBNF grammar (GBNF, llama.cpp's dialect, as vLLM takes it; the rule `root` starts)."""
+    param: str = field(default="response_format", compare=False)
+    """The request field it came from: errors name it."""
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = [self.json_schema is not None, self.json_object, self.regex is not None,
+                 self.choice is not None, self.grammar is not None]
+        _require(sum(kinds) == 1, "give exactly one of json_schema, json_object, regex, choice and "
+                 "grammar", self.param)
+        _require(self.choice is None or (self.choice and all(isinstance(c, str) and c for c in self.choice)),
+                 "choice must be a list of non-empty strings", self.param)
+
+    @property
+    def kind(self) -> str:
+        return ("json_schema" if self.json_schema is not None else "json_object" if self.json_object
+                else "regex" if self.regex is not None else "choice" if self.choice is not None
+                else "grammar")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How one request samples its output. Invalid values raise InvalidRequestError naming the
     field. `temperature == 0` is greedy; `top_k <= 0` and `top_p == 1` disable those filters."""
@@ -35,6 +71,9 @@ class SamplingParams:
     """Return the log-probability of each prompt token after the first (under the request's
     adapter), with its rank and this many top alternatives. With `max_tokens=0` the request
     only scores its prompt: it ends with nothing generated."""
+    structured: StructuredOutput | None = None
+    """Constrain the output to a JSON schema, a regex, a choice or a grammar (each sampled token
+    is drawn from those the grammar allows next; the request stops when the grammar is done)."""
 
     def __post_init__(self) -> None:
         # Accept lists and a single stop string, as the OpenAI API does; store tuples.

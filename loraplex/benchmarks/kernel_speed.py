@@ -37,7 +37,7 @@ import triton
 
 from loraplex.benchmarks.device_floors import measure
 from loraplex.benchmarks.results import RESULTS
-from loraplex.kernels import activation, decode_attention, lora, norm, prefill_attention, rotary
+from loraplex.kernels import activation, decode_attention, lora, norm, prefill_attention, rotary, token_mask
 from loraplex.kernels import sampling as sampling_mod
 
 
@@ -354,6 +354,17 @@ def bench_sample(batch: int, temperature: float, top_k: int, top_p: float) -> Re
                   nbytes)
 
 
+def bench_mask_logits(batch: int, num_masked: int) -> Result:
+    """Structured outputs' token masks: the logits copied, `num_masked` rows masked."""
+    words = -(-VOCAB // 32)
+    nbytes = 2 * batch * VOCAB * 4 + num_masked * (words * 4 + VOCAB * 4)
+    logits = torch.randn(batch, VOCAB, device=DEVICE)
+    rows = torch.arange(0, 2 * num_masked, 2, device=DEVICE) % batch
+    bitmask = torch.randint(-2**31, 2**31 - 1, (num_masked, words), dtype=torch.int32, device=DEVICE)
+    t = time_per_call(lambda _: token_mask.mask_logits(logits, rows, bitmask), [None], min_calls=16)
+    return result("mask_logits", f"batch={batch} masked={num_masked}", t, nbytes)
+
+
 # ---------------------------------------------------------------- sweeps
 
 
@@ -429,6 +440,7 @@ def main_cases(lora_baseline: ModuleType | None = None) -> list[Case]:
         case(bench_sample, 64, 0.0, 0, 1.0), case(bench_sample, 64, 1.0, 0, 1.0),
         case(bench_sample, 64, 0.8, 50, 0.9), case(bench_sample, 64, 1.0, 0, 0.95),
         case(bench_sample, 256, 0.8, 50, 0.9),
+        case(bench_mask_logits, 64, 32),
     ]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import random
 import re
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -28,11 +29,12 @@ from loraplex.engine.adapter_cache import AdapterCache, AdapterLoader
 from loraplex.engine.block_manager import BlockManager, HostBlockPool
 from loraplex.engine.cuda_graphs import CaptureReport
 from loraplex.engine.detokenizer import Detokenizer
+from loraplex.engine.grammar import CompiledGrammar, GrammarCompiler, allocate_masks
 from loraplex.engine.kv_swap import KvSwapper, SwapStats
 from loraplex.engine.local_adapters import LocalAdapters
 from loraplex.engine.lora_weights import HostAdapter, LoraSlotBuffers, adapter_bytes, make_host_adapter
 from loraplex.engine.model_runner import LaunchedStep, ModelRunner
-from loraplex.engine.plan import StepPlan, StepResult
+from loraplex.engine.plan import StepPlan, StepResult, TokenMasks
 from loraplex.engine.policy import FcfsPolicy, SchedulingPolicy, VtcPolicy
 from loraplex.engine.prefix_cache import block_hashes
 from loraplex.engine.prompt_logprobs import SLICE_BYTES
@@ -78,6 +80,11 @@ class InFlight:
     launched: LaunchedStep
     scored: list[Request] = field(default_factory=list)
     """Requests that generate nothing and whose prompt this step completes."""
+
+    @property
+    def is_constrained(self) -> bool:
+        """Some request it samples follows a grammar (its next mask needs this step's token)."""
+        return any(r.matcher is not None for r in self.sampling)
 
 
 @dataclass
@@ -160,6 +167,21 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self._pins: dict[str, PinnedPrompt] = {}
         self._pin_by_request: dict[str, str] = {}  # warm-up request id -> pin key
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler for this model's tokenizer (made on first use;
+        thread-safe: the server compiles on worker threads)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError("this model has no tokenizer: structured outputs need one",
+                                              param="response_format")
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                 self.eos_token_ids)
+            return self._grammars
 
     def _policy(self) -> SchedulingPolicy:
         config = self.config.scheduler
@@ -250,12 +272,15 @@ class LLMEngine:
         self, request_id: str, prompt: str | None = None, params: SamplingParams | None = None,
         adapter: str | None = None, prompt_token_ids: list[int] | None = None,
         tenant: str | None = None, sample_of: str | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> Request:
         """Queue a request. Exactly one of `prompt` (text) and `prompt_token_ids` is given;
         `adapter` names an added adapter (or, with an adapter loader, gives a digest) or is None
         for the base model; `tenant` is DEFAULT_TENANT when not given. `sample_of` names a queued
         request of the same prompt and adapter that this one is another sample of: it shares
-        that request's prompt KV blocks rather than computing them again."""
+        that request's prompt KV blocks rather than computing them again. With
+        `params.structured`, `grammar` is its compiled grammar (compiled here when not given:
+        the server compiles beforehand, off the engine thread)."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         params = params or SamplingParams()
@@ -275,6 +300,10 @@ class LLMEngine:
         )
         if sample_of is not None:
             request.prompt_donor = self._prompt_donor(request, sample_of)
+        if params.structured is not None:
+            if grammar is None or grammar.spec != params.structured:
+                grammar = self.grammars.compile(params.structured)
+            request.matcher = grammar.make_matcher()
         self._arrivals += 1
         self._requests[request_id] = request
         if self.tokenizer is not None:
@@ -431,6 +460,10 @@ class LLMEngine:
         """Run one step and return the requests that advanced or finished: this step's, or
         with async scheduling the previous step's, while this one runs on the device."""
         outputs = self._fail_adapter_loads()
+        if self._in_flight is not None and self._in_flight.is_constrained:
+            # The grammar's next mask needs the token in flight: no overlap for this step.
+            step, self._in_flight = self._in_flight, None
+            outputs += self.collect(step)
         launched = self.launch(self.scheduler.schedule(), outputs)
         if self._in_flight is not None:
             outputs += self.collect(self._in_flight)
@@ -466,6 +499,7 @@ class LLMEngine:
         if not plan.has_work:
             return None
         try:
+            plan.token_masks = self._token_masks(plan)
             launched = self.runner.launch(plan)
         except Exception as exc:
             logger.exception("engine step failed")
@@ -478,6 +512,18 @@ class LLMEngine:
         scored = [r for r in map(self._requests.get, plan.request_ids)
                   if r is not None and r.params.is_scoring_only and r.num_computed_tokens == r.num_tokens]
         return InFlight(plan, sampling, launched, scored)
+
+    def _token_masks(self, plan: StepPlan) -> TokenMasks | None:
+        """The allowed tokens of the plan's constrained samples, from their matchers."""
+        constrained = [request for request_id, samples in zip(plan.request_ids, plan.samples)
+                       if samples and (request := self._requests.get(request_id)) is not None
+                       and request.matcher is not None]
+        if not constrained:
+            return None
+        bitmask = allocate_masks(len(constrained), self.model_config.vocab_size)
+        for row, request in enumerate(constrained):
+            request.matcher.fill_mask(bitmask, row)
+        return TokenMasks([r.request_id for r in constrained], bitmask)
 
     def collect(self, step: InFlight) -> list[RequestOutput]:
         """Wait for a launched step's tokens; apply stops and build the outputs."""
@@ -531,7 +577,13 @@ class LLMEngine:
         detokenizer = self._detokenizers.get(request.request_id)
         if detokenizer is not None:
             new_text, stopped = detokenizer.push(token)
-        if stopped or token in params.stop_token_ids or (
+        grammar_done = False
+        if request.matcher is not None:
+            if not request.matcher.accept(token):  # the mask allowed it: a bug, not the client's
+                return self._fail([request.request_id], RuntimeError(
+                    f"the grammar refused token {token} that its own mask allowed"))[0]
+            grammar_done = request.matcher.is_done
+        if stopped or grammar_done or token in params.stop_token_ids or (
                 token in self.eos_token_ids and not params.ignore_eos):
             reason = "stop"
         elif len(request.token_ids) >= request.max_num_tokens:

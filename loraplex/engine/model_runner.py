@@ -50,6 +50,14 @@ class QueuedLogprobs:
 
 
 @dataclass
+class SampleMasks:
+    """A step's token masks on the device (structured outputs)."""
+
+    rows: torch.Tensor  # [num_masked] int64: rows of the step's logits that are masked
+    bitmask: torch.Tensor  # [num_masked, ceil(vocab / 32)] int32: bit set = token allowed
+
+
+@dataclass
 class LaunchedStep:
     """A step queued on the device, until `collect` reads its tokens."""
 
@@ -102,7 +110,7 @@ class ModelRunner:
         if plan.is_empty:
             return LaunchedStep()
         filled = self.prepare(plan)
-        return self.dispatch(plan, filled, *self.run(filled.shape, filled.prompt))
+        return self.dispatch(plan, filled, *self.run(filled.shape, filled.prompt, filled.masks))
 
     def apply(self, plan: StepPlan) -> None:
         """Bring the runner's records up to date with the plan."""
@@ -129,23 +137,44 @@ class ModelRunner:
             if prompt is not None and filled.shape.is_padded_decode:  # scoring steps run eagerly
                 filled = self.inputs.fill(plan, self.batch, None)
             filled.prompt = prompt
+        if plan.token_masks is not None:
+            filled.masks = self._masks(plan, filled)
         self.inputs.upload()
         return filled
 
-    def run(self, shape: StepShape, prompt: prompt_logprobs.PromptSelection | None = None
+    def _masks(self, plan: StepPlan, filled: FilledStep) -> SampleMasks:
+        """The plan's token masks on the device, with the step's sample row each applies to (a
+        padded decode step samples every row; another, only the rows that sample)."""
+        masks = plan.token_masks
+        if filled.shape.is_padded_decode:
+            position = {request_id: i for i, request_id in enumerate(plan.request_ids)}
+        else:
+            sampled = (r for r, s in zip(plan.request_ids, plan.samples) if s)
+            position = {request_id: i for i, request_id in enumerate(sampled)}
+        rows = torch.tensor([position[r] for r in masks.request_ids], dtype=torch.int64)
+        return SampleMasks(_to_device(rows.numpy(), self.device),
+                           masks.bitmask.to(self.device, non_blocking=True))
+
+    def run(self, shape: StepShape, prompt: prompt_logprobs.PromptSelection | None = None,
+            masks: SampleMasks | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, prompt_logprobs.QueuedPromptLogprobs | None]:
         """(logits [num_samples, vocab] float32, tokens [num_samples], the prompt logprobs
         queued to the host if the step scores any) of a filled step: a graph replay for a padded
-        decode step, else the forward pass run eagerly."""
-        if shape.is_padded_decode and self.graphs is not None and self.graphs.has(shape):
+        decode step, else the forward pass run eagerly (a step with token masks runs eagerly for
+        now: the decode graphs do not take masks yet)."""
+        if (shape.is_padded_decode and masks is None and self.graphs is not None
+                and self.graphs.has(shape)):
             return *self.graphs.replay(shape), None
         with torch.inference_mode():
-            return self.forward(shape, prompt)
+            return self.forward(shape, prompt, masks)
 
-    def forward(self, shape: StepShape, prompt: prompt_logprobs.PromptSelection | None = None
+    def forward(self, shape: StepShape, prompt: prompt_logprobs.PromptSelection | None = None,
+                masks: SampleMasks | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, prompt_logprobs.QueuedPromptLogprobs | None]:
         """The forward pass and the sampler over the device step inputs, sliced to `shape`, and
-        the log-probabilities of the prompt positions in `prompt` from the same pass."""
+        the log-probabilities of the prompt positions in `prompt` from the same pass. `masks`:
+        the samples that draw only from their grammar's allowed tokens (the logits returned, and
+        so the logprobs, are the model's own, unmasked)."""
         s, t, n = self.inputs, shape.num_tokens, shape.num_samples
         attention = AttentionMetadata(
             slot_mapping=s.slot_mapping[:t], block_tables=s.block_tables[:shape.num_seqs],
@@ -167,10 +196,11 @@ class ModelRunner:
             if not shape.is_padded_decode:  # every row samples in a padded decode step
                 hidden = hidden[s.logits_indices[:n]]
             logits = self.model.compute_logits(hidden)
+            drawn = logits if masks is None else self.ops.mask_logits(logits, masks.rows, masks.bitmask)
             if shape.is_greedy:
-                tokens = self.ops.argmax(logits)
+                tokens = self.ops.argmax(drawn)
             else:
-                tokens = self.ops.sample(logits, s.temperature[:n], s.top_k[:n], s.top_p[:n],
+                tokens = self.ops.sample(drawn, s.temperature[:n], s.top_k[:n], s.top_p[:n],
                                          s.seeds[:n], s.offsets[:n])
             self.row_tokens[s.sample_rows[:n]] = tokens
         return logits, tokens, scored

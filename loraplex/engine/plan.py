@@ -5,6 +5,7 @@ scheduler's objects."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from loraplex.types import SamplingParams, TokenLogprob
 
@@ -28,6 +29,17 @@ class NewSequence:
 
 
 @dataclass
+class TokenMasks:
+    """The tokens that the step's constrained samples may draw (structured outputs): one
+    bitmask row per request, from its grammar matcher."""
+
+    request_ids: list[str]
+    bitmask: Any
+    """torch.Tensor [len(request_ids), ceil(vocab / 32)] int32 on the host: bit j of word i
+    set allows token 32 i + j."""
+
+
+@dataclass
 class StepPlan:
     """One engine step. `request_ids[i]` computes `num_scheduled_tokens[i]` new tokens starting
     at its current `num_computed_tokens`; a request whose step reaches the end of its known
@@ -48,6 +60,8 @@ class StepPlan:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     """(host block, device block) pairs to copy back; the requests they belong to run from the
     next step on, so the copies overlap this step."""
+    token_masks: TokenMasks | None = None
+    """Allowed tokens of the samples that are constrained (None: none is)."""
 
     @property
     def num_tokens(self) -> int:

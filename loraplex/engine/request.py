@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from loraplex.engine.tenants import DEFAULT_TENANT
 from loraplex.types import FinishReason, SamplingParams, TokenLogprob
@@ -59,6 +60,10 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     """One entry per prompt token scored so far (None for the first), when asked."""
+    matcher: Any = None
+    """With `params.structured`: its GrammarMatcher (loraplex.engine.grammar), advanced by each
+    token committed. Never ahead of `token_ids`: a constrained request is planned only once its
+    tokens are all on the host, so preemption (recompute or swap) leaves it where it is."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -14,6 +14,7 @@ where the model runs. Nothing else copies or packs it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -132,6 +133,8 @@ class FilledStep:
     query_start: np.ndarray  # [num_seqs + 1] int64: offsets of each one's tokens in the step
     prompt: PromptSelection | None = None
     """Prompt positions whose log-probabilities the step computes (such a step runs eagerly)."""
+    masks: Any = None
+    """The step's token masks (model_runner.SampleMasks), when some sample is constrained."""
 
 
 @dataclass(frozen=True)

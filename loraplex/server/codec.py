@@ -16,6 +16,7 @@ Tokenizing is the one unbounded piece of work a request causes before the engine
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 from typing import Any
@@ -78,16 +79,22 @@ class TextCodec:
             return ""
         return await self._pool.run(SERVER_WORK, lambda t: t.decode(token_ids))
 
-    async def encode_chat(self, messages: list[dict[str, str]], tenant: str) -> list[int]:
-        """The chat template applied to `messages`, with the assistant's turn opened."""
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self._tokenizer, "chat_template", None) if self._tokenizer is not None else None
+
+    async def encode_chat(self, messages: list[dict[str, Any]], tenant: str,
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The chat template applied to `messages` (and `tools`, for a template that takes
+        them), with the assistant's turn opened."""
         self._require("messages")
         if not self.has_chat_template:
             raise InvalidRequestError("this model has no chat template; use /v1/completions",
                                       param="messages")
-        texts = [m["content"] for m in messages]
+        texts = [m["content"] or "" for m in messages] + [json.dumps(tools)] * bool(tools)
         self._check_fits(sum(map(len, texts)), lambda: sum(len(t.encode("utf-8")) for t in texts),
                          "messages")
-        return await self._pool.run(tenant, lambda t: _render_chat(t, messages))
+        return await self._pool.run(tenant, lambda t: _render_chat(t, messages, tools))
 
     async def count(self, text: str) -> int:
         """Tokens in `text` without special tokens (0 when the model has no tokenizer)."""
@@ -124,11 +131,13 @@ class TextCodec:
         self._pool.close()
 
 
-def _render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def _render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+                 ) -> list[int]:
     from jinja2 import TemplateError
 
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=True)
     except TemplateError as exc:  # the template's raise_exception: e.g. roles must alternate
         raise InvalidRequestError(f"the chat template refused the messages: {exc}",
                                   param="messages") from None

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from fastapi import Request, Response
 
+from loraplex.engine.grammar import CompiledGrammar
 from loraplex.errors import ContextLengthError, InvalidRequestError, LoraplexError
 from loraplex.registry.names import NAME_PATTERN
 from loraplex.registry.records import AdapterRecord
@@ -23,6 +24,7 @@ from loraplex.server.limits import Admission
 from loraplex.server.schemas.openai import PromptLogprob, PromptLogprobs, SamplingFields, Usage
 from loraplex.server.services import Services
 from loraplex.server.streaming import ClientDisconnected, EventStreamResponse, until_disconnect
+from loraplex.server.structured_outputs import structured_output
 from loraplex.types import RequestOutput, SamplingParams, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,8 @@ class Job:
     """Its place under the server's and the tenant's limits: released when the job ends."""
     n: int = 1
     """Choices (samples) of the prompt: engine requests that share the prompt's KV blocks."""
+    grammar: CompiledGrammar | None = None
+    """With `params.structured`: the compiled constraint (each choice gets its own matcher)."""
 
 
 async def resolve_model(services: Services, tenant: str, model: str) -> AdapterRecord | None:
@@ -113,7 +117,16 @@ def sampling_params(
         seed=None if body.seed is None else body.seed % 2**63, stop=body.stop or (),
         stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, ignore_eos=bool(body.ignore_eos),
+        structured=structured_output(body),
     )
+
+
+async def compile_constraint(services: Services, params: SamplingParams) -> CompiledGrammar | None:
+    """The request's compiled output constraint (None without one): 400 naming its field if it
+    cannot compile in time."""
+    if params.structured is None:
+        return None
+    return await services.grammars.compile(params.structured)
 
 
 Choice = tuple[int, RequestOutput]
@@ -186,7 +199,7 @@ async def _choices(services: Services, job: Job) -> AsyncIterator[Choice]:
         request_id = job.request_id if index == 0 else f"{job.request_id}.{index}"
         return services.engine.generate(
             request_id, prompt_token_ids=job.prompt_token_ids, params=sample_params(job.params, index),
-            adapter=adapter, tenant=job.tenant, sample_of=sample_of)
+            adapter=adapter, tenant=job.tenant, sample_of=sample_of, grammar=job.grammar)
 
     if job.n == 1:
         async with aclosing(stream(0)) as outputs:

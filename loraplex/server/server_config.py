@@ -42,12 +42,18 @@ class ServerConfig:
     engine_poll_interval_s: float = 1.0
     """How often engine state (running, waiting, KV use, tokens/s) is sampled for /metrics and
     the admin API."""
+    grammar_threads: int = 2
+    """Threads that compile structured-output constraints (JSON schemas, regexes, grammars)."""
+    max_grammar_compile_s: float = 10.0
+    """A constraint that takes longer to compile is refused (400; its compile finishes in the
+    background and is cached)."""
     admin_ui_dir: Path | None = None
     """Folder served at /admin when it holds an index.html (the admin web UI)."""
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_upload_bytes", "max_requests_in_flight",
-                     "max_concurrent_uploads", "retry_after_s", "tokenizer_threads"):
+                     "max_concurrent_uploads", "retry_after_s", "tokenizer_threads",
+                     "grammar_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
         for name in ("max_tokens_limit", "max_prompt_tokens"):
@@ -55,6 +61,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be positive")
         if self.registry_cache_ttl_s < 0 or self.engine_poll_interval_s <= 0:
             raise ValueError("registry_cache_ttl_s must be >= 0 and engine_poll_interval_s > 0")
+        if self.max_grammar_compile_s <= 0:
+            raise ValueError("max_grammar_compile_s must be positive")
         if self.limits_sync_interval_s <= 0:
             raise ValueError("limits_sync_interval_s must be positive")
         if not self.model_id:

@@ -20,6 +20,7 @@ from loraplex.server.monitor import EngineMonitor
 from loraplex.server.principals import Principals
 from loraplex.server.server_config import ServerConfig
 from loraplex.server.shared_limits import SharedLimits
+from loraplex.server.structured_outputs import GrammarPool
 from loraplex.server.tenant_weights import TenantWeights
 from loraplex.server.usage_recorder import UsageRecorder
 
@@ -41,6 +42,8 @@ class Services:
     metrics: Metrics
     upload_slots: asyncio.Semaphore
     tenant_weights: TenantWeights
+    grammars: GrammarPool
+    """Compiles requests' output constraints off the event loop and the engine thread."""
     started_at: float = field(default_factory=time.time)
     is_stopping: bool = False
     is_draining: bool = False
@@ -70,6 +73,7 @@ class Services:
             metrics=Metrics(config.model_id, monitor, lambda: limiter.num_in_flight, adapters.names_of),
             upload_slots=asyncio.Semaphore(config.max_concurrent_uploads),
             tenant_weights=TenantWeights(engine),
+            grammars=GrammarPool(lambda: llm.grammars, config.grammar_threads, config.max_grammar_compile_s),
         )
         for tenant in registry.tenants.list():
             services.tenant_weights.sync(tenant)
@@ -93,6 +97,7 @@ class Services:
         await run_in_threadpool(self.usage.close)
         await run_in_threadpool(self.engine.shutdown)
         self.codec.close()
+        self.grammars.close()
 
 
 def max_prompt_tokens(config: ServerConfig, llm: LLMEngine) -> int:

@@ -302,7 +302,8 @@ BAD_PARAMETERS = [
     ({"min_tokens": 3}, "min_tokens", "invalid_value"),
     ({"min_p": 0.1}, "min_p", "invalid_value"),
     ({"use_beam_search": True}, "use_beam_search", "invalid_value"),
-    ({"guided_json": {"type": "object"}}, "guided_json", "unknown_parameter"),
+    ({"guided_json": {"type": "nonsense"}}, "guided_json", "invalid_grammar"),
+    ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend", "unknown_parameter"),
     ({"logits_processors": ["x"]}, "logits_processors", "unknown_parameter"),
     ({"presence_penalty": 0.5}, "presence_penalty", "invalid_value"),
     ({"best_of": 3}, "best_of", "invalid_value"),
@@ -326,7 +327,8 @@ def test_bad_parameters_are_400_naming_the_parameter(server: Server) -> None:
             assert error["code"] == code, (change, error)
         chat_cases = [({"messages": []}, "messages"), ({"messages": [{"role": "wizard", "content": "x"}]},
                                                        "messages.0.role"),
-                      ({"tools": [{"type": "function"}]}, "tools"),
+                      ({"tools": [{"type": "function"}]}, "tools.0.function"),
+                      ({"tool_choice": "required"}, "tool_choice"),
                       ({"messages": [{"role": "user", "content": "y" * 600}]}, "messages")]
         for change, param in chat_cases:
             body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}]} | change

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import APIRouter, Request, Response
 
+from loraplex.errors import InvalidRequestError
 from loraplex.server.admission import AdmissionDep
 from loraplex.server.auth import TenantDep
 from loraplex.server.deps import ServicesDep
 from loraplex.server.generation import (
     Choice,
     Job,
+    compile_constraint,
     prompt_logprobs_of,
     resolve_model,
     run_job,
@@ -38,6 +41,16 @@ from loraplex.server.schemas.openai import (
 from loraplex.server.services import Services
 from loraplex.server.streaming import DONE, ChunkEvents, sse
 from loraplex.server.system_prompts import find_system_prompt, pin_system_prompt, reject_own_system_message
+from loraplex.server.tools import (
+    ToolCallStream,
+    ToolMode,
+    chat_messages,
+    may_become_call,
+    parse_tool_calls,
+    template_takes_tools,
+    tool_constraint,
+    tool_mode,
+)
 from loraplex.types import RequestOutput
 
 router = APIRouter(prefix="/v1", tags=["OpenAI API"])
@@ -53,29 +66,33 @@ async def create_chat_completion(body: ChatCompletionRequest, principal: TenantD
     comes as server-sent events; leaving the stream stops the generation."""
     arrival = time.monotonic()
     adapter = await resolve_model(services, principal.tenant, body.model)
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
-                for m in body.messages]
+    tools = tool_mode(body)
+    messages, tool_list = chat_messages(body, template_takes_tools(services.codec.chat_template))
     if body.system_prompt is not None:
         record = await find_system_prompt(services, principal.tenant, body.system_prompt, adapter)
-        reject_own_system_message([m["role"] for m in messages])
+        reject_own_system_message(["system" if m.role == "developer" else m.role for m in body.messages])
         system = {"role": "system", "content": record.text}
         messages = [system, *messages]
         system_ids = await services.codec.encode_chat([system], principal.tenant)
         await pin_system_prompt(services, record, system_ids, "chat")
-    prompt_ids = truncated(body, await services.codec.encode_chat(messages, principal.tenant))
+    prompt_ids = truncated(body, await services.codec.encode_chat(messages, principal.tenant, tool_list))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = sampling_params(services, body, len(prompt_ids), max_tokens=max_tokens,
                              default_max_tokens=None, logprobs=logprobs, prompt_param="messages",
                              prompt_logprobs=body.prompt_logprobs)
+    if (calls := tool_constraint(body, tools)) is not None:
+        if params.structured is not None:
+            raise InvalidRequestError(f"tool_choice constrains the output, and so does "
+                                  f"{params.structured.param}: give one", param="tool_choice")
+        params = replace(params, structured=calls)
     job = Job(request_id_of(request.scope), principal.tenant, body.model, adapter, prompt_ids, params,
-              arrival, admission, n=body.n or 1)
+              arrival, admission, n=body.n or 1, grammar=await compile_constraint(services, params))
     outputs = await run_job(request, services, job, stream=bool(body.stream),
-                            events=lambda first, rest: _events(services, job, body, first, rest))
+                            events=lambda first, rest: _events(services, job, body, tools, first, rest))
     if isinstance(outputs, Response):
         return outputs
-    choices = [ChatChoice(index=i, message=AssistantMessage(content=output.text),
-                          finish_reason=output.finish_reason,
+    choices = [ChatChoice(index=i, **_answer(tools, output),
                           logprobs=await _logprobs(services, output, body, newest_only=False))
                for i, output in enumerate(outputs)]
     return ChatCompletion(
@@ -86,8 +103,52 @@ async def create_chat_completion(body: ChatCompletionRequest, principal: TenantD
     )
 
 
-async def _events(services: Services, job: Job, body: ChatCompletionRequest, first: Choice,
-                  rest: AsyncIterator[Choice]) -> AsyncIterator[str]:
+def _answer(tools: ToolMode | None, output: RequestOutput) -> dict:
+    """The message and finish reason of a finished choice: its tool calls, if it made any."""
+    calls = None
+    if tools is not None and output.finish_reason == "stop":
+        calls = parse_tool_calls(tools, output.text)
+    if calls:
+        return {"message": AssistantMessage(content=None, tool_calls=calls), "finish_reason": "tool_calls"}
+    return {"message": AssistantMessage(content=output.text), "finish_reason": output.finish_reason}
+
+
+class _ChoiceDeltas:
+    """One streamed choice's deltas: content, or tool calls (see loraplex/server/tools.py)."""
+
+    def __init__(self, tools: ToolMode | None) -> None:
+        self.tools = tools
+        self.calls = ToolCallStream(tools) if tools is not None and tools.is_constrained else None
+        self.held: str | None = "" if tools is not None and tools.kind == "auto" else None
+        """An `auto` answer's text held back while it may still be a call (None: text)."""
+        self.num_calls = 0
+
+    def push(self, new_text: str, finished: bool) -> list[dict]:
+        if self.calls is not None:
+            deltas = self.calls.push(new_text)
+            self.num_calls = self.calls.num_calls
+            return [{"tool_calls": [d.model_dump(exclude_none=True) for d in deltas]}] if deltas else []
+        if self.held is None:
+            return [{"content": new_text}] if new_text else []
+        self.held += new_text
+        if finished:
+            text, self.held = self.held, None
+            calls = parse_tool_calls(self.tools, text)
+            if calls:
+                self.num_calls = len(calls)
+                return [{"tool_calls": [{"index": i, **call.model_dump()} for i, call in enumerate(calls)]}]
+            return [{"content": text}] if text else []
+        if may_become_call(self.held):
+            return []
+        text, self.held = self.held, None
+        return [{"content": text}]
+
+    def finish_reason(self, output: RequestOutput) -> str | None:
+        return "tool_calls" if self.num_calls and output.finish_reason == "stop" else output.finish_reason
+
+
+async def _events(services: Services, job: Job, body: ChatCompletionRequest, tools: ToolMode | None,
+                  first: Choice, rest: AsyncIterator[Choice]) -> AsyncIterator[str]:
     events = ChunkEvents({"id": f"chatcmpl-{job.request_id}", "object": "chat.completion.chunk",
                           "created": int(time.time()), "model": job.model, "system_fingerprint": FINGERPRINT})
     num_prompt = len(first[1].prompt_token_ids)
@@ -105,18 +166,20 @@ async def _events(services: Services, job: Job, body: ChatCompletionRequest, fir
 
     for index in range(job.n):
         yield chunk(index, {"role": "assistant", "content": ""})
+    deltas = [_ChoiceDeltas(tools) for _ in range(job.n)]
     try:
         choice: Choice | None = first
         while choice is not None:
             index, output = choice
             latest[index] = output
-            if body.logprobs:
+            if body.logprobs and tools is None:
                 logprobs = await _logprobs(services, output, body, newest_only=True)
                 yield chunk(index, {"content": output.new_text}, logprobs=logprobs)
-            elif output.new_text:
-                yield chunk(index, {"content": output.new_text})
+            else:
+                for delta in deltas[index].push(output.new_text, output.finished):
+                    yield chunk(index, delta)
             if output.finished:
-                yield chunk(index, {}, output.finish_reason)
+                yield chunk(index, {}, deltas[index].finish_reason(output))
             choice = await anext(rest, None)
         if body.include_usage:
             yield events.event([], usage_counts(num_prompt, latest.values()))

@@ -16,6 +16,7 @@ from loraplex.server.deps import ServicesDep
 from loraplex.server.generation import (
     Choice,
     Job,
+    compile_constraint,
     prompt_logprobs_of,
     resolve_model,
     run_job,
@@ -82,7 +83,7 @@ async def create_completion(body: CompletionRequest, principal: TenantDep, servi
                              prompt_param="prompt", prompt_logprobs=max(asked, default=None),
                              scores_prompt=bool(body.echo))
     job = Job(request_id_of(request.scope), principal.tenant, body.model, adapter, prompt_ids, params,
-              arrival, admission, n=body.n or 1)
+              arrival, admission, n=body.n or 1, grammar=await compile_constraint(services, params))
     outputs = await run_job(request, services, job, stream=bool(body.stream),
                             events=lambda first, rest: _events(services, job, body, first, rest))
     if isinstance(outputs, Response):

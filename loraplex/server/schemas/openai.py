@@ -1,7 +1,7 @@
 """OpenAI API request and response bodies (the subset loraplex serves). Requests are strict:
 an unknown field is a 400 naming it (as OpenAI answers), known fields that do not change the
 output (user, metadata, store, ...) are accepted and ignored, and known features loraplex does
-not implement (tools, penalties, ...) are refused by name rather than ignored. vLLM's
+not implement (penalties, audio, ...) are refused by name rather than ignored. vLLM's
 request extensions that the field's clients send are taken with vLLM's meaning where loraplex
 implements them, accepted at their neutral value only where it does not (docs/api.md lists
 them)."""
@@ -55,6 +55,42 @@ class StreamOptions(Request):
         return self
 
 
+JsonValue = dict[str, Any] | bool
+
+
+class JsonSchemaFormat(Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$",
+                      description="The schema's name (OpenAI requires one).")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="The JSON schema the "
+                                           "output follows (missing: any JSON object).")
+    strict: bool | None = Field(None, description="Accepted: the output always follows the schema "
+                                "(every token is drawn from those the schema allows).")
+
+
+class ResponseFormat(Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, description="With `type: json_schema`.")
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("invalid_value", "json_schema is given with type json_schema, "
+                                      "and only then")
+        return self
+
+
+class StructuredOutputs(Request):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: JsonValue | str | None = Field(None, alias="json", description="A JSON schema (an object "
+                                          "or its JSON text).")
+    regex: str | None = Field(None, min_length=1)
+    choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
+    grammar: str | None = Field(None, min_length=1, description="An EBNF grammar (GBNF), rule `root` first.")
+    json_object: bool | None = None
+
+
 class SamplingFields(Request):
     """What completions and chat share. Features loraplex lacks are refused unless they are
     given their neutral value (penalties 0, an empty logit_bias, ...)."""
@@ -101,6 +137,18 @@ class SamplingFields(Request):
         "registered system prompts, put first (chat: as the system message; completions: before the "
         "prompt). Its KV cache is computed once and shared. A prompt bound to an adapter serves only "
         "with that adapter as `model`.")
+    response_format: ResponseFormat | None = Field(
+        None, description="`text`; `json_object` (the output is a JSON object); `json_schema` (it "
+        "follows `json_schema.schema`). On completions too, as vLLM takes it.")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM extension: constrain the output to a JSON schema (`json`), a "
+        "regular expression, one of a `choice` of strings, or an EBNF `grammar`.")
+    guided_json: JsonValue | str | None = Field(None, description="vLLM extension (older name): "
+                                                "`structured_outputs.json`.")
+    guided_regex: str | None = Field(None, min_length=1, description="vLLM extension (older name).")
+    guided_choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = Field(
+        None, description="vLLM extension (older name).")
+    guided_grammar: str | None = Field(None, min_length=1, description="vLLM extension (older name).")
     frequency_penalty: Literal[0] | None = unsupported()
     presence_penalty: Literal[0] | None = unsupported()
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = unsupported()
@@ -145,18 +193,71 @@ class TextPart(Request):
     text: str
 
 
+MAX_TOOLS = 128
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class FunctionDefinition(Request):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments "
+                                              "(missing: no arguments).")
+    strict: bool | None = Field(None, description="Accepted: with `tool_choice` `required` or a named "
+                                "function, the arguments always follow `parameters`.")
+
+
+class Tool(Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChosenFunction(Request):
+    name: FunctionName
+
+
+class NamedToolChoice(Request):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class FunctionCall(Request):
+    name: FunctionName
+    arguments: str = Field(description="The arguments, as JSON text.")
+
+
+class ToolCall(Request):
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(Request):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] = Field(description="Text, or a list of text parts.")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(None, description="Text, or a list of text parts "
+                                                 "(null only for an assistant's tool calls).")
     name: str | None = Field(None, max_length=64)
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1, max_length=MAX_TOOLS)] | None = Field(
+        None, description="An assistant's calls of your tools.")
+    tool_call_id: str | None = Field(None, min_length=1, max_length=256, description="A `tool` "
+                                     "message's answer to this call.")
+
+    @model_validator(mode="after")
+    def _content_unless_tool_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError("missing", "content is required (it may be null only for an "
+                                      "assistant message with tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError("invalid_value", "only assistant messages have tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise PydanticCustomError("invalid_value", "a tool message, and only a tool message, "
+                                      "has a tool_call_id")
+        return self
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-
-class ResponseFormat(Request):
-    type: Literal["text"]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -164,20 +265,24 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=0, description="Same as max_tokens.")
     logprobs: bool | None = Field(None, description="Return the log-probability of each token.")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = Field(None, description="Only text.")
     best_of: Literal[1] | None = vllm_neutral()
     echo: Literal[False] | None = vllm_neutral()
     add_generation_prompt: Literal[True] | None = vllm_neutral()
     continue_final_message: Literal[False] | None = vllm_neutral()
-    tools: Annotated[list[Any], Field(max_length=0)] | None = unsupported()
-    tool_choice: Literal["none", "auto"] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="Functions the model may call, rendered through the chat template (or, if "
+        "the template takes no tools, in a system message).")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="`auto` (default with tools): the model may answer or call tools; "
+        "`required`: it calls one or more (arguments constrained by their schemas); a named "
+        "function: it calls that one; `none`: it answers in text.")
+    parallel_tool_calls: bool | None = Field(None, description="With false, at most one call.")
     functions: Annotated[list[Any], Field(max_length=0)] | None = unsupported()
     function_call: Literal["none", "auto"] | None = None
     modalities: list[Literal["text"]] | None = None
     audio: None = unsupported()
     prediction: None = unsupported()
     web_search_options: None = unsupported()
-    parallel_tool_calls: Ignored
     metadata: Ignored
     store: Ignored
     service_tier: Ignored
@@ -191,7 +296,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 # Responses ------------------------------------------------------------------------------------
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class Usage(BaseModel):
@@ -257,9 +362,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -276,9 +393,22 @@ class ChatCompletion(_Envelope):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
