@@ -1,0 +1,145 @@
+"""The registry database goes away under traffic and comes back: a PostgreSQL cluster of the
+test's own stopped and restarted, its connections killed, and an SQLite database locked by
+another process. Generations that run finish; requests whose key and adapter were read before
+keep being served; the others get 503 with Retry-After; the usage of every request served is
+written once the database is back (none lost, none counted twice); and the server recovers by
+itself, without a restart."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.registry import RegistryConfig
+from tests.server.conftest import add_adapters
+from tests.server.fault_support import PostgresCluster, postgres_cluster, sqlite_locked, wait_for
+from tests.server.server_support import MODEL_ID, Server, serve
+
+CACHE_TTL_S = 0.2
+"""The server's registry cache: the outages below last longer, so every cached entry is past
+its time when it is used."""
+LOCK_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[PostgresCluster]:
+    with postgres_cluster() as running:
+        yield running
+
+
+def _complete(server: Server, tenant: str, model: str, max_tokens: int = 4) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {server.keys[tenant]}"},
+                      json={"model": model, "prompt": "the registry", "max_tokens": max_tokens,
+                            "ignore_eos": True})
+
+
+def _assert_unavailable(response: httpx.Response) -> None:
+    assert response.status_code == 503, response.text
+    assert int(response.headers["Retry-After"]) >= 1
+    assert response.json()["error"]["code"] == "registry_unavailable", response.text
+
+
+def _usage(server: Server, tenant: str) -> dict[str, int]:
+    """The tenant's usage totals through the admin API (which writes what is buffered first)."""
+    with server.http() as http:
+        response = http.get("/admin/api/usage", params={"tenant": tenant})
+    assert response.status_code == 200, response.text
+    return response.json()["totals"]
+
+
+def _outage_checks(server: Server, served: list[int]) -> None:
+    """What must hold while the database is away: cached key and adapter served (their
+    completion tokens appended to `served`), everything that needs a read answered 503."""
+    time.sleep(CACHE_TTL_S * 2)  # every cached entry is now past its time
+    for model in ("style", MODEL_ID):
+        response = _complete(server, "acme", model)
+        assert response.status_code == 200, response.text
+        served.append(response.json()["usage"]["completion_tokens"])
+    _assert_unavailable(_complete(server, "acme", "shared"))  # an adapter never read
+    _assert_unavailable(_complete(server, "globex", "shared"))  # a key never read
+    with server.http() as http:
+        _assert_unavailable(http.get("/admin/api/tenants"))
+    assert httpx.get(f"{server.url}/ready", timeout=30).status_code == 503
+
+
+def _recovered(server: Server) -> float:
+    """Seconds until a request that needs the database is served again."""
+    started = time.monotonic()
+    wait_for(lambda: _complete(server, "globex", "shared").status_code == 200, "the server to recover")
+    return time.monotonic() - started
+
+
+def test_postgres_stopped_and_restarted_mid_traffic(
+        tmp_path: Path, cluster: PostgresCluster, engine: LLMEngine, adapter_dirs: dict[str, Path]) -> None:
+    database = f"outage_{secrets.token_hex(4)}"
+    config = RegistryConfig(data_dir=tmp_path / "data", database_url=cluster.create_database(database))
+    with serve(config, engine, tenants=("acme", "globex"), registry_cache_ttl_s=CACHE_TTL_S) as server:
+        add_adapters(server, adapter_dirs)
+        warm = _complete(server, "acme", "style")  # acme's key and adapter `style` are read
+        assert warm.status_code == 200, warm.text
+        served = [warm.json()["usage"]["completion_tokens"]]
+        acme = server.openai("acme")
+        stream = iter(acme.completions.create(model="style", prompt="a long one", max_tokens=300,
+                                              stream=True, extra_body={"ignore_eos": True}))
+        next(stream)  # running
+
+        cluster.stop()
+        _outage_checks(server, served)
+        streamed = [chunk for chunk in stream]
+        assert streamed[-1].choices[0].finish_reason == "length"
+        served.append(300)
+
+        cluster.start()
+        print(f"PostgreSQL restart: served again {_recovered(server):.2f} s after it accepted connections")
+        served.append(_complete(server, "globex", "shared").json()["usage"]["completion_tokens"])
+        usage = _usage(server, "acme")
+        assert (usage["num_requests"], usage["completion_tokens"]) == (len(served) - 1, sum(served[:-1]))
+        assert _usage(server, "globex")["num_requests"] == 2  # the first recovered request and this one
+
+
+def test_postgres_connections_killed(
+        tmp_path: Path, cluster: PostgresCluster, engine: LLMEngine, adapter_dirs: dict[str, Path]) -> None:
+    database = f"killed_{secrets.token_hex(4)}"
+    config = RegistryConfig(data_dir=tmp_path / "data", database_url=cluster.create_database(database))
+    with serve(config, engine, tenants=("acme", "globex"), registry_cache_ttl_s=CACHE_TTL_S) as server:
+        add_adapters(server, adapter_dirs)
+        for _ in range(3):
+            assert _complete(server, "acme", "style").status_code == 200
+            time.sleep(CACHE_TTL_S * 2)  # the next request reads the registry again
+            assert cluster.kill_connections(database) >= 1
+        assert _complete(server, "globex", "shared").status_code == 200
+        assert _usage(server, "acme")["num_requests"] == 3
+        assert _usage(server, "globex")["num_requests"] == 1
+
+
+def test_sqlite_locked_by_another_process(tmp_path: Path, engine: LLMEngine,
+                                          adapter_dirs: dict[str, Path]) -> None:
+    """Another process holds SQLite's write lock for longer than the usage writer used to retry
+    (5 attempts: 6 s of back-off and the busy timeouts): reads go on (WAL), writes get 503 with
+    Retry-After, and the usage of the requests served meanwhile is written after the lock goes."""
+    config = RegistryConfig(data_dir=tmp_path / "data", busy_timeout_s=0.5)
+    with serve(config, engine, tenants=("acme", "globex"), registry_cache_ttl_s=CACHE_TTL_S) as server:
+        add_adapters(server, adapter_dirs)
+        served = []
+        with sqlite_locked(config.data_dir / "registry.db"), server.http() as http:
+            deadline = time.monotonic() + LOCK_S
+            while time.monotonic() < deadline:
+                response = _complete(server, "acme", "style")
+                assert response.status_code == 200, response.text
+                served.append(response.json()["usage"]["completion_tokens"])
+                _assert_unavailable(http.post("/admin/api/tenants", json={"name": "initech"}))
+                time.sleep(1)
+        started = time.monotonic()
+        with server.http() as http:
+            wait_for(lambda: http.post("/admin/api/tenants", json={"name": "initech"}).status_code == 201,
+                     "a write after the lock is released")
+        print(f"SQLite lock released: written again {time.monotonic() - started:.2f} s later")
+        usage = _usage(server, "acme")
+        assert (usage["num_requests"], usage["completion_tokens"]) == (len(served), sum(served))
