@@ -1,11 +1,13 @@
 """Content-addressed blob store: `<root>/sha256/ab/<digest>`. A blob is streamed into a
 temporary file under `<root>/tmp` (same file system) while it is hashed, fsynced, renamed onto
 its sha256 name, and the directory fsynced; only then may a database row refer to it. Paths are
-derived only from validated digests and checked to stay inside the store."""
+derived only from validated digests and checked to stay inside the store. A file system with no
+space left is StorageFullError, and the partial file is removed."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from loraplex.registry.names import DIGEST_PATTERN, check_digest
-from loraplex.registry.registry_errors import InvalidInputError
+from loraplex.registry.registry_errors import InvalidInputError, StorageFullError
 
 CHUNK_BYTES = 1 << 20
 _FANOUT = re.compile(r"[0-9a-f]{2}")
@@ -61,7 +63,8 @@ class BlobStore:
         path = self.temp_dir / _temp_name()
         hasher, size = hashlib.sha256(), 0
         try:
-            with open(path, "xb") as out, contextlib.closing(_chunks(source)) as chunks:
+            with self._space_for(what), open(path, "xb") as out, \
+                    contextlib.closing(_chunks(source)) as chunks:
                 for chunk in chunks:
                     size += len(chunk)
                     if size > max_bytes:
@@ -83,13 +86,25 @@ class BlobStore:
         if final.is_file():
             staged.path.unlink(missing_ok=True)
             return final
-        if not final.parent.is_dir():
-            final.parent.mkdir(mode=0o700, exist_ok=True)
-            _fsync_dir(self.blob_dir)
-        os.chmod(staged.path, 0o444)
-        os.replace(staged.path, final)
-        _fsync_dir(final.parent)
+        with self._space_for(f"blob {staged.sha256[:12]}"):
+            if not final.parent.is_dir():
+                final.parent.mkdir(mode=0o700, exist_ok=True)
+                _fsync_dir(self.blob_dir)
+            os.chmod(staged.path, 0o444)
+            os.replace(staged.path, final)
+            _fsync_dir(final.parent)
         return final
+
+    @contextlib.contextmanager
+    def _space_for(self, what: str) -> Iterator[None]:
+        """ENOSPC and EDQUOT as StorageFullError naming the store and what did not fit."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise StorageFullError(f"no space left on the file system of the blob store ({self.root}): "
+                                   f"{what} was not stored; free space there and retry") from exc
 
     def discard(self, staged: StagedBlob) -> None:
         staged.path.unlink(missing_ok=True)

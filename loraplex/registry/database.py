@@ -9,7 +9,6 @@ without a restart."""
 
 from __future__ import annotations
 
-import errno
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -142,18 +141,15 @@ def _database_errors() -> Iterator[None]:
     try:
         yield
     except DBAPIError as exc:
-        if is_storage_full(exc):
+        if _is_storage_full(exc):
             raise StorageFullError(f"the registry database has no space left: {_reason(exc)}") from exc
         if isinstance(exc, OperationalError) or exc.connection_invalidated:
             raise RegistryUnavailableError(f"the registry database is unavailable: {_reason(exc)}") from exc
         raise
 
 
-def is_storage_full(exc: BaseException) -> bool:
-    """Whether `exc` (an OSError or a database error) says the disk is full."""
-    if isinstance(exc, OSError):
-        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
-    original = getattr(exc, "orig", None)
+def _is_storage_full(exc: DBAPIError) -> bool:
+    original = exc.orig
     if isinstance(original, sqlite3.OperationalError):
         return getattr(original, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
     return getattr(original, "sqlstate", None) == _PG_DISK_FULL
