@@ -132,16 +132,17 @@ class BlobStore:
 
     def stale_temps(self, max_age_s: float) -> list[Path]:
         """Temporary files whose writer is gone: written by a process of this host that no
-        longer runs, older than `max_age_s`, or not named by this store at all."""
+        longer runs (or whose pid a later process now has), older than `max_age_s`, or not
+        named by this store at all."""
         if not self.temp_dir.is_dir():
             return []
         host, now, stale = _host_name(), time.time(), []
         for entry in self.temp_dir.iterdir():
             match = _TEMP.fullmatch(entry.name)
             with contextlib.suppress(FileNotFoundError):
-                is_old = now - entry.stat().st_mtime > max_age_s
-                if match is None or is_old or (
-                    match["host"] == host and not _is_running(int(match["pid"]))
+                written_at = entry.stat().st_mtime
+                if match is None or now - written_at > max_age_s or (
+                    match["host"] == host and _is_writer_gone(int(match["pid"]), written_at)
                 ):
                     stale.append(entry)
         return stale
@@ -164,6 +165,29 @@ def _temp_name() -> str:
 
 def _host_name() -> str:
     return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64] or "host"
+
+
+def _is_writer_gone(pid: int, written_at: float) -> bool:
+    """Whether the process `pid` that last wrote a file at `written_at` is gone: no process has
+    that pid, or the one that has it started after the write. A server restarted in a container
+    gets the pid its killed predecessor had (often 1), so a running pid proves nothing alone."""
+    if not _is_running(pid):
+        return True
+    started_at = _start_time(pid)
+    return started_at is not None and started_at > written_at
+
+
+def _start_time(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch, to the clock tick), from Linux's
+    /proc (its start is counted in ticks since boot); None elsewhere."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        # Fields after the command name (which may hold spaces): state is field 3, starttime 22.
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])
+        booted_at = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+        return booted_at + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 def _is_running(pid: int) -> bool:

@@ -158,9 +158,7 @@ def small_tmpfs(size_bytes: int) -> Iterator[Path]:
 def fill(folder: Path) -> Path:
     """Write a file into `folder` until its file system has no space left; returns it."""
     path = folder / "filler"
-    with open(path, "wb") as out:
-        with contextlib.suppress(OSError):
-            while True:
-                out.write(b"\0" * 65536)
-                out.flush()
+    with open(path, "wb", buffering=0) as out, contextlib.suppress(OSError):
+        while True:
+            out.write(b"\0" * 65536)
     return path

@@ -54,16 +54,17 @@ class ServeProcess:
 
 
 @contextlib.contextmanager
-def loraplex_serve(data_dir: Path, *args: str) -> Iterator[ServeProcess]:
-    """`loraplex serve` on a free port, ready to serve; killed if the test leaves it running."""
+def loraplex_serve(data_dir: Path, *args: str, launcher: tuple[str, ...] = ()) -> Iterator[ServeProcess]:
+    """`loraplex serve` on a free port, ready to serve; killed if the test leaves it running.
+    `launcher`: a command that runs it (`unshare ...`)."""
     port = _free_port()
     log = data_dir.parent / f"serve-{port}.log"
     env = os.environ | {"LORAPLEX_DATA_DIR": str(data_dir)}
     env.pop("LORAPLEX_DATABASE_URL", None)
     with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "serve", "--port", str(port),
-                                    "--device", "cpu", *args], stdout=out, stderr=subprocess.STDOUT,
-                                   env=env)
+        process = subprocess.Popen([*launcher, sys.executable, "-m", "loraplex.cli", "serve", "--port",
+                                    str(port), "--device", "cpu", *args], stdout=out,
+                                   stderr=subprocess.STDOUT, env=env)
     served = ServeProcess(process, f"http://127.0.0.1:{port}", log)
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

@@ -1,0 +1,207 @@
+"""The server process killed outright (SIGKILL) at bad moments: during an adapter upload (in a
+PID namespace of its own, as a container runs it, so that the restarted server has the pid of
+the killed one), during a schema migration and while usage is being written. The next start
+finds a consistent registry and blob store, no temporary files, no usage counted twice (at most
+the last flush window's lost), and serves."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import inspect
+
+from loraplex.registry import Registry, RegistryConfig
+from loraplex.registry.database import make_engine
+from loraplex.registry.migrate import current_revision, head_revision, upgrade
+from tests.registry.registry_support import registry_state
+from tests.server.fault_support import DEADLINE_S, PostgresCluster, postgres_cluster, wait_for
+from tests.server.server_support import upload_files
+from tests.server.test_serve_cli import loraplex_serve
+
+IN_A_CONTAINER = ("unshare", "--pid", "--fork", "--mount-proc", "--kill-child")
+"""The server as PID 1 of a PID namespace of its own; killing unshare kills it."""
+MODEL_NAME = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def container() -> tuple[str, ...]:
+    result = subprocess.run([*IN_A_CONTAINER, "true"], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot make a PID namespace (unshare needs root): {result.stderr.strip()}")
+    return IN_A_CONTAINER
+
+
+def _registry(data_dir: Path) -> Registry:
+    return Registry.open(RegistryConfig(data_dir=data_dir), migrate=False)
+
+
+def _stopped(url: str) -> bool:
+    """Whether nothing listens on the server's port any more (the killed process is gone)."""
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+    except OSError:
+        return True
+    return False
+
+
+def _kill(served) -> None:  # noqa: ANN001 (a ServeProcess)
+    served.process.send_signal(signal.SIGKILL)
+    served.process.wait(DEADLINE_S)
+    wait_for(lambda: _stopped(served.url), "the killed server to be gone")
+
+
+def _two_names(folder: Path) -> list[str] | None:
+    names = [path.name for path in folder.iterdir()]
+    return names if len(names) == 2 else None
+
+
+def _complete(url: str, key: str, model: str) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", timeout=60, headers={"Authorization": f"Bearer {key}"},
+                      json={"model": model, "prompt": "after a kill", "max_tokens": 3, "ignore_eos": True})
+
+
+def test_sigkill_during_an_upload_in_a_container(
+        tmp_path: Path, model_dir: Path, adapter_dirs: dict[str, Path], container: tuple[str, ...]) -> None:
+    data_dir = tmp_path / "data"
+    files = upload_files(adapter_dirs["mlp"])
+    config, weights = files["adapter_config"][1], files["adapter_model"][1]
+    args = ("--model", str(model_dir), "--model-name", MODEL_NAME)
+    with loraplex_serve(data_dir, *args, launcher=container) as served:
+        with _registry(data_dir) as registry:
+            registry.tenants.create("acme")
+            admin_key = registry.keys.create(admin=True).secret
+            tenant_key = registry.keys.create(tenant="acme").secret
+            before = registry_state(registry)
+        boundary = "kill-boundary"
+        head = b"".join(f'--{boundary}\r\nContent-Disposition: form-data; name="{field}"\r\n\r\n{value}\r\n'
+                        .encode() for field, value in (("tenant", "acme"), ("name", "mlp")))
+        head += (f'--{boundary}\r\nContent-Disposition: form-data; name="adapter_config"; '
+                 f'filename="adapter_config.json"\r\n\r\n').encode() + config + b"\r\n"
+        head += (f'--{boundary}\r\nContent-Disposition: form-data; name="adapter_model"; '
+                 f'filename="adapter_model.safetensors"\r\n\r\n').encode()
+        total = len(head) + len(weights) + len(f"\r\n--{boundary}--\r\n")
+        request = (f"POST /admin/api/adapters HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {admin_key}\r\n"
+                   f"Content-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: {total}\r\n"
+                   f"\r\n").encode() + head
+        temp_dir = data_dir / "blobs" / "tmp"
+        host, port = served.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(request + weights[:1024])  # the rest never comes: the upload waits
+            # The staged config and the weights' partial file, written by the server as PID 1.
+            staged = wait_for(lambda: _two_names(temp_dir), "the upload's temporary files")
+            assert all(name.split(".")[-3] == "1" for name in staged), staged
+            _kill(served)
+        assert sorted(p.name for p in temp_dir.iterdir()) == sorted(staged)
+
+    with loraplex_serve(data_dir, *args, launcher=container) as served:  # PID 1 again
+        assert "2 temporary files removed" in served.output()
+        with _registry(data_dir) as registry:
+            assert registry_state(registry) == before
+            assert registry.reconcile().is_consistent
+        with httpx.Client(base_url=served.url, timeout=60,
+                          headers={"Authorization": f"Bearer {admin_key}"}) as http:
+            response = http.post("/admin/api/adapters", data={"tenant": "acme", "name": "mlp"},
+                                 files=files)
+            assert response.status_code == 201, response.text
+        response = _complete(served.url, tenant_key, "mlp")
+        assert response.status_code == 200, response.text
+
+
+def test_sigkill_while_usage_is_written(tmp_path: Path, model_dir: Path) -> None:
+    """Requests finish and their usage is written while the server is killed: after the restart
+    no request is counted twice, those written before are all there, and what is lost is at
+    most what the last flush window held (BATCH_WINDOW_S, 0.25 s)."""
+    data_dir = tmp_path / "data"
+    args = ("--model", str(model_dir), "--model-name", MODEL_NAME)
+    with loraplex_serve(data_dir, *args) as served:
+        with _registry(data_dir) as registry:
+            registry.tenants.create("acme")
+            admin_key = registry.keys.create(admin=True).secret
+            tenant_key = registry.keys.create(tenant="acme").secret
+        admin = {"Authorization": f"Bearer {admin_key}"}
+        for _ in range(4):
+            assert _complete(served.url, tenant_key, MODEL_NAME).status_code == 200
+        totals = httpx.get(f"{served.url}/admin/api/usage", headers=admin, timeout=60).json()["totals"]
+        assert totals["num_requests"] == 4  # written (the admin API flushes first)
+        num_served, stop = [0], threading.Event()
+
+        def traffic() -> None:
+            with contextlib.suppress(httpx.HTTPError):
+                while not stop.is_set():
+                    if _complete(served.url, tenant_key, MODEL_NAME).status_code == 200:
+                        num_served[0] += 1
+        threads = [threading.Thread(target=traffic) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: num_served[0] >= 12, "requests served under traffic")
+        _kill(served)
+        stop.set()
+        for thread in threads:
+            thread.join(DEADLINE_S)
+
+    with loraplex_serve(data_dir, *args) as served:
+        with _registry(data_dir) as registry:
+            [row] = registry.usage.query(tenant="acme")
+            assert 4 <= row.num_requests <= 4 + num_served[0]
+            assert row.completion_tokens == 3 * row.num_requests  # each request counted whole, once
+            assert registry.reconcile().is_consistent
+        assert _complete(served.url, tenant_key, MODEL_NAME).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[PostgresCluster]:
+    with postgres_cluster() as running:
+        yield running
+
+
+def test_sigkill_during_a_migration(tmp_path: Path, cluster: PostgresCluster) -> None:
+    """`loraplex db upgrade` killed inside its migration transaction, after migration 0002 has
+    run and while 0003 waits for a lock: the database stays at the revision it had, with no
+    trace of 0002, and the next start migrates it to the head."""
+    database = f"migrate_{secrets.token_hex(4)}"
+    url = cluster.create_database(database)
+    upgrade(url, "0001")
+    with cluster.connect(database) as blocker:
+        blocker.autocommit = False
+        blocker.execute("LOCK TABLE tenants IN ACCESS EXCLUSIVE MODE")  # 0003's foreign key waits
+        migration = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "db", "upgrade", "--database-url",
+                                      url, "--data-dir", str(tmp_path / "data")],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            with cluster.connect(database) as watcher:
+                waiting = ("SELECT count(*) FROM pg_stat_activity WHERE datname = %s "
+                           "AND wait_event_type = 'Lock' AND query ILIKE '%%rate_windows%%'")
+                wait_for(lambda: watcher.execute(waiting, (database,)).fetchone()[0] == 1,
+                         "the migration to wait for the lock in 0003")
+        finally:
+            migration.kill()
+            migration.wait(DEADLINE_S)
+        blocker.rollback()
+    with cluster.connect(database) as watcher:
+        wait_for(lambda: watcher.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND "
+                                         "pid <> pg_backend_pid()", (database,)).fetchone()[0] == 0,
+                 "the killed migration's session to end")
+    engine = make_engine(url)
+    try:
+        assert current_revision(engine) == "0001"
+        tables = inspect(engine)
+        assert "rate_windows" not in tables.get_table_names()
+        assert "family" not in {column["name"] for column in tables.get_columns("adapters")}
+    finally:
+        engine.dispose()
+    config = RegistryConfig(data_dir=tmp_path / "data", database_url=url)
+    with Registry.open(config) as registry:  # the next start migrates
+        assert current_revision(registry.db.engine) == head_revision()
+        registry.tenants.create("acme")
+        assert [t.name for t in registry.tenants.list()] == ["acme"]
