@@ -8,8 +8,10 @@ for the window.
 Nothing is dropped while the database is unavailable or full: what could not be written stays
 buffered, summed per (tenant, adapter, hour) so the buffer stays small however long the outage,
 and is written when the database answers again (retried every RETRY_S at most). Each write is one
-transaction, and a group leaves the buffer only once its transaction has committed, so no request
-is counted twice. Only a tenant deleted meanwhile is skipped, and what is still buffered when the
+transaction carrying an id of its own: a write retried after its answer was lost (the COMMIT
+reached the database, the answer did not come back) finds its id there and adds nothing, so no
+request is counted twice. A group that was tried is closed: requests that finish later go into a
+new one. Only a tenant deleted meanwhile is skipped, and what is still buffered when the
 process stops after CLOSE_RETRY_S of trying is logged as lost. A process killed outright loses what
 is buffered: the requests of the last BATCH_WINDOW_S (plus any outage under way)."""
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -87,14 +90,16 @@ class UsageRecorder:
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
-        pending: dict[tuple[str, str | None, datetime], _Group] = {}
+        # (tenant, adapter, hour, write id) -> a group. A group's write id is None while it takes
+        # requests; its first write gives it one, kept for every retry (it takes no more then).
+        pending: dict[tuple[str, str | None, datetime, str | None], _Group] = {}
         is_closing, delay = False, 0.0
         while True:
             batch = self._gather(timeout_s=delay if pending else None)
             is_closing = is_closing or None in batch
             for item in batch:
                 if isinstance(item, UsageItem):
-                    group = pending.setdefault((item.tenant, item.adapter, _hour(item.at)), _Group())
+                    group = pending.setdefault((item.tenant, item.adapter, _hour(item.at), None), _Group())
                     group.num_items += 1
                     group.prompt_tokens += item.prompt_tokens
                     group.completion_tokens += item.completion_tokens
@@ -105,7 +110,7 @@ class UsageRecorder:
             delay = 0.0 if not pending else min(RETRY_S, max(0.1, delay * 2))
             if is_closing and (not pending or self._is_past_close()):
                 break
-        for (tenant, adapter, _), group in pending.items():
+        for (tenant, adapter, _, _), group in pending.items():
             logger.error("usage of tenant %s (adapter %s) lost: %d requests, %d+%d tokens", tenant,
                          adapter, group.num_items, group.prompt_tokens, group.completion_tokens)
 
@@ -132,16 +137,22 @@ class UsageRecorder:
             batch.append(self._queue.get())
         return batch
 
-    def _write(self, pending: dict[tuple[str, str | None, datetime], _Group]) -> int:
+    def _write(self, pending: dict[tuple[str, str | None, datetime, str | None], _Group]) -> int:
         """Write each buffered group in its own transaction; those written (or of deleted
-        tenants) leave `pending`. Returns how many requests left it."""
+        tenants) leave `pending`, the others are closed under their write id. Returns how many
+        requests left it."""
         num_done = 0
         for key, group in list(pending.items()):
-            tenant, adapter, hour = key
+            tenant, adapter, hour, write_id = key
+            if write_id is None:
+                del pending[key]
+                write_id = secrets.token_hex(16)
+                key = (tenant, adapter, hour, write_id)
+                pending[key] = group
             try:
                 self._registry.usage.record(tenant, adapter, prompt_tokens=group.prompt_tokens,
                                             completion_tokens=group.completion_tokens,
-                                            num_requests=group.num_items, at=hour)
+                                            num_requests=group.num_items, at=hour, write_id=write_id)
             except NotFoundError:
                 logger.info("usage of deleted tenant %s not recorded", tenant)
             except Exception as exc:

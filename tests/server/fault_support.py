@@ -8,9 +8,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -162,3 +164,74 @@ def fill(folder: Path) -> Path:
         while True:
             out.write(b"\0" * 65536)
     return path
+
+
+class CommitCutter:
+    """A TCP proxy in front of a PostgreSQL server that, once armed, cuts one connection at the
+    worst moment: it passes on the COMMIT of a transaction that sent `marker`, waits for the
+    server's answer (the transaction is then durable) and closes the connection instead of
+    passing the answer back. The client is told that the connection was lost, not that its
+    transaction committed: a network failure that a retry must not count twice."""
+
+    _COMMIT = b"Q\x00\x00\x00\x0bCOMMIT\x00"  # the simple-protocol query `COMMIT`
+
+    def __init__(self, port: int, marker: bytes) -> None:
+        self._target = ("127.0.0.1", port)
+        self._marker = marker
+        self._listener = free_socket()
+        self._listener.listen(16)
+        self._is_armed = False
+        self._lock = threading.Lock()
+        self.num_cut = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def port(self) -> int:
+        return self._listener.getsockname()[1]
+
+    def arm(self) -> None:
+        with self._lock:
+            self._is_armed = True
+
+    def close(self) -> None:
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self._target)
+            state = {"wrote": False, "cutting": False}
+            threading.Thread(target=self._to_server, args=(client, server, state), daemon=True).start()
+            threading.Thread(target=self._to_client, args=(server, client, state), daemon=True).start()
+
+    def _to_server(self, client: socket.socket, server: socket.socket, state: dict[str, bool]) -> None:
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                state["wrote"] = state["wrote"] or self._marker in data
+                if self._COMMIT in data:
+                    with self._lock:
+                        if self._is_armed and state["wrote"]:
+                            self._is_armed, state["cutting"] = False, True
+                    state["wrote"] = False
+                server.sendall(data)
+        _close(client, server)
+
+    def _to_client(self, server: socket.socket, client: socket.socket, state: dict[str, bool]) -> None:
+        with contextlib.suppress(OSError):
+            while data := server.recv(65536):
+                if state["cutting"]:  # the COMMIT's answer: committed, and never told
+                    with self._lock:
+                        self.num_cut += 1
+                    break
+                client.sendall(data)
+        _close(client, server)
+
+
+def _close(*sockets: socket.socket) -> None:
+    for sock in sockets:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        sock.close()

@@ -6,6 +6,7 @@ served; and once space is freed the same upload succeeds and the usage is all wr
 from __future__ import annotations
 
 import sqlite3
+import time
 from pathlib import Path
 
 import httpx
@@ -70,9 +71,11 @@ def test_a_full_disk_refuses_uploads_with_507_and_serving_goes_on(
                      "the usage writer to meet the full disk")
 
             filler.unlink()
+            freed_at = time.monotonic()
             response = http.post("/admin/api/adapters", data={"tenant": "acme", "name": "mlp"},
                                  files=upload_files(adapter_dirs["mlp"]))
             assert response.status_code == 201, response.text
+            print(f"disk full: the upload stored {time.monotonic() - freed_at:.2f} s after space was freed")
             response = _complete(server, "mlp")
             assert response.status_code == 200, response.text
             served.append(response.json()["usage"]["completion_tokens"])

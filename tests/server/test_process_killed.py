@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -104,7 +105,9 @@ def test_sigkill_during_an_upload_in_a_container(
             _kill(served)
         assert sorted(p.name for p in temp_dir.iterdir()) == sorted(staged)
 
+    restarted_at = time.monotonic()
     with loraplex_serve(data_dir, *args, launcher=container) as served:  # PID 1 again
+        print(f"SIGKILL during an upload: ready {time.monotonic() - restarted_at:.2f} s after the restart")
         assert "2 temporary files removed" in served.output()
         with _registry(data_dir) as registry:
             assert registry_state(registry) == before

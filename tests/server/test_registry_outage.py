@@ -16,9 +16,17 @@ import httpx
 import pytest
 
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.registry import RegistryConfig
+from loraplex.registry import Registry, RegistryConfig
+from loraplex.server.usage_recorder import UsageRecorder
 from tests.server.conftest import add_adapters
-from tests.server.fault_support import PostgresCluster, postgres_cluster, sqlite_locked, wait_for
+from tests.server.fault_support import (
+    DEADLINE_S,
+    CommitCutter,
+    PostgresCluster,
+    postgres_cluster,
+    sqlite_locked,
+    wait_for,
+)
 from tests.server.server_support import MODEL_ID, Server, serve
 
 CACHE_TTL_S = 0.2
@@ -143,3 +151,29 @@ def test_sqlite_locked_by_another_process(tmp_path: Path, engine: LLMEngine,
         print(f"SQLite lock released: written again {time.monotonic() - started:.2f} s later")
         usage = _usage(server, "acme")
         assert (usage["num_requests"], usage["completion_tokens"]) == (len(served), sum(served))
+
+
+def test_a_usage_write_whose_commit_answer_is_lost_is_counted_once(tmp_path: Path,
+                                                                  cluster: PostgresCluster) -> None:
+    """The connection breaks after the usage write's COMMIT reached the server and before its
+    answer came back: the write committed, the writer saw an error and wrote again."""
+    database = f"commit_{secrets.token_hex(4)}"
+    url = cluster.create_database(database)
+    with Registry.open(RegistryConfig(data_dir=tmp_path / "data", database_url=url)) as direct:
+        direct.tenants.create("acme")
+    cutter = CommitCutter(cluster.port, marker=b"INSERT INTO usage")
+    proxied = RegistryConfig(data_dir=tmp_path / "data", database_url=url.replace(
+        f":{cluster.port}/", f":{cutter.port}/"))
+    try:
+        with Registry.open(proxied, migrate=False) as registry:
+            recorder = UsageRecorder(registry)
+            cutter.arm()
+            for _ in range(3):
+                recorder.record("acme", None, 5, 7)
+            assert recorder.flush(DEADLINE_S)
+            recorder.close()
+            assert cutter.num_cut == 1
+            [row] = registry.usage.query(tenant="acme")
+            assert (row.num_requests, row.prompt_tokens, row.completion_tokens) == (3, 15, 21)
+    finally:
+        cutter.close()
