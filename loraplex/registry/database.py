@@ -28,12 +28,14 @@ _BLOB_LOCK_KEY = 0x6C6F7261
 _PG_DISK_FULL = "53100"
 
 
-def make_engine(url: str, *, busy_timeout_s: float = 30.0) -> Engine:
+def make_engine(url: str, *, busy_timeout_s: float = 30.0, connect_timeout_s: float = 5.0) -> Engine:
     """An Engine for an SQLite or PostgreSQL URL (`postgresql://` means psycopg 3)."""
     parsed = parse_url(url)
     if parsed.get_backend_name() == "sqlite":
         return _make_sqlite_engine(parsed, busy_timeout_s)
-    return create_engine(parsed, pool_pre_ping=True)
+    connect_args = {} if "connect_timeout" in parsed.query else {
+        "connect_timeout": max(1, round(connect_timeout_s))}
+    return create_engine(parsed, pool_pre_ping=True, connect_args=connect_args)
 
 
 def parse_url(url: str) -> URL:

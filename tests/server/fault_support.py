@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -85,6 +86,18 @@ class PostgresCluster:
         with self.connect() as connection:
             connection.execute(f'CREATE DATABASE "{name}"')
         return self.url(name)
+
+    @contextlib.contextmanager
+    def hung(self) -> Iterator[None]:
+        """The server stops answering new connections for the block (its postmaster is
+        SIGSTOPped: the kernel still accepts them, nobody answers), as a server stuck or cut off
+        by the network looks to a client."""
+        pid = int((self.data_dir / "postmaster.pid").read_text().split()[0])
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
     def kill_connections(self, database: str) -> int:
         """Terminate every session on `database` (as an operator or a failover would)."""

@@ -33,6 +33,7 @@ CACHE_TTL_S = 0.2
 """The server's registry cache: the outages below last longer, so every cached entry is past
 its time when it is used."""
 LOCK_S = 10.0
+REQUEST_TIMEOUT_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def cluster() -> Iterator[PostgresCluster]:
 
 
 def _complete(server: Server, tenant: str, model: str, max_tokens: int = 4) -> httpx.Response:
-    return httpx.post(f"{server.url}/v1/completions", timeout=60,
+    return httpx.post(f"{server.url}/v1/completions", timeout=REQUEST_TIMEOUT_S,
                       headers={"Authorization": f"Bearer {server.keys[tenant]}"},
                       json={"model": model, "prompt": "the registry", "max_tokens": max_tokens,
                             "ignore_eos": True})
@@ -110,6 +111,27 @@ def test_postgres_stopped_and_restarted_mid_traffic(
         usage = _usage(server, "acme")
         assert (usage["num_requests"], usage["completion_tokens"]) == (len(served) - 1, sum(served[:-1]))
         assert _usage(server, "globex")["num_requests"] == 2  # the first recovered request and this one
+
+
+def test_postgres_that_does_not_answer(
+        tmp_path: Path, cluster: PostgresCluster, engine: LLMEngine, adapter_dirs: dict[str, Path]) -> None:
+    """A PostgreSQL server that accepts connections and never answers (stuck, or cut off by the
+    network): a new connection gives up after RegistryConfig.connect_timeout_s, so requests that
+    need a read get 503 instead of hanging, and cached tenants are served meanwhile."""
+    database = f"hung_{secrets.token_hex(4)}"
+    config = RegistryConfig(data_dir=tmp_path / "data", database_url=cluster.create_database(database),
+                            connect_timeout_s=1)
+    with serve(config, engine, tenants=("acme", "globex"), registry_cache_ttl_s=CACHE_TTL_S) as server:
+        add_adapters(server, adapter_dirs)
+        warm = _complete(server, "acme", "style")
+        assert warm.status_code == 200, warm.text
+        served = [warm.json()["usage"]["completion_tokens"]]
+        cluster.kill_connections(database)  # the pool's connections are gone: it must connect anew
+        with cluster.hung():
+            _outage_checks(server, served)
+        print(f"PostgreSQL answering again: served again {_recovered(server):.2f} s later")
+        usage = _usage(server, "acme")
+        assert (usage["num_requests"], usage["completion_tokens"]) == (len(served), sum(served))
 
 
 def test_postgres_connections_killed(
