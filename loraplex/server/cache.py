@@ -105,11 +105,24 @@ async def read_cached(cache: TTLCache[K, V], reads: SingleFlight[tuple[int, K], 
     """`key`'s value from `cache`, else from `load` (a blocking registry read that puts what it
     reads into `cache`), shared by the callers that miss together. When the read fails with
     RegistryUnavailableError, or has not answered within STALE_WAIT_S, a value past its time is
-    used if the cache still has one (the read goes on and refreshes the cache when it can)."""
+    used if the cache still has one (the read goes on and refreshes the cache when it can). A
+    read that answers otherwise (the key revoked, the adapter deleted) drops that value: a stale
+    value outlives its time by one slow read at most, unless the registry is unavailable."""
     value = cache.get(key)
     if value is not None:
         return value
-    read = reads.run((cache.generation, key), load)
+
+    def load_or_drop() -> V:
+        try:
+            return load()
+        except RegistryUnavailableError:
+            raise
+        except Exception:
+            if cache.get_stale(key) is not None:
+                cache.forget(lambda cached: cached == key)
+            raise
+
+    read = reads.run((cache.generation, key), load_or_drop)
     stale = cache.get_stale(key)
     if stale is None:
         return await read
