@@ -31,7 +31,9 @@ class ServerConfig:
     registry_max_stale_s: float = 600.0
     """While the registry database is unavailable (stopped, restarting, locked), keys, tenant
     limits and adapter records read before are reused up to this long past their time, so their
-    tenants keep being served; requests that need anything else get 503 with Retry-After."""
+    tenants keep being served; requests that need anything else get 503 with Retry-After. A
+    read slower than 0.25 s is not waited for either when such a value exists; one that then
+    answers that the key was revoked (or the adapter deleted) drops the value at once."""
     limits_sync_interval_s: float = 0.25
     """With a PostgreSQL registry (several replicas), how often this replica sends what it
     admitted to the registry and reads the others' counts: tenant limits hold across replicas
