@@ -26,6 +26,7 @@ _BEGIN_OPTION = "loraplex_sqlite_begin"
 # Key of the PostgreSQL advisory lock that serialises blob publication and garbage collection.
 _BLOB_LOCK_KEY = 0x6C6F7261
 _PG_DISK_FULL = "53100"
+_SQLITE_FULL = 13
 
 
 def make_engine(url: str, *, busy_timeout_s: float = 30.0, connect_timeout_s: float = 5.0) -> Engine:
@@ -153,7 +154,8 @@ def _database_errors() -> Iterator[None]:
 def _is_storage_full(exc: DBAPIError) -> bool:
     original = exc.orig
     if isinstance(original, sqlite3.OperationalError):
-        return getattr(original, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+        code = getattr(original, "sqlite_errorcode", None)  # Python 3.11+
+        return code == _SQLITE_FULL if code is not None else "database or disk is full" in str(original)
     return getattr(original, "sqlstate", None) == _PG_DISK_FULL
 
 

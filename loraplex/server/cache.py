@@ -128,5 +128,5 @@ async def read_cached(cache: TTLCache[K, V], reads: SingleFlight[tuple[int, K], 
         return await read
     try:
         return await asyncio.wait_for(read, STALE_WAIT_S)
-    except (RegistryUnavailableError, TimeoutError):
+    except (RegistryUnavailableError, asyncio.TimeoutError):  # not TimeoutError before 3.11
         return stale

@@ -27,7 +27,7 @@ from loraplex.registry.migrate import current_revision, head_revision, upgrade
 from tests.registry.registry_support import registry_state
 from tests.server.fault_support import DEADLINE_S, PostgresCluster, postgres_cluster, wait_for
 from tests.server.server_support import upload_files
-from tests.server.test_serve_cli import loraplex_serve
+from tests.server.test_serve_cli import loraplex_serve, upload_request_head
 
 IN_A_CONTAINER = ("unshare", "--pid", "--fork", "--mount-proc", "--kill-child")
 """The server as PID 1 of a PID namespace of its own; killing unshare kills it."""
@@ -44,6 +44,12 @@ def container() -> tuple[str, ...]:
 
 def _registry(data_dir: Path) -> Registry:
     return Registry.open(RegistryConfig(data_dir=data_dir), migrate=False)
+
+
+def _acme(registry: Registry) -> tuple[str, str]:
+    """Create tenant acme; an admin key and a key of acme."""
+    registry.tenants.create("acme")
+    return registry.keys.create(admin=True).secret, registry.keys.create(tenant="acme").secret
 
 
 def _stopped(url: str) -> bool:
@@ -80,21 +86,9 @@ def test_sigkill_during_an_upload_in_a_container(
     args = ("--model", str(model_dir), "--model-name", MODEL_NAME)
     with loraplex_serve(data_dir, *args, launcher=container) as served:
         with _registry(data_dir) as registry:
-            registry.tenants.create("acme")
-            admin_key = registry.keys.create(admin=True).secret
-            tenant_key = registry.keys.create(tenant="acme").secret
+            admin_key, tenant_key = _acme(registry)
             before = registry_state(registry)
-        boundary = "kill-boundary"
-        head = b"".join(f'--{boundary}\r\nContent-Disposition: form-data; name="{field}"\r\n\r\n{value}\r\n'
-                        .encode() for field, value in (("tenant", "acme"), ("name", "mlp")))
-        head += (f'--{boundary}\r\nContent-Disposition: form-data; name="adapter_config"; '
-                 f'filename="adapter_config.json"\r\n\r\n').encode() + config + b"\r\n"
-        head += (f'--{boundary}\r\nContent-Disposition: form-data; name="adapter_model"; '
-                 f'filename="adapter_model.safetensors"\r\n\r\n').encode()
-        total = len(head) + len(weights) + len(f"\r\n--{boundary}--\r\n")
-        request = (f"POST /admin/api/adapters HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {admin_key}\r\n"
-                   f"Content-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: {total}\r\n"
-                   f"\r\n").encode() + head
+        request = upload_request_head(admin_key, "acme", "mlp", config, len(weights))
         temp_dir = data_dir / "blobs" / "tmp"
         host, port = served.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port))) as sock:
@@ -129,9 +123,7 @@ def test_sigkill_while_usage_is_written(tmp_path: Path, model_dir: Path) -> None
     args = ("--model", str(model_dir), "--model-name", MODEL_NAME)
     with loraplex_serve(data_dir, *args) as served:
         with _registry(data_dir) as registry:
-            registry.tenants.create("acme")
-            admin_key = registry.keys.create(admin=True).secret
-            tenant_key = registry.keys.create(tenant="acme").secret
+            admin_key, tenant_key = _acme(registry)
         admin = {"Authorization": f"Bearer {admin_key}"}
         for _ in range(4):
             assert _complete(served.url, tenant_key, MODEL_NAME).status_code == 200
@@ -231,9 +223,7 @@ def test_sigkill_between_a_blob_and_its_row(
     files = upload_files(adapter_dirs["mlp"])
     with loraplex_serve(data_dir, *args) as served:
         with Registry.open(config, migrate=False) as registry:
-            registry.tenants.create("acme")
-            admin_key = registry.keys.create(admin=True).secret
-            tenant_key = registry.keys.create(tenant="acme").secret
+            admin_key, tenant_key = _acme(registry)
             before = registry_state(registry)
         admin = {"Authorization": f"Bearer {admin_key}"}
         with cluster.connect(database) as blocker:

@@ -7,10 +7,12 @@ itself, without a restart."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -85,15 +87,25 @@ def _recovered(server: Server) -> float:
     return time.monotonic() - started
 
 
-def test_postgres_stopped_and_restarted_mid_traffic(
-        tmp_path: Path, cluster: PostgresCluster, engine: LLMEngine, adapter_dirs: dict[str, Path]) -> None:
+@contextlib.contextmanager
+def _serving_on(cluster: PostgresCluster, tmp_path: Path, engine: LLMEngine, adapter_dirs: dict[str, Path],
+                **registry_options: Any) -> Iterator[tuple[Server, str, list[int]]]:
+    """A server on a new database of `cluster` (tenants acme and globex with their adapters),
+    with acme's key and adapter `style` read by a first request. Yields the server, the
+    database's name and the completion tokens of the requests served (that one so far)."""
     database = f"outage_{secrets.token_hex(4)}"
-    config = RegistryConfig(data_dir=tmp_path / "data", database_url=cluster.create_database(database))
+    config = RegistryConfig(data_dir=tmp_path / "data", database_url=cluster.create_database(database),
+                            **registry_options)
     with serve(config, engine, tenants=("acme", "globex"), registry_cache_ttl_s=CACHE_TTL_S) as server:
         add_adapters(server, adapter_dirs)
-        warm = _complete(server, "acme", "style")  # acme's key and adapter `style` are read
+        warm = _complete(server, "acme", "style")
         assert warm.status_code == 200, warm.text
-        served = [warm.json()["usage"]["completion_tokens"]]
+        yield server, database, [warm.json()["usage"]["completion_tokens"]]
+
+
+def test_postgres_stopped_and_restarted_mid_traffic(
+        tmp_path: Path, cluster: PostgresCluster, engine: LLMEngine, adapter_dirs: dict[str, Path]) -> None:
+    with _serving_on(cluster, tmp_path, engine, adapter_dirs) as (server, _, served):
         acme = server.openai("acme")
         stream = iter(acme.completions.create(model="style", prompt="a long one", max_tokens=300,
                                               stream=True, extra_body={"ignore_eos": True}))
@@ -118,14 +130,8 @@ def test_postgres_that_does_not_answer(
     """A PostgreSQL server that accepts connections and never answers (stuck, or cut off by the
     network): a new connection gives up after RegistryConfig.connect_timeout_s, so requests that
     need a read get 503 instead of hanging, and cached tenants are served meanwhile."""
-    database = f"hung_{secrets.token_hex(4)}"
-    config = RegistryConfig(data_dir=tmp_path / "data", database_url=cluster.create_database(database),
-                            connect_timeout_s=1)
-    with serve(config, engine, tenants=("acme", "globex"), registry_cache_ttl_s=CACHE_TTL_S) as server:
-        add_adapters(server, adapter_dirs)
-        warm = _complete(server, "acme", "style")
-        assert warm.status_code == 200, warm.text
-        served = [warm.json()["usage"]["completion_tokens"]]
+    with _serving_on(cluster, tmp_path, engine, adapter_dirs, connect_timeout_s=1) as serving:
+        server, database, served = serving
         cluster.kill_connections(database)  # the pool's connections are gone: it must connect anew
         with cluster.hung():
             _outage_checks(server, served)
