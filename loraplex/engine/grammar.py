@@ -6,7 +6,7 @@ Compiling is the slow part (a JSON schema over a 49k vocabulary: milliseconds to
 compiled grammars are cached by the constraint's content, and the server compiles off the
 event loop and off the engine's step (`GrammarCompiler.compile` in a worker thread, with a time
 limit); the engine is handed the compiled grammar. A matcher is cheap: one a request, made
-when the request is added. See docs/structured_outputs.md for the choice of xgrammar."""
+when the request is added. The README's structured outputs section says why xgrammar."""
 
 from __future__ import annotations
 

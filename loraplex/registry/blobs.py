@@ -1,11 +1,13 @@
 """Content-addressed blob store: `<root>/sha256/ab/<digest>`. A blob is streamed into a
 temporary file under `<root>/tmp` (same file system) while it is hashed, fsynced, renamed onto
 its sha256 name, and the directory fsynced; only then may a database row refer to it. Paths are
-derived only from validated digests and checked to stay inside the store."""
+derived only from validated digests and checked to stay inside the store. A file system with no
+space left is StorageFullError, and the partial file is removed."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from loraplex.registry.names import DIGEST_PATTERN, check_digest
-from loraplex.registry.registry_errors import InvalidInputError
+from loraplex.registry.registry_errors import InvalidInputError, StorageFullError
 
 CHUNK_BYTES = 1 << 20
 _FANOUT = re.compile(r"[0-9a-f]{2}")
@@ -61,7 +63,8 @@ class BlobStore:
         path = self.temp_dir / _temp_name()
         hasher, size = hashlib.sha256(), 0
         try:
-            with open(path, "xb") as out, contextlib.closing(_chunks(source)) as chunks:
+            with self._space_for(what), open(path, "xb") as out, \
+                    contextlib.closing(_chunks(source)) as chunks:
                 for chunk in chunks:
                     size += len(chunk)
                     if size > max_bytes:
@@ -83,13 +86,25 @@ class BlobStore:
         if final.is_file():
             staged.path.unlink(missing_ok=True)
             return final
-        if not final.parent.is_dir():
-            final.parent.mkdir(mode=0o700, exist_ok=True)
-            _fsync_dir(self.blob_dir)
-        os.chmod(staged.path, 0o444)
-        os.replace(staged.path, final)
-        _fsync_dir(final.parent)
+        with self._space_for(f"blob {staged.sha256[:12]}"):
+            if not final.parent.is_dir():
+                final.parent.mkdir(mode=0o700, exist_ok=True)
+                _fsync_dir(self.blob_dir)
+            os.chmod(staged.path, 0o444)
+            os.replace(staged.path, final)
+            _fsync_dir(final.parent)
         return final
+
+    @contextlib.contextmanager
+    def _space_for(self, what: str) -> Iterator[None]:
+        """ENOSPC and EDQUOT as StorageFullError naming the store and what did not fit."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise StorageFullError(f"no space left on the file system of the blob store ({self.root}): "
+                                   f"{what} was not stored; free space there and retry") from exc
 
     def discard(self, staged: StagedBlob) -> None:
         staged.path.unlink(missing_ok=True)
@@ -117,16 +132,17 @@ class BlobStore:
 
     def stale_temps(self, max_age_s: float) -> list[Path]:
         """Temporary files whose writer is gone: written by a process of this host that no
-        longer runs, older than `max_age_s`, or not named by this store at all."""
+        longer runs (or whose pid a later process now has), older than `max_age_s`, or not
+        named by this store at all."""
         if not self.temp_dir.is_dir():
             return []
         host, now, stale = _host_name(), time.time(), []
         for entry in self.temp_dir.iterdir():
             match = _TEMP.fullmatch(entry.name)
             with contextlib.suppress(FileNotFoundError):
-                is_old = now - entry.stat().st_mtime > max_age_s
-                if match is None or is_old or (
-                    match["host"] == host and not _is_running(int(match["pid"]))
+                written_at = entry.stat().st_mtime
+                if match is None or now - written_at > max_age_s or (
+                    match["host"] == host and _is_writer_gone(int(match["pid"]), written_at)
                 ):
                     stale.append(entry)
         return stale
@@ -149,6 +165,29 @@ def _temp_name() -> str:
 
 def _host_name() -> str:
     return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64] or "host"
+
+
+def _is_writer_gone(pid: int, written_at: float) -> bool:
+    """Whether the process `pid` that last wrote a file at `written_at` is gone: no process has
+    that pid, or the one that has it started after the write. A server restarted in a container
+    gets the pid its killed predecessor had (often 1), so a running pid proves nothing alone."""
+    if not _is_running(pid):
+        return True
+    started_at = _start_time(pid)
+    return started_at is not None and started_at > written_at
+
+
+def _start_time(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch, to the clock tick), from Linux's
+    /proc (its start is counted in ticks since boot); None elsewhere."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        # Fields after the command name (which may hold spaces): state is field 3, starttime 22.
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])
+        booted_at = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+        return booted_at + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 def _is_running(pid: int) -> bool:

@@ -1,6 +1,11 @@
 """Database engines and transactions. SQLite (WAL, busy timeout, synchronous=NORMAL, writes as
 BEGIN IMMEDIATE so concurrent writers queue instead of failing on a lock upgrade) or PostgreSQL
-through psycopg 3. No module-level engines: `make_engine(url)` builds one per registry."""
+through psycopg 3. No module-level engines: `make_engine(url)` builds one per registry.
+
+A database that fails under a transaction (unreachable, a connection lost, locked past the busy
+timeout) raises RegistryUnavailableError; one out of space raises StorageFullError. The pool
+checks a connection before lending it (PostgreSQL), so a server that comes back is used again
+without a restart."""
 
 from __future__ import annotations
 
@@ -12,22 +17,26 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from loraplex.registry.registry_errors import RegistryError
+from loraplex.registry.registry_errors import RegistryError, RegistryUnavailableError, StorageFullError
 
 _BEGIN_OPTION = "loraplex_sqlite_begin"
 # Key of the PostgreSQL advisory lock that serialises blob publication and garbage collection.
 _BLOB_LOCK_KEY = 0x6C6F7261
+_PG_DISK_FULL = "53100"
+_SQLITE_FULL = 13
 
 
-def make_engine(url: str, *, busy_timeout_s: float = 30.0) -> Engine:
+def make_engine(url: str, *, busy_timeout_s: float = 30.0, connect_timeout_s: float = 5.0) -> Engine:
     """An Engine for an SQLite or PostgreSQL URL (`postgresql://` means psycopg 3)."""
     parsed = parse_url(url)
     if parsed.get_backend_name() == "sqlite":
         return _make_sqlite_engine(parsed, busy_timeout_s)
-    return create_engine(parsed, pool_pre_ping=True)
+    connect_args = {} if "connect_timeout" in parsed.query else {
+        "connect_timeout": max(1, round(connect_timeout_s))}
+    return create_engine(parsed, pool_pre_ping=True, connect_args=connect_args)
 
 
 def parse_url(url: str) -> URL:
@@ -106,13 +115,13 @@ class Database:
     @contextmanager
     def write(self) -> Iterator[Session]:
         """A session inside a write transaction, committed on success."""
-        with self._writer_sessions() as session, session.begin():
+        with _database_errors(), self._writer_sessions() as session, session.begin():
             yield session
 
     @contextmanager
     def read(self) -> Iterator[Session]:
         """A session inside a read transaction."""
-        with self._reader_sessions() as session, session.begin():
+        with _database_errors(), self._reader_sessions() as session, session.begin():
             yield session
 
     def lock_blobs(self, session: Session) -> None:
@@ -126,3 +135,30 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+@contextmanager
+def _database_errors() -> Iterator[None]:
+    """The driver's failures of the database itself as the registry's typed errors (a bad
+    statement or a constraint stays what it is)."""
+    try:
+        yield
+    except DBAPIError as exc:
+        if _is_storage_full(exc):
+            raise StorageFullError(f"the registry database has no space left: {_reason(exc)}") from exc
+        if isinstance(exc, OperationalError) or exc.connection_invalidated:
+            raise RegistryUnavailableError(f"the registry database is unavailable: {_reason(exc)}") from exc
+        raise
+
+
+def _is_storage_full(exc: DBAPIError) -> bool:
+    original = exc.orig
+    if isinstance(original, sqlite3.OperationalError):
+        code = getattr(original, "sqlite_errorcode", None)  # Python 3.11+
+        return code == _SQLITE_FULL if code is not None else "database or disk is full" in str(original)
+    return getattr(original, "sqlstate", None) == _PG_DISK_FULL
+
+
+def _reason(exc: DBAPIError) -> str:
+    lines = str(exc.orig or exc).strip().splitlines()
+    return lines[0] if lines else type(exc.orig or exc).__name__

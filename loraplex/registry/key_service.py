@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import secrets
 from datetime import datetime, timedelta
 from typing import cast
@@ -15,9 +16,17 @@ from sqlalchemy import or_, select, update
 from loraplex.registry.audit import record_audit
 from loraplex.registry.database import Database
 from loraplex.registry.records import CreatedKey, KeyRecord, Principal, Role
-from loraplex.registry.registry_errors import AuthenticationError, InvalidInputError, NotFoundError
+from loraplex.registry.registry_errors import (
+    AuthenticationError,
+    InvalidInputError,
+    NotFoundError,
+    RegistryUnavailableError,
+    StorageFullError,
+)
 from loraplex.registry.tables import ApiKey, Tenant, utcnow
 from loraplex.registry.tenant_service import find_tenant
+
+log = logging.getLogger(__name__)
 
 KEY_PREFIX = "lpx-"
 PREFIX_LENGTH = 12
@@ -93,7 +102,10 @@ class KeyService:
             raise AuthenticationError("this API key has been revoked")
         now = utcnow()
         if key.last_used_at is None or now - key.last_used_at > LAST_USED_RESOLUTION:
-            self._touch(key.id, now)
+            try:
+                self._touch(key.id, now)
+            except (RegistryUnavailableError, StorageFullError) as exc:  # it can be read, not written
+                log.warning("last use of API key %d not recorded: %s", key.id, exc.message)
         return Principal(key_id=key.id, role=cast(Role, key.role), tenant_id=key.tenant_id,
                          tenant=tenant)
 

@@ -23,6 +23,10 @@ class RegistryConfig:
     `<data_dir>/registry.db`."""
     busy_timeout_s: float = 30.0
     """How long an SQLite writer waits for the write lock before failing."""
+    connect_timeout_s: float = 5.0
+    """How long opening a PostgreSQL connection may take (a server that accepts and never
+    answers: stuck, or cut off by the network) before the database counts as unavailable.
+    Whole seconds, at least 1 (libpq's unit); a `connect_timeout` in the URL wins."""
     max_upload_bytes: int = 1 << 30
     """Largest adapter weights file accepted."""
     max_temp_age_s: float = 24 * 3600.0

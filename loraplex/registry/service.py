@@ -51,7 +51,8 @@ class Registry:
         """Open (creating the data dir and, with `migrate`, the schema as needed). Without
         `migrate` a database not at the current schema is refused."""
         config.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        engine = make_engine(config.url, busy_timeout_s=config.busy_timeout_s)
+        engine = make_engine(config.url, busy_timeout_s=config.busy_timeout_s,
+                             connect_timeout_s=config.connect_timeout_s)
         try:
             if migrate:
                 ensure_schema(engine)

@@ -159,6 +159,17 @@ class Usage(Base):
     completion_tokens: Mapped[int] = mapped_column(BigInteger)
 
 
+class UsageWrite(Base):
+    """The id of each usage write that carried one, inserted in the write's own transaction: a
+    write retried after its answer was lost finds its id and adds nothing. Kept for
+    `loraplex.registry.usage_service.WRITE_IDS_KEPT`."""
+
+    __tablename__ = "usage_writes"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    written_at: Mapped[datetime] = mapped_column(index=True)
+
+
 class AuditEntry(Base):
     """Append-only (database triggers refuse UPDATE and DELETE); written in the same
     transaction as the change it records."""

@@ -1,12 +1,14 @@
 """Usage counters per tenant, adapter and UTC hour. Recording is one atomic
 INSERT ... ON CONFLICT DO UPDATE SET n = n + excluded.n, correct under concurrency on SQLite
-(writers serialised by BEGIN IMMEDIATE) and PostgreSQL (row-level upsert)."""
+(writers serialised by BEGIN IMMEDIATE) and PostgreSQL (row-level upsert). A write may carry an
+id, stored in the same transaction: the same write again (a retry after the database's answer
+was lost) then adds nothing."""
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -14,12 +16,15 @@ from loraplex.registry.database import Database
 from loraplex.registry.names import check_name
 from loraplex.registry.records import UsageRecord
 from loraplex.registry.registry_errors import InvalidInputError
-from loraplex.registry.tables import Adapter, Tenant, Usage, utcnow
+from loraplex.registry.tables import Adapter, Tenant, Usage, UsageWrite, utcnow
 from loraplex.registry.tenant_service import find_tenant
 
 BASE_MODEL = ""
 """The `adapter` column's value for requests to the base model."""
 _COUNTERS = ("num_requests", "prompt_tokens", "completion_tokens")
+WRITE_IDS_KEPT = timedelta(days=7)
+"""How long a write's id is remembered: a retry later than that would count again."""
+MAX_WRITE_ID_LENGTH = 32
 
 
 def hour_of(at: datetime) -> datetime:
@@ -34,9 +39,11 @@ class UsageService:
         self._db = db
 
     def record(self, tenant: str, adapter: str | None, *, prompt_tokens: int,
-               completion_tokens: int, num_requests: int = 1, at: datetime | None = None) -> None:
+               completion_tokens: int, num_requests: int = 1, at: datetime | None = None,
+               write_id: str | None = None) -> bool:
         """Add one request's (or a batch's) tokens to the tenant's counters for the hour of
-        `at` (now by default), and count the requests on the adapter."""
+        `at` (now by default), and count the requests on the adapter. With `write_id` (unique
+        to this write), a write already recorded under it adds nothing and returns False."""
         if adapter is not None:
             check_name(adapter, "adapter")
         counts = {"num_requests": num_requests, "prompt_tokens": prompt_tokens,
@@ -44,15 +51,21 @@ class UsageService:
         for field, value in counts.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidInputError(f"{field} must be a non-negative integer", param=field)
+        if write_id is not None and not 0 < len(write_id) <= MAX_WRITE_ID_LENGTH:
+            raise InvalidInputError(f"write_id must have 1 to {MAX_WRITE_ID_LENGTH} characters",
+                                    param="write_id")
         hour = hour_of(at or utcnow())
         with self._db.write() as session:
             tenant_id = find_tenant(session, tenant).id
+            if write_id is not None and not _claim(session, write_id):
+                return False
             _increment(session, tenant_id, adapter or BASE_MODEL, hour, counts)
             if adapter is not None and num_requests:
                 session.execute(
                     update(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.name == adapter)
                     .values(num_requests_served=Adapter.num_requests_served + num_requests)
                 )
+        return True
 
     def query(self, *, tenant: str | None = None, adapter: str | None = None,
               since: datetime | None = None, until: datetime | None = None
@@ -89,3 +102,15 @@ def _increment(session: Session, tenant_id: int, adapter: str, hour: datetime,
         set_={field: columns[field] + statement.excluded[field] for field in _COUNTERS},
     )
     session.execute(statement)
+
+
+def _claim(session: Session, write_id: str) -> bool:
+    """Store the write's id; False if it is there already (the write was done). Ids older than
+    WRITE_IDS_KEPT go."""
+    now = utcnow()
+    session.execute(delete(UsageWrite).where(UsageWrite.written_at < now - WRITE_IDS_KEPT))
+    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
+    inserted = session.execute(dialect.insert(UsageWrite).values(id=write_id, written_at=now)
+                               .on_conflict_do_nothing(index_elements=[UsageWrite.__table__.c.id])
+                               .returning(UsageWrite.id))
+    return inserted.first() is not None

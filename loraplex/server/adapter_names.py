@@ -4,7 +4,8 @@ told. The engine owns both of its adapter tiers and reads an adapter when it nee
 `load`: digest -> the validated adapter, from the blob files of a record seen with that digest.
 Two tenants who upload the same tensors share one digest, hence one host copy and one device
 slot. New uploads are found without a restart; deleted ones stop being served once the cached
-record expires (at once for deletions made through this server)."""
+record expires (at once for deletions made through this server). While the database is
+unavailable, records read before are reused (cache.read_cached)."""
 
 from __future__ import annotations
 
@@ -14,17 +15,18 @@ from loraplex.adapter_format import BaseModelShape, LoraAdapter, load_adapter
 from loraplex.registry import Registry
 from loraplex.registry.records import AdapterRecord
 from loraplex.registry.registry_errors import RegistryError
-from loraplex.server.cache import SingleFlight, TTLCache
+from loraplex.server.cache import SingleFlight, TTLCache, read_cached
 
 logger = logging.getLogger(__name__)
 
 
 class AdapterNames:
-    def __init__(self, registry: Registry, shape: BaseModelShape, max_rank: int, ttl_s: float) -> None:
+    def __init__(self, registry: Registry, shape: BaseModelShape, max_rank: int, ttl_s: float,
+                 max_stale_s: float = 0.0) -> None:
         self._registry = registry
         self._shape = shape
         self._max_rank = max_rank
-        self._records: TTLCache[tuple[str, str], AdapterRecord] = TTLCache(ttl_s)
+        self._records: TTLCache[tuple[str, str], AdapterRecord] = TTLCache(ttl_s, max_stale_s=max_stale_s)
         self._reads: SingleFlight[tuple[int, tuple[str, str]], AdapterRecord] = SingleFlight()
         self._blobs: dict[str, AdapterRecord] = {}  # digest -> a record whose blobs hold it
         self._names: dict[str, set[str]] = {}  # digest -> the names requests gave it here
@@ -35,7 +37,7 @@ class AdapterNames:
         key = (tenant, name)
         record = self._records.get(key)
         if record is None:  # one read for all the requests that ask meanwhile
-            record = await self._reads.run((self._records.generation, key), lambda: self._read(key))
+            record = await read_cached(self._records, self._reads, key, lambda: self._read(key))
             self._blobs[record.digest] = record
             self._names.setdefault(record.digest, set()).add(name)
         return record

@@ -5,7 +5,11 @@ the requests that miss the cache together (a burst of requests with one key).
 A change made through this server (a revoked key, a deleted adapter) calls `forget`, and must
 hold at once: a value read from the registry before that change, by a request still in flight,
 must not be cached after it. So a reader takes the cache's `generation` before it reads and
-passes it to `put`, which keeps the value only if nothing was forgotten in between."""
+passes it to `put`, which keeps the value only if nothing was forgotten in between.
+
+While the registry database is unavailable, `read_cached` answers with a value past its time
+(at most `max_stale_s` past it) rather than fail: a tenant whose key and adapter were read before
+the outage keeps being served. Only a value read from the registry is ever reused this way."""
 
 from __future__ import annotations
 
@@ -17,13 +21,19 @@ from typing import Generic, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 
+from loraplex.registry.registry_errors import RegistryUnavailableError
+
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
+STALE_WAIT_S = 0.25
+"""How long a request waits for a read that has not answered (an SQLite lock, a database that
+does not answer) before it takes the stale value instead."""
 
 
 class TTLCache(Generic[K, V]):
-    def __init__(self, ttl_s: float, max_entries: int = 10_000) -> None:
+    def __init__(self, ttl_s: float, max_entries: int = 10_000, max_stale_s: float = 0.0) -> None:
         self._ttl_s = ttl_s
+        self._max_stale_s = max_stale_s
         self._max_entries = max_entries
         self._entries: dict[K, tuple[V, float]] = {}
         self._lock = threading.Lock()
@@ -37,6 +47,13 @@ class TTLCache(Generic[K, V]):
     def get(self, key: K) -> V | None:
         entry = self._entries.get(key)
         if entry is None or entry[1] < time.monotonic():
+            return None
+        return entry[0]
+
+    def get_stale(self, key: K) -> V | None:
+        """The value even past its time, up to `max_stale_s` past it (None otherwise)."""
+        entry = self._entries.get(key)
+        if entry is None or entry[1] + self._max_stale_s < time.monotonic():
             return None
         return entry[0]
 
@@ -81,3 +98,35 @@ class SingleFlight(Generic[K, V]):
         del self._loads[key]
         if not load.cancelled():
             load.exception()  # retrieved: an error nobody was left to await is not logged
+
+
+async def read_cached(cache: TTLCache[K, V], reads: SingleFlight[tuple[int, K], V], key: K,
+                      load: Callable[[], V]) -> V:
+    """`key`'s value from `cache`, else from `load` (a blocking registry read that puts what it
+    reads into `cache`), shared by the callers that miss together. When the read fails with
+    RegistryUnavailableError, or has not answered within STALE_WAIT_S, a value past its time is
+    used if the cache still has one (the read goes on and refreshes the cache when it can). A
+    read that answers otherwise (the key revoked, the adapter deleted) drops that value: a stale
+    value outlives its time by one slow read at most, unless the registry is unavailable."""
+    value = cache.get(key)
+    if value is not None:
+        return value
+
+    def load_or_drop() -> V:
+        try:
+            return load()
+        except RegistryUnavailableError:
+            raise
+        except Exception:
+            if cache.get_stale(key) is not None:
+                cache.forget(lambda cached: cached == key)
+            raise
+
+    read = reads.run((cache.generation, key), load_or_drop)
+    stale = cache.get_stale(key)
+    if stale is None:
+        return await read
+    try:
+        return await asyncio.wait_for(read, STALE_WAIT_S)
+    except (RegistryUnavailableError, asyncio.TimeoutError):  # not TimeoutError before 3.11
+        return stale

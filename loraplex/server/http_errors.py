@@ -31,6 +31,7 @@ from loraplex.registry.registry_errors import (
     InvalidInputError,
     NotFoundError,
     RegistryError,
+    StorageFullError,
 )
 from loraplex.server.request_id import REQUEST_ID_HEADER, request_id_of
 from loraplex.server.schemas.client_body import INVALID_UNICODE, NESTED_TOO_DEEP
@@ -79,6 +80,7 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (BaseModelUnknownError, 503),
     (RegistryError, 503),
     (ServiceUnavailableError, 503),
+    (StorageFullError, 507),
     (ModelLoadError, 500),
 )
 _TYPES = {401: "invalid_request_error", 403: "permission_error", 429: "rate_limit_error"}

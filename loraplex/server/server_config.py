@@ -28,6 +28,12 @@ class ServerConfig:
     """How long API keys, tenant limits and adapter records read from the registry are reused.
     Changes made through this server's admin API apply at once; those made by other processes
     (the CLI, other replicas) within this time."""
+    registry_max_stale_s: float = 600.0
+    """While the registry database is unavailable (stopped, restarting, locked), keys, tenant
+    limits and adapter records read before are reused up to this long past their time, so their
+    tenants keep being served; requests that need anything else get 503 with Retry-After. A
+    read slower than 0.25 s is not waited for either when such a value exists; one that then
+    answers that the key was revoked (or the adapter deleted) drops the value at once."""
     limits_sync_interval_s: float = 0.25
     """With a PostgreSQL registry (several replicas), how often this replica sends what it
     admitted to the registry and reads the others' counts: tenant limits hold across replicas
@@ -63,6 +69,8 @@ class ServerConfig:
             raise ValueError("registry_cache_ttl_s must be >= 0 and engine_poll_interval_s > 0")
         if self.max_grammar_compile_s <= 0:
             raise ValueError("max_grammar_compile_s must be positive")
+        if self.registry_max_stale_s < 0:
+            raise ValueError("registry_max_stale_s must be >= 0")
         if self.limits_sync_interval_s <= 0:
             raise ValueError("limits_sync_interval_s must be positive")
         if not self.model_id:

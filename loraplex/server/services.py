@@ -57,7 +57,7 @@ class Services:
         `adapters` replaces the registry's adapter names and blobs (a benchmark's synthetic
         adapters; loraplex.benchmarks.synthetic_server)."""
         adapters = adapters or AdapterNames(registry, llm.model_config.shape, llm.config.lora.max_lora_rank,
-                                            config.registry_cache_ttl_s)
+                                            config.registry_cache_ttl_s, config.registry_max_stale_s)
         llm.set_adapter_loader(adapters.load)
         engine = AsyncEngine(llm)
         monitor = EngineMonitor(engine, config.engine_poll_interval_s)
@@ -66,7 +66,7 @@ class Services:
         limiter = Limiter(config.max_requests_in_flight, config.retry_after_s, shared=shared)
         services = cls(
             config=config, registry=registry, llm=llm, engine=engine,
-            principals=Principals(registry, config.registry_cache_ttl_s),
+            principals=Principals(registry, config.registry_cache_ttl_s, config.registry_max_stale_s),
             codec=TextCodec(llm.tokenizer, max_prompt_tokens(config, llm), config.tokenizer_threads),
             adapters=adapters,
             limiter=limiter, usage=UsageRecorder(registry), monitor=monitor,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from starlette.concurrency import run_in_threadpool
 
 from loraplex.registry.rate_windows import SLOT_S, RemoteLoad
+from loraplex.registry.registry_errors import RegistryUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -130,5 +131,7 @@ class SharedLimits:
                 await self.exchange()
             except asyncio.CancelledError:
                 raise
+            except RegistryUnavailableError as exc:  # an outage: said, not traced, 4 times a second
+                logger.warning("could not exchange tenant load with the other replicas: %s", exc.message)
             except Exception:
                 logger.warning("could not exchange tenant load with the other replicas", exc_info=True)

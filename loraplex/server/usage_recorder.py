@@ -1,15 +1,25 @@
 """Usage accounting off the request path: finished requests are queued here and written to the
 registry (tokens in and out per tenant, adapter and hour) by one background thread, which
 gathers the requests that finish within BATCH_WINDOW_S of the first into one write per (tenant,
-adapter): a busy server writes a few times a second, not once per request (each write holds the
-GIL for a millisecond or two beside the engine thread). `flush` and `close` do not wait for the
-window. Nothing is dropped on a busy database: a failed write is retried; only a tenant or
-adapter deleted meanwhile is skipped."""
+adapter, hour): a busy server writes a few times a second, not once per request (each write
+holds the GIL for a millisecond or two beside the engine thread). `flush` and `close` do not wait
+for the window.
+
+Nothing is dropped while the database is unavailable or full: what could not be written stays
+buffered, summed per (tenant, adapter, hour) so the buffer stays small however long the outage,
+and is written when the database answers again (retried every RETRY_S at most). Each write is one
+transaction carrying an id of its own: a write retried after its answer was lost (the COMMIT
+reached the database, the answer did not come back) finds its id there and adds nothing, so no
+request is counted twice. A group that was tried is closed: requests that finish later go into a
+new one. Only a tenant deleted meanwhile is skipped, and what is still buffered when the
+process stops after CLOSE_RETRY_S of trying is logged as lost. A process killed outright loses what
+is buffered: the requests of the last BATCH_WINDOW_S (plus any outage under way)."""
 
 from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -20,9 +30,22 @@ from loraplex.registry.registry_errors import NotFoundError
 
 logger = logging.getLogger(__name__)
 
-MAX_ATTEMPTS = 5
 BATCH_WINDOW_S = 0.25
+RETRY_S = 1.0
+"""Longest wait between two attempts to write what the database refused (the first waits 0.1 s,
+each next twice as long)."""
+CLOSE_RETRY_S = 10.0
+"""How long `close` keeps trying to write what is buffered before it gives up."""
 _FLUSH = object()
+
+
+@dataclass
+class _Group:
+    """The buffered usage of one (tenant, adapter, hour)."""
+
+    num_items: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -43,6 +66,7 @@ class UsageRecorder:
         self._done = threading.Condition()
         self._num_queued = 0
         self._num_done = 0
+        self._close_deadline: float | None = None
         self._thread = threading.Thread(target=self._run, name="loraplex-usage", daemon=True)
         self._thread.start()
 
@@ -61,25 +85,48 @@ class UsageRecorder:
         with self._done:
             return self._done.wait_for(lambda: self._num_done >= target, timeout_s)
 
-    def close(self, timeout_s: float = 30.0) -> None:
+    def close(self, timeout_s: float = CLOSE_RETRY_S + 5) -> None:
         self._queue.put(None)
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        # (tenant, adapter, hour, write id) -> a group. A group's write id is None while it takes
+        # requests; its first write gives it one, kept for every retry (it takes no more then).
+        pending: dict[tuple[str, str | None, datetime, str | None], _Group] = {}
+        is_closing, delay = False, 0.0
         while True:
-            batch = self._gather()
-            items = [i for i in batch if isinstance(i, UsageItem)]
-            self._write(items)
+            batch = self._gather(timeout_s=delay if pending else None)
+            is_closing = is_closing or None in batch
+            for item in batch:
+                if isinstance(item, UsageItem):
+                    group = pending.setdefault((item.tenant, item.adapter, _hour(item.at), None), _Group())
+                    group.num_items += 1
+                    group.prompt_tokens += item.prompt_tokens
+                    group.completion_tokens += item.completion_tokens
+            num_written = self._write(pending)
             with self._done:
-                self._num_done += len(items)
+                self._num_done += num_written
                 self._done.notify_all()
-            if None in batch:
-                return
+            delay = 0.0 if not pending else min(RETRY_S, max(0.1, delay * 2))
+            if is_closing and (not pending or self._is_past_close()):
+                break
+        for (tenant, adapter, _, _), group in pending.items():
+            logger.error("usage of tenant %s (adapter %s) lost: %d requests, %d+%d tokens", tenant,
+                         adapter, group.num_items, group.prompt_tokens, group.completion_tokens)
 
-    def _gather(self) -> list[UsageItem | object | None]:
+    def _is_past_close(self) -> bool:
+        if self._close_deadline is None:
+            self._close_deadline = time.monotonic() + CLOSE_RETRY_S
+        return time.monotonic() > self._close_deadline
+
+    def _gather(self, timeout_s: float | None) -> list[UsageItem | object | None]:
         """The next batch: what arrives within the window of the first item, or until a flush
-        or close asks for it."""
-        batch = [self._queue.get()]
+        or close asks for it. With `timeout_s`, an empty batch once it has passed (time to
+        retry what is buffered)."""
+        try:
+            batch = [self._queue.get(timeout=timeout_s)]
+        except queue.Empty:
+            return []
         deadline = time.monotonic() + self._batch_window_s
         while isinstance(batch[-1], UsageItem):
             try:
@@ -90,31 +137,31 @@ class UsageRecorder:
             batch.append(self._queue.get())
         return batch
 
-    def _write(self, items: list[UsageItem]) -> None:
-        totals: dict[tuple[str, str | None, datetime], list[int]] = {}
-        for item in items:
-            hour = item.at.replace(minute=0, second=0, microsecond=0)
-            counts = totals.setdefault((item.tenant, item.adapter, hour), [0, 0, 0])
-            counts[0] += 1
-            counts[1] += item.prompt_tokens
-            counts[2] += item.completion_tokens
-        for (tenant, adapter, hour), (num_requests, prompt, completion) in totals.items():
-            self._write_one(tenant, adapter, hour, num_requests, prompt, completion)
-
-    def _write_one(self, tenant: str, adapter: str | None, hour: datetime, num_requests: int,
-                   prompt_tokens: int, completion_tokens: int) -> None:
-        for attempt in range(MAX_ATTEMPTS):
+    def _write(self, pending: dict[tuple[str, str | None, datetime, str | None], _Group]) -> int:
+        """Write each buffered group in its own transaction; those written (or of deleted
+        tenants) leave `pending`, the others are closed under their write id. Returns how many
+        requests left it."""
+        num_done = 0
+        for key, group in list(pending.items()):
+            tenant, adapter, hour, write_id = key
+            if write_id is None:
+                del pending[key]
+                write_id = secrets.token_hex(16)
+                key = (tenant, adapter, hour, write_id)
+                pending[key] = group
             try:
-                self._registry.usage.record(tenant, adapter, prompt_tokens=prompt_tokens,
-                                            completion_tokens=completion_tokens,
-                                            num_requests=num_requests, at=hour)
-                return
+                self._registry.usage.record(tenant, adapter, prompt_tokens=group.prompt_tokens,
+                                            completion_tokens=group.completion_tokens,
+                                            num_requests=group.num_items, at=hour, write_id=write_id)
             except NotFoundError:
                 logger.info("usage of deleted tenant %s not recorded", tenant)
-                return
-            except Exception:
-                logger.warning("could not record usage of tenant %s (attempt %d)", tenant,
-                               attempt + 1, exc_info=True)
-                time.sleep(0.2 * 2**attempt)
-        logger.error("usage of tenant %s lost: %d requests, %d+%d tokens", tenant, num_requests,
-                     prompt_tokens, completion_tokens)
+            except Exception as exc:
+                logger.warning("usage of tenant %s kept for a later write: %s", tenant, exc)
+                continue
+            del pending[key]
+            num_done += group.num_items
+        return num_done
+
+
+def _hour(at: datetime) -> datetime:
+    return at.replace(minute=0, second=0, microsecond=0)

@@ -54,7 +54,7 @@ def test_db_upgrade_is_idempotent(cli) -> None:
     for _ in range(2):
         code, out, err = cli("db", "upgrade")
         assert (code, err) == (0, "")
-        assert out.startswith("registry schema at revision 0003 (")
+        assert out.startswith("registry schema at revision 0004 (")
 
 
 def test_tenants(cli) -> None:

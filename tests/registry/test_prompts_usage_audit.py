@@ -50,6 +50,20 @@ def test_system_prompts(registry: Registry, tmp_path: Path) -> None:
         registry.prompts.delete("acme", "plain")
 
 
+def test_a_usage_write_done_again_under_its_id_adds_nothing(registry: Registry) -> None:
+    """A retry of a write whose answer was lost (tests/server/test_registry_outage.py cuts the
+    connection after the COMMIT for real) carries the same id, and counts once."""
+    assert registry.usage.record("acme", None, prompt_tokens=5, completion_tokens=7, num_requests=3,
+                                 write_id="a1")
+    assert not registry.usage.record("acme", None, prompt_tokens=5, completion_tokens=7, num_requests=3,
+                                     write_id="a1")
+    assert registry.usage.record("acme", None, prompt_tokens=1, completion_tokens=1, write_id="a2")
+    [row] = registry.usage.query(tenant="acme")
+    assert (row.num_requests, row.prompt_tokens, row.completion_tokens) == (4, 6, 8)
+    with pytest.raises(InvalidInputError):
+        registry.usage.record("acme", None, prompt_tokens=1, completion_tokens=1, write_id="x" * 33)
+
+
 def test_usage_adds_up_per_tenant_adapter_and_hour(registry: Registry, tmp_path: Path) -> None:
     registry.adapters.upload_dir("acme", "sql", write_adapter(tmp_path / "a"))
     registry.tenants.create("beta")

@@ -12,7 +12,7 @@ import pytest
 
 from loraplex.registry import Registry, RegistryConfig
 from loraplex.registry.registry_errors import AuthenticationError
-from loraplex.server.cache import TTLCache
+from loraplex.server.cache import SingleFlight, TTLCache, read_cached
 from loraplex.server.principals import Principals
 
 
@@ -150,3 +150,35 @@ def test_requests_for_one_adapter_that_miss_the_cache_share_one_read() -> None:
     assert [r.digest for r in records] == ["digest-of-style", "digest-of-style", "digest-of-other"]
     assert sorted(reads) == [("acme", "other"), ("acme", "style")]
     assert names.names_of("digest-of-style") == ("style",)
+
+
+def test_a_read_that_answers_no_drops_the_value_kept_for_outages() -> None:
+    """A key cached before, past its time, re-read slowly (the stale value is served meanwhile,
+    as during an outage): once the read answers that the key is revoked, the stale value is
+    gone, and no later request is served with it."""
+    cache: TTLCache[str, str] = TTLCache(ttl_s=0.01, max_stale_s=600)
+    reads: SingleFlight[tuple[int, str], str] = SingleFlight()
+    cache.put("key", "acme", cache.generation)
+    gate, finished = threading.Event(), threading.Event()
+
+    def revoked() -> str:
+        try:
+            assert gate.wait(10)
+            raise AuthenticationError("this API key has been revoked")
+        finally:
+            finished.set()
+
+    async def scenario() -> None:
+        await asyncio.sleep(0.05)  # past its time
+        assert await read_cached(cache, reads, "key", revoked) == "acme"  # the read has not answered
+        gate.set()
+        assert await asyncio.to_thread(finished.wait, 10)
+        for _ in range(100):  # the read's end reaches the event loop
+            await asyncio.sleep(0.01)
+            if cache.get_stale("key") is None:
+                break
+        assert cache.get_stale("key") is None
+        with pytest.raises(AuthenticationError, match="revoked"):
+            await read_cached(cache, reads, "key", revoked)
+
+    asyncio.run(scenario())

@@ -54,16 +54,17 @@ class ServeProcess:
 
 
 @contextlib.contextmanager
-def loraplex_serve(data_dir: Path, *args: str) -> Iterator[ServeProcess]:
-    """`loraplex serve` on a free port, ready to serve; killed if the test leaves it running."""
+def loraplex_serve(data_dir: Path, *args: str, launcher: tuple[str, ...] = ()) -> Iterator[ServeProcess]:
+    """`loraplex serve` on a free port, ready to serve; killed if the test leaves it running.
+    `launcher`: a command that runs it (`unshare ...`)."""
     port = _free_port()
     log = data_dir.parent / f"serve-{port}.log"
     env = os.environ | {"LORAPLEX_DATA_DIR": str(data_dir)}
     env.pop("LORAPLEX_DATABASE_URL", None)
     with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "serve", "--port", str(port),
-                                    "--device", "cpu", *args], stdout=out, stderr=subprocess.STDOUT,
-                                   env=env)
+        process = subprocess.Popen([*launcher, sys.executable, "-m", "loraplex.cli", "serve", "--port",
+                                    str(port), "--device", "cpu", *args], stdout=out,
+                                   stderr=subprocess.STDOUT, env=env)
     served = ServeProcess(process, f"http://127.0.0.1:{port}", log)
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -90,13 +91,21 @@ def _registry(data_dir: Path) -> Registry:
     return Registry.open(RegistryConfig(data_dir=data_dir), migrate=False)
 
 
-def _multipart(boundary: str, tenant: str, name: str, config: bytes) -> bytes:
+def upload_request_head(admin_key: str, tenant: str, name: str, config: bytes,
+                        num_weight_bytes: int) -> bytes:
+    """An upload's raw HTTP request up to the first byte of its weights (which the caller sends,
+    or holds back: a server killed in the middle of an upload)."""
+    boundary = "kill-boundary"
     head = b"".join(f'--{boundary}\r\nContent-Disposition: form-data; name="{field}"\r\n\r\n{value}\r\n'
                     .encode() for field, value in (("tenant", tenant), ("name", name)))
     head += (f'--{boundary}\r\nContent-Disposition: form-data; name="adapter_config"; '
              f'filename="adapter_config.json"\r\n\r\n').encode() + config + b"\r\n"
-    return head + (f'--{boundary}\r\nContent-Disposition: form-data; name="adapter_model"; '
-                   f'filename="adapter_model.safetensors"\r\n\r\n').encode()
+    head += (f'--{boundary}\r\nContent-Disposition: form-data; name="adapter_model"; '
+             f'filename="adapter_model.safetensors"\r\n\r\n').encode()
+    total = len(head) + num_weight_bytes + len(f"\r\n--{boundary}--\r\n")
+    return (f"POST /admin/api/adapters HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {admin_key}\r\n"
+            f"Content-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: {total}\r\n"
+            f"\r\n").encode() + head
 
 
 def test_sigkill_during_an_upload_leaves_a_consistent_registry(tmp_path: Path, wide_model: Path) -> None:
@@ -112,12 +121,7 @@ def test_sigkill_during_an_upload_leaves_a_consistent_registry(tmp_path: Path, w
             admin_key = registry.keys.create(admin=True).secret
             tenant_key = registry.keys.create(tenant="acme").secret
             before = registry_state(registry)
-        boundary = "kill-boundary"
-        body = _multipart(boundary, "acme", "big", config)
-        total = len(body) + len(weights) + len(f"\r\n--{boundary}--\r\n")
-        request = (f"POST /admin/api/adapters HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {admin_key}\r\n"
-                   f"Content-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: {total}\r\n"
-                   f"\r\n").encode() + body
+        request = upload_request_head(admin_key, "acme", "big", config, len(weights))
         temp_dir = data_dir / "blobs" / "tmp"
         host, port = served.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port))) as sock:

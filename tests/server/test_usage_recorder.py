@@ -16,7 +16,7 @@ class _Usage:
         self.lock = threading.Lock()
 
     def record(self, tenant: str, adapter: str | None, *, prompt_tokens: int, completion_tokens: int,
-               num_requests: int, at) -> None:
+               num_requests: int, at, write_id: str) -> None:
         with self.lock:
             self.writes.append((tenant, adapter, prompt_tokens, completion_tokens, num_requests))
 
