@@ -189,10 +189,10 @@ def test_padded_decode_path_with_families(case, families, layout, monkeypatch):
                                  capture=False)
     shapes, logits, original = [], {}, runner.forward
 
-    def forward(shape, prompt=None):
+    def forward(shape, prompt=None, masks=None):
         if shape.is_padded_decode:
             shapes.append(shape)
-        return original(shape, prompt)
+        return original(shape, prompt, masks)
 
     def record(sampled_ids, step_logits):
         for request_id, row in zip(sampled_ids, step_logits):
