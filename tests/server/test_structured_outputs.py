@@ -42,7 +42,7 @@ class Person(BaseModel):
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     data_dir = copy_quickstart(tmp_path_factory.mktemp("structured") / "data")
-    with loraplex_serve(data_dir, "--max-num-seqs", "32") as served:
+    with loraplex_serve(data_dir, "--max-num-seqs", str(2 * NUM_TRIES)) as served:
         key = (Path(data_dir) / "demo-api-key").read_text().strip()
         yield openai.OpenAI(base_url=f"{served.url}/v1", api_key=key, max_retries=0, timeout=300)
 
@@ -157,43 +157,55 @@ def check_call(name: str, arguments: str) -> None:
         assert json.loads(arguments) == {}
 
 
-def test_required_tool_calls_carry_valid_arguments_every_time(client: openai.OpenAI) -> None:
-    def ask(i: int) -> list:
-        completion = client.chat.completions.create(
-            model=MODELS[i % len(MODELS)], messages=QUESTION, tools=TOOLS, tool_choice="required",
-            max_tokens=150, temperature=0.7, seed=i)
-        choice = completion.choices[0]
-        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
-        return choice.message.tool_calls
+def _ask_for_calls(client: openai.OpenAI, i: int) -> list:
+    completion = client.chat.completions.create(
+        model=MODELS[i % len(MODELS)], messages=QUESTION, tools=TOOLS, tool_choice="required",
+        max_tokens=150, temperature=0.7, seed=i)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    return choice.message.tool_calls
 
-    for calls in in_parallel(NUM_TRIES, ask):
+
+def _stream_calls(client: openai.OpenAI, i: int) -> tuple[dict, int, str | None]:
+    stream = client.chat.completions.create(
+        model=MODELS[i % len(MODELS)], messages=QUESTION, tools=TOOLS, tool_choice="required",
+        max_tokens=150, temperature=0.7, seed=100 + i, stream=True)
+    calls: dict[int, dict] = {}
+    num_chunks, finish_reason = 0, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            assert not choice.delta.content
+            for delta in choice.delta.tool_calls or []:
+                num_chunks += 1
+                call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+                if delta.id is not None:
+                    assert call["id"] is None  # id and name come once, first
+                    call["id"], call["name"] = delta.id, delta.function.name
+                call["arguments"] += delta.function.arguments or ""
+            finish_reason = choice.finish_reason or finish_reason
+    return calls, num_chunks, finish_reason
+
+
+@pytest.fixture(scope="module")
+def required_calls(client: openai.OpenAI) -> tuple[list, list]:
+    """NUM_TRIES answers with tool_choice="required" and NUM_TRIES streamed ones, all sent
+    together (one batch for the engine)."""
+    answers = in_parallel(2 * NUM_TRIES, lambda i: _ask_for_calls(client, i) if i < NUM_TRIES
+                          else _stream_calls(client, i - NUM_TRIES))
+    return answers[:NUM_TRIES], answers[NUM_TRIES:]
+
+
+def test_required_tool_calls_carry_valid_arguments_every_time(required_calls: tuple[list, list]) -> None:
+    for calls in required_calls[0]:
         assert calls and len({call.id for call in calls}) == len(calls)
         for call in calls:
             assert call.type == "function" and call.id.startswith("call_")
             check_call(call.function.name, call.function.arguments)
 
 
-def test_streamed_required_tool_calls_come_as_deltas_and_carry_valid_arguments(client: openai.OpenAI) -> None:
-    def ask(i: int) -> tuple[dict, int, str | None]:
-        stream = client.chat.completions.create(
-            model=MODELS[i % len(MODELS)], messages=QUESTION, tools=TOOLS, tool_choice="required",
-            max_tokens=150, temperature=0.7, seed=100 + i, stream=True)
-        calls: dict[int, dict] = {}
-        num_chunks, finish_reason = 0, None
-        for chunk in stream:
-            for choice in chunk.choices:
-                assert not choice.delta.content
-                for delta in choice.delta.tool_calls or []:
-                    num_chunks += 1
-                    call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
-                    if delta.id is not None:
-                        assert call["id"] is None  # id and name come once, first
-                        call["id"], call["name"] = delta.id, delta.function.name
-                    call["arguments"] += delta.function.arguments or ""
-                finish_reason = choice.finish_reason or finish_reason
-        return calls, num_chunks, finish_reason
-
-    for calls, num_chunks, finish_reason in in_parallel(NUM_TRIES, ask):
+def test_streamed_required_tool_calls_come_as_deltas_and_carry_valid_arguments(
+        required_calls: tuple[list, list]) -> None:
+    for calls, num_chunks, finish_reason in required_calls[1]:
         assert finish_reason == "tool_calls" and calls and sorted(calls) == list(range(len(calls)))
         for call in calls.values():
             check_call(call["name"], call["arguments"])
