@@ -28,7 +28,7 @@ MIN_MARGIN = 0.5
 LIKELIHOOD_MIN_MARGIN = 0.3
 """The sentiment adapter's accuracy by likelihood over the base model's (measured: 1.0 against
 0.5, the base model no better than a coin between the two labels)."""
-NUM_CONCURRENT = 12
+NUM_CONCURRENT = 36
 """Requests lm-eval keeps in flight, batched by the server: a whole test set at once."""
 TAG = "loraplex_quickstart"
 """The tag of the three tasks in the YAML files."""
