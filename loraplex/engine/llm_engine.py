@@ -169,6 +169,9 @@ class LLMEngine:
         self._pin_by_request: dict[str, str] = {}  # warm-up request id -> pin key
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
+        self._constrained: set[str] = set()
+        """Requests that follow a grammar: while none does, a step builds no masks and keeps
+        its overlap (the decode step's usual case costs nothing for structured outputs)."""
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -304,6 +307,7 @@ class LLMEngine:
             if grammar is None or grammar.spec != params.structured:
                 grammar = self.grammars.compile(params.structured)
             request.matcher = grammar.make_matcher()
+            self._constrained.add(request_id)
         self._arrivals += 1
         self._requests[request_id] = request
         if self.tokenizer is not None:
@@ -343,7 +347,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request; its blocks and adapter slot return at once. False if unknown."""
-        request = self._requests.pop(request_id, None)
+        request = self._forget(request_id)
         if request is None:
             return False
         self._detokenizers.pop(request_id, None)
@@ -460,7 +464,7 @@ class LLMEngine:
         """Run one step and return the requests that advanced or finished: this step's, or
         with async scheduling the previous step's, while this one runs on the device."""
         outputs = self._fail_adapter_loads()
-        if self._in_flight is not None and self._in_flight.is_constrained:
+        if self._constrained and self._in_flight is not None and self._in_flight.is_constrained:
             # The grammar's next mask needs the token in flight: no overlap for this step.
             step, self._in_flight = self._in_flight, None
             outputs += self.collect(step)
@@ -515,6 +519,8 @@ class LLMEngine:
 
     def _token_masks(self, plan: StepPlan) -> TokenMasks | None:
         """The allowed tokens of the plan's constrained samples, from their matchers."""
+        if not self._constrained:
+            return None
         constrained = [request for request_id, samples in zip(plan.request_ids, plan.samples)
                        if samples and (request := self._requests.get(request_id)) is not None
                        and request.matcher is not None]
@@ -565,7 +571,7 @@ class LLMEngine:
     def _finish_scoring(self, request: Request) -> RequestOutput:
         """A request that generates nothing ends once its whole prompt is computed."""
         self.scheduler.finish(request, "length")
-        self._requests.pop(request.request_id, None)
+        self._forget(request.request_id)
         detokenizer = self._detokenizers.pop(request.request_id, None)
         return self._output(request, [], "", detokenizer)
 
@@ -592,7 +598,7 @@ class LLMEngine:
             request.logprobs.append(logprob)
         if reason is not None:
             self.scheduler.finish(request, reason)
-            self._requests.pop(request.request_id, None)
+            self._forget(request.request_id)
             if detokenizer is not None:
                 new_text += detokenizer.flush()
                 self._detokenizers.pop(request.request_id, None)
@@ -611,10 +617,15 @@ class LLMEngine:
             adapter=request.adapter_name,
         )
 
+    def _forget(self, request_id: str) -> Request | None:
+        """Drop an ended request from the engine's records (None if it has none)."""
+        self._constrained.discard(request_id)
+        return self._requests.pop(request_id, None)
+
     def _fail(self, request_ids: Iterable[str], exc: BaseException) -> list[RequestOutput]:
         outputs = []
         for request_id in request_ids:
-            request = self._requests.pop(request_id, None)
+            request = self._forget(request_id)
             if request is None:
                 continue
             detokenizer = self._detokenizers.pop(request_id, None)

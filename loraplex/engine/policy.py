@@ -189,11 +189,14 @@ class VtcPolicy(SchedulingPolicy):
         """The active tenants served more than a tenant that decodes in this step: their prompt
         chunks would lengthen the step, and so the time between tokens, of a tenant behind them
         in service."""
+        active = self._active()
+        if len(active) < 2:  # one tenant (the usual case) caps nobody: skip the decode rows
+            return set()
         decoders = {r.tenant for r in decoding}
         if not decoders:
             return set()
         least = min(self._counters.get(t, 0.0) for t in decoders)
-        return {t for t in self._active() if self._counters.get(t, 0.0) > least + self.bound}
+        return {t for t in active if self._counters.get(t, 0.0) > least + self.bound}
 
     def prefills_first(self, request: Request) -> bool:
         """A running prompt goes before the waiting requests only if its tenant is less served

@@ -60,6 +60,8 @@ class Scheduler:
         """(cause: "kv" or "fairness", mode: "swap" or "recompute") -> preemptions."""
         self.num_blocks_swapped_out = self.num_blocks_swapped_in = 0
         self._asked: list[Request] = []  # to preempt at the next step
+        self._capped: set[str] = set()  # this step's tenants whose prompt chunks share the cap
+        self._capped_left = 0  # prompt tokens the cap has left in this step
 
     @property
     def num_preemptions(self) -> int:
