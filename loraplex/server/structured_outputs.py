@@ -86,7 +86,7 @@ class GrammarPool:
         future = loop.run_in_executor(self._pool, self._compile, spec)
         try:
             return await asyncio.wait_for(asyncio.shield(future), self.max_compile_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not TimeoutError before 3.11
             raise GrammarError(f"{spec.param}: the {spec.kind.replace('_', ' ')} took longer than "
                                f"{self.max_compile_s:g} s to compile", param=spec.param) from None
 
