@@ -4,6 +4,7 @@
 #   install          scripts/gpu-pass.sh install
 #   fairness         loraplex bench fairness at this tree (alone, FCFS, VTC)
 #   system-prompts   the same with each tenant's registered 256-token system prompt pinned
+#   seed:N           the benchmark (alone, FCFS, VTC) with arrivals drawn from seed N
 #   variant:NAME:RUNS  the benchmark's RUNS (e.g. alone,vtc) with the loraplex package of
 #                    .device/NAME/ first on the path (a copy of this tree with one change
 #                    undone or tried; made here, carried to the device, never committed)
@@ -28,6 +29,12 @@ for stage in "$@"; do
         system-prompts)
             python3 -m loraplex.benchmarks fairness --system-prompt-len 256 --out "$OUT" 2>&1 \
                 | tee "$OUT/fairness-system-prompts.log" | tail -8
+            ;;
+        seed:*)
+            seed=${stage#seed:}
+            mkdir -p "$OUT/seed-$seed"
+            python3 -m loraplex.benchmarks fairness --seed "$seed" --out "$OUT/seed-$seed" 2>&1 \
+                | tee "$OUT/seed-$seed/fairness.log" | tail -8
             ;;
         variant:*)
             IFS=: read -r _ name runs <<< "$stage"
