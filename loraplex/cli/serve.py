@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> None:
     _configure_logging()
     engine_config(".", args)  # a bad option is refused before anything loads
     config = registry_config(args)
+    keep_kernel_cache(config.data_dir)
     with Registry.open(config) as registry:
         report = registry.reconcile()
         logger.info("registry %s: %d orphan blobs and %d temporary files removed, %d adapters "
@@ -113,6 +114,20 @@ def run(args: argparse.Namespace) -> None:
         server.run()
         if not server.started:
             raise LoraplexError(f"could not serve on {args.host}:{args.port} (see the log above)")
+
+
+KERNEL_CACHE_DIR = "triton-cache"
+
+
+def keep_kernel_cache(data_dir: Path) -> Path:
+    """Triton's compiled kernels kept in the data dir (unless TRITON_CACHE_DIR says where), so
+    that a restarted server, or a container whose data dir is a volume, does not compile them
+    again: a fresh H200 took 0.78 s for its first prefill against 0.027 s later."""
+    folder = Path(os.environ.get("TRITON_CACHE_DIR") or data_dir / KERNEL_CACHE_DIR)
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ["TRITON_CACHE_DIR"] = str(folder)
+    logger.info("compiled kernels cached in %s", folder)
+    return folder
 
 
 def _served_model(args: argparse.Namespace, data_dir: Path) -> ServedModel:
