@@ -171,6 +171,7 @@ def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[BenchReq
     started = time.perf_counter()
     end = config.duration_s + config.drain_s
     tokens = steps = 0
+    step_log: list[tuple[int, int, float]] = []  # per busy step: prompt tokens planned, running, wall s
     while (now := time.perf_counter() - started) < end and (pending or engine.has_unfinished_requests()):
         while pending and pending[0].arrival_s <= now:
             request = pending.pop(0)
@@ -180,10 +181,15 @@ def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[BenchReq
                                                      temperature=0.0),
                                adapter=request.adapter, tenant=request.tenant)
             arrived[request_id], times[request_id] = (request.arrival_s, request.tenant), []
-        steps += engine.has_unfinished_requests()
+        busy = engine.has_unfinished_requests()
+        steps += busy
+        prompt_before, step_start = engine.num_prompt_tokens, time.perf_counter()
         for output in engine.step():
             times[output.request_id].append(time.perf_counter() - started)
             tokens += 1
+        if busy:
+            step_log.append((engine.num_prompt_tokens - prompt_before, len(engine.scheduler.running),
+                             time.perf_counter() - step_start))
     elapsed = time.perf_counter() - started
     for request_id in arrived:  # those still unfinished at the end (abort ignores the others)
         engine.abort(request_id)
@@ -202,6 +208,7 @@ def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[BenchReq
         "policy": policy, "elapsed_s": round(elapsed, 1), "output_tokens": tokens,
         "output_tokens_per_s": round(tokens / elapsed, 1), **per_tenant,
         "steps": steps, "prompt_tokens": after.num_prompt_tokens - before.num_prompt_tokens,
+        "steps_by_prompt_tokens": _steps_by_prompt_tokens(step_log),
         "preemptions_per_minute": {k: round((n - before.preemptions.get(k, 0)) / minutes, 1)
                                    for k, n in after.preemptions.items() if n - before.preemptions.get(k, 0)},
         "swap_out_gb": round(swapped_out / 1e9, 2), "swap_in_gb": round(swapped_in / 1e9, 2),
@@ -213,6 +220,26 @@ def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[BenchReq
     }
     print(json.dumps(row), flush=True)
     return row
+
+
+STEP_BUCKETS = ((0, 0), (1, 1024), (1025, 2048), (2049, 4096), (4097, 1 << 30))
+
+
+def _steps_by_prompt_tokens(step_log: list[tuple[int, int, float]]) -> dict[str, dict[str, float]]:
+    """The busy steps by how many prompt tokens they planned: how many, their mean wall time
+    (the engine overlaps a step with the next one's planning, so this is the step's share of the
+    run), and the mean number of requests running; to set against the step-time model that the
+    fairness simulation uses."""
+    buckets = {}
+    for low, high in STEP_BUCKETS:
+        rows = [(n, running, dt) for n, running, dt in step_log if low <= n <= high]
+        if rows:
+            label = f"{low}-{high}" if high < 1 << 30 else f">{low - 1}"
+            buckets[label] = {"steps": len(rows),
+                              "mean_ms": round(sum(dt for *_, dt in rows) / len(rows) * 1e3, 2),
+                              "mean_prompt_tokens": round(sum(n for n, *_ in rows) / len(rows), 1),
+                              "mean_running": round(sum(r for _, r, _ in rows) / len(rows), 1)}
+    return buckets
 
 
 def _swap_costs(engine: LLMEngine, config: FairnessBenchConfig, vocab: int) -> dict[str, Any]:
