@@ -103,6 +103,8 @@ class SlotSimConfig:
     """The swap pool: 4 GiB of 2 MiB blocks."""
     policy: str = "vtc"
     fairness_bound: float = 4096.0
+    max_capped_prefill_tokens: int = 0
+    """VTC's prompt-chunk cap (SchedulerConfig.max_capped_prefill_tokens; 0: none)."""
     host_load_ms: float = 40.0
     """One adapter read into the host tier (the synthetic server copies 84 MB into fresh pinned
     memory: not measured on its own; the default is an estimate, see the sensitivity runs)."""
@@ -196,7 +198,8 @@ class SlotSimulation:
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
-                            scheduling_policy=config.policy, fairness_bound=config.fairness_bound),
+                            scheduling_policy=config.policy, fairness_bound=config.fairness_bound,
+                            max_capped_prefill_tokens=config.max_capped_prefill_tokens),
             self.blocks, self.adapters, policy, HostBlockPool(config.num_host_blocks))
         self.num_runs = 0
 

@@ -99,7 +99,7 @@ class Scheduler:
         active = [r for r in self.running if r.has_tokens_to_compute]
         decodes = [r for r in active if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in active if r.num_tokens - r.num_computed_tokens > 1]
-        self._capped = self.policy.capped_tenants(decodes)
+        self._capped = self.policy.capped_tenants(decodes) if self.config.max_capped_prefill_tokens else set()
         self._capped_left = self.config.max_capped_prefill_tokens
         first: list[Request] = []
         later: list[Request] = []

@@ -241,3 +241,16 @@ def test_the_server_keeps_compiled_kernels_in_its_data_dir(tmp_path, monkeypatch
     monkeypatch.setenv("TRITON_CACHE_DIR", str(chosen))
     assert keep_kernel_cache(tmp_path / "data") == chosen and chosen.is_dir()
     assert not (tmp_path / "data" / KERNEL_CACHE_DIR).exists()
+
+
+def test_serve_help_lists_every_engine_option(capsys: pytest.CaptureFixture[str]):
+    """Each engine option's help is its field's docstring: a '%' in one (a figure in percent)
+    once made `loraplex serve --help` crash in argparse's formatting."""
+    from loraplex.cli.engine_flags import _option_fields, flag
+
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    for name in _option_fields():
+        assert flag(name) in text
