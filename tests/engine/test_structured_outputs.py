@@ -11,6 +11,7 @@ import re
 import pytest
 
 from loraplex import LLM, SamplingParams
+from loraplex.engine.cuda_graphs import DecodeGraphs
 from loraplex.engine.grammar import GrammarError
 from loraplex.types import StructuredOutput
 
@@ -132,3 +133,47 @@ def test_compiled_grammars_are_cached_by_content(llm):
     first = grammars.compile(spec)
     again = grammars.compile(StructuredOutput(regex="[xyz]{4}", param="structured_outputs.regex"))
     assert again is first and grammars.num_compiled == before + 1
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_padded_decode_steps_draw_masked_rows_again_with_the_same_tokens(tiny_llama, async_scheduling):
+    """The path the decode graphs replay (run eagerly on CPU): constrained and unconstrained
+    requests on different adapters give the tokens of the plain path; the masked rows are drawn
+    again after the forward pass, and with async scheduling the step in flight is collected and
+    the masks filled between the two (the forward pass already queued)."""
+    model, adapters = tiny_llama
+    specs = [StructuredOutput(json_schema=json.dumps(SCHEMA)), StructuredOutput(regex="[a-z]{30}"),
+             None, None, StructuredOutput(choice=("yes", "no", "maybe")), None]
+    params = [SamplingParams(max_tokens=60 if i == 0 else 20, temperature=0.0 if i % 3 == 1 else 1.0, seed=40 + i,
+                             ignore_eos=spec is None, structured=spec) for i, spec in enumerate(specs)]
+    prompts = [[5 + i] * (2 + i) for i in range(len(specs))]
+    names = ["qv4", None, "all8", "qv4", None, "all8"]
+
+    def run(static: bool, async_scheduling: bool):
+        llm = LLM(model, device="cpu", block_size=4, max_num_seqs=8, max_num_batched_tokens=16,
+                  async_scheduling=async_scheduling)
+        for name, path in adapters.items():
+            llm.add_adapter(name, path)
+        runner, calls = llm.engine.runner, []
+        if static:
+            runner.graphs = DecodeGraphs(runner, max_batch=8, vocab_size=runner.model.config.vocab_size,
+                                         capture=False)
+        for name in ("begin", "finish", "collect", "sample_masked"):
+            def traced(*args, _name=name, _original=getattr(runner, name)):
+                if _name == "sample_masked":
+                    calls.append(("sample_masked", args[0].filled.shape.is_padded_decode))
+                else:
+                    calls.append(_name)
+                return _original(*args)
+            setattr(runner, name, traced)
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, adapters=names)
+        return [o.token_ids for o in outputs], [o.text for o in outputs], calls
+
+    plain, _, _ = run(static=False, async_scheduling=False)
+    tokens, texts, calls = run(static=True, async_scheduling=async_scheduling)
+    assert tokens == plain
+    assert set(json.loads(texts[0])) == {"name", "size", "ok"}
+    assert re.fullmatch("[a-z]{20}", texts[1]) and texts[4] in ("yes", "no", "maybe")
+    assert ("sample_masked", True) in calls  # masked rows drawn again on padded decode steps
+    overlapped = any(calls[i:i + 3] == ["begin", "collect", "finish"] for i in range(len(calls)))
+    assert overlapped == async_scheduling
