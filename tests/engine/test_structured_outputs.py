@@ -177,3 +177,31 @@ def test_padded_decode_steps_draw_masked_rows_again_with_the_same_tokens(tiny_ll
     assert ("sample_masked", True) in calls  # masked rows drawn again on padded decode steps
     overlapped = any(calls[i:i + 3] == ["begin", "collect", "finish"] for i in range(len(calls)))
     assert overlapped == async_scheduling
+
+
+@pytest.mark.gpu
+def test_constrained_decode_steps_replay_the_masked_graphs_on_gpu(tiny_llama):
+    """On CUDA a decode step with constrained requests replays its decode graph and the masked
+    sampling graph (no eager step for masks), the outputs follow their grammars, and overlapped
+    steps (async: the masks filled while the forward pass runs) give the tokens of steps run one
+    at a time."""
+    model, adapters = tiny_llama
+    specs = [StructuredOutput(json_schema=json.dumps(SCHEMA)), None, StructuredOutput(regex="[a-z]{30}"), None]
+    params = [SamplingParams(max_tokens=60 if i == 0 else 20, temperature=1.0 if i % 2 else 0.0, seed=i,
+                             ignore_eos=spec is None, structured=spec) for i, spec in enumerate(specs)]
+
+    def run(async_scheduling: bool):
+        llm = LLM(model, device="cuda", dtype="float32", max_num_seqs=8, async_scheduling=async_scheduling)
+        for name, path in adapters.items():
+            llm.add_adapter(name, path)
+        graphs, replays = llm.engine.runner.graphs, []
+        original = graphs.replay_masked
+        graphs.replay_masked = lambda shape: replays.append(shape.num_seqs) or original(shape)
+        outputs = llm.generate(prompt_token_ids=PROMPTS + [[40, 41]], sampling_params=params,
+                               adapters=["qv4", "all8", None, "qv4"])
+        return [o.token_ids for o in outputs], [o.text for o in outputs], replays
+
+    tokens, texts, replays = run(async_scheduling=True)
+    assert len(replays) >= 10
+    assert set(json.loads(texts[0])) == {"name", "size", "ok"} and re.fullmatch("[a-z]{20}", texts[2])
+    assert run(async_scheduling=False)[0] == tokens
