@@ -206,3 +206,31 @@ def test_constrained_decode_steps_replay_the_masked_graphs_on_gpu(tiny_llama):
     assert len(replays) >= 10
     assert set(json.loads(texts[0])) == {"name", "size", "ok"} and re.fullmatch("[a-z]{20}", texts[2])
     assert run(async_scheduling=False)[0] == tokens
+
+
+def test_swapped_and_aborted_requests_on_overlapped_padded_steps(tiny_llama):
+    """The decode graphs' path with overlapped steps (a step's masks filled after its forward
+    pass is queued) and a KV cache too small for the batch: constrained requests swapped out and
+    back keep their grammars and give the texts of a roomy run; one aborted mid-way leaves the
+    others unchanged and every block free."""
+    model, _ = tiny_llama
+    params = SamplingParams(max_tokens=40, temperature=0.9, seed=21, structured=StructuredOutput(regex="[a-z]{40}"))
+    prompts = [[5 + i] * (3 + 4 * i) for i in range(4)]
+    roomy = LLM(model, device="cpu", block_size=4, max_num_batched_tokens=16)
+    expected = [o.text for o in roomy.generate(prompt_token_ids=prompts, sampling_params=params)]
+    engine = LLM(model, device="cpu", block_size=4, num_kv_blocks=16, max_num_batched_tokens=16,
+                 max_num_seqs=8, async_scheduling=True).engine
+    engine.runner.graphs = DecodeGraphs(engine.runner, max_batch=8, capture=False,
+                                        vocab_size=engine.runner.model.config.vocab_size)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt_token_ids=prompt, params=params)
+    engine.add_request("aborted", prompt_token_ids=[9] * 5, params=params)
+    texts, num_steps = {}, 0
+    while engine.has_unfinished_requests():
+        texts |= {o.request_id: o.text for o in engine.step() if o.finished}
+        num_steps += 1
+        if num_steps == 8:
+            assert engine.abort("aborted")
+    assert sum(n for (_, mode), n in engine.scheduler.preemptions.items() if mode == "swap") > 0
+    assert [texts[str(i)] for i in range(4)] == expected and "aborted" not in texts
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
