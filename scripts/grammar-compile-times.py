@@ -75,7 +75,8 @@ def make_compiler(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("tokenizer", nargs="?", default="", help="a Hugging Face tokenizer folder")
     parser.add_argument("--synthetic-vocab", type=int, default=0, metavar="N")
     parser.add_argument("--num-schemas", type=int, default=100)

@@ -97,7 +97,8 @@ def tokenizer_info(args: argparse.Namespace, vocab_size: int, stop_ids: list[int
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-        return xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
+        return xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=stop_ids)
     return xgrammar.TokenizerInfo(synthetic_vocab(vocab_size, stop_ids), vocab_size=vocab_size,
                                   stop_token_ids=stop_ids)
 
@@ -122,11 +123,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engine.add_adapter(name, synthetic.random_adapter(model_config, args.rank, dtype, device, name,
                                                           seed=i, pin=device.type == "cuda"))
     # (a model shrunk by overrides may keep Llama-3's eos id past its vocabulary: its last token then)
-    stop_ids = sorted(i for i in engine.eos_token_ids if i < model_config.vocab_size) or [model_config.vocab_size - 1]
+    vocab_size = model_config.vocab_size
+    stop_ids = sorted(i for i in engine.eos_token_ids if i < vocab_size) or [vocab_size - 1]
     started = time.perf_counter()
     compiler = GrammarCompiler(None, model_config.vocab_size, stop_ids,
                                tokenizer_info=tokenizer_info(args, model_config.vocab_size, stop_ids))
-    grammars = [compiler.compile(StructuredOutput(json_schema=json.dumps(s))) for s in schemas(args.num_schemas)]
+    grammars = [compiler.compile(StructuredOutput(json_schema=json.dumps(schema)))
+                for schema in schemas(args.num_schemas)]
     compile_s = time.perf_counter() - started
     generator = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(3, model_config.vocab_size - 3, (args.batch, args.prompt_len),
@@ -142,7 +145,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     engine._token_masks = timed_masks
     rows: dict[str, list[dict[str, Any]]] = {"warm-up": [], "unconstrained": [], "constrained": []}
-    for label in ["warm-up"] + ["unconstrained", "constrained"] * args.repeats:  # interleaved: drift hits both
+    # interleaved, so that a drift of the machine hits both
+    for label in ["warm-up"] + ["unconstrained", "constrained"] * args.repeats:
         engine.blocks.reset_prefix_cache()
         mask_fill.clear()
         for i, prompt in enumerate(prompts):

@@ -125,7 +125,8 @@ class DecodeGraphs:
             pool_bytes=torch.cuda.memory_reserved(device) - reserved,
             output_bytes=self.logits.numel() * 4 + self.tokens.numel() * 8)
         logger.info("captured %d decode graphs (batch sizes %d to %d, with and without adapters, "
-                    "greedy and sampling, and masked sampling) in %.1f s; they hold %.0f MiB", self.report.num_graphs,
+                    "greedy and sampling, and masked sampling) in %.1f s; they hold %.0f MiB",
+                    self.report.num_graphs,
                     self.sizes[0], self.sizes[-1], self.report.seconds,
                     (self.report.pool_bytes + self.report.output_bytes) / 2**20)
         return self.report

@@ -18,6 +18,7 @@ next tokens, which may be after the step's forward pass is queued (see ModelRunn
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import numpy as np
 import torch
 

@@ -135,6 +135,16 @@ def test_compiled_grammars_are_cached_by_content(llm):
     assert again is first and grammars.num_compiled == before + 1
 
 
+def trace(name: str, method, calls: list):
+    """`method`, appending its name to `calls` at each call (sample_masked: with whether the
+    step is a padded decode step)."""
+    def traced(*args):
+        calls.append(("sample_masked", args[0].filled.shape.is_padded_decode)
+                     if name == "sample_masked" else name)
+        return method(*args)
+    return traced
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_padded_decode_steps_draw_masked_rows_again_with_the_same_tokens(tiny_llama, async_scheduling):
     """The path the decode graphs replay (run eagerly on CPU): constrained and unconstrained
@@ -144,8 +154,9 @@ def test_padded_decode_steps_draw_masked_rows_again_with_the_same_tokens(tiny_ll
     model, adapters = tiny_llama
     specs = [StructuredOutput(json_schema=json.dumps(SCHEMA)), StructuredOutput(regex="[a-z]{30}"),
              None, None, StructuredOutput(choice=("yes", "no", "maybe")), None]
-    params = [SamplingParams(max_tokens=60 if i == 0 else 20, temperature=0.0 if i % 3 == 1 else 1.0, seed=40 + i,
-                             ignore_eos=spec is None, structured=spec) for i, spec in enumerate(specs)]
+    params = [SamplingParams(max_tokens=60 if i == 0 else 20, temperature=0.0 if i % 3 == 1 else 1.0,
+                             seed=40 + i, ignore_eos=spec is None, structured=spec)
+              for i, spec in enumerate(specs)]
     prompts = [[5 + i] * (2 + i) for i in range(len(specs))]
     names = ["qv4", None, "all8", "qv4", None, "all8"]
 
@@ -159,13 +170,7 @@ def test_padded_decode_steps_draw_masked_rows_again_with_the_same_tokens(tiny_ll
             runner.graphs = DecodeGraphs(runner, max_batch=8, vocab_size=runner.model.config.vocab_size,
                                          capture=False)
         for name in ("begin", "finish", "collect", "sample_masked"):
-            def traced(*args, _name=name, _original=getattr(runner, name)):
-                if _name == "sample_masked":
-                    calls.append(("sample_masked", args[0].filled.shape.is_padded_decode))
-                else:
-                    calls.append(_name)
-                return _original(*args)
-            setattr(runner, name, traced)
+            setattr(runner, name, trace(name, getattr(runner, name), calls))
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, adapters=names)
         return [o.token_ids for o in outputs], [o.text for o in outputs], calls
 
@@ -186,7 +191,8 @@ def test_constrained_decode_steps_replay_the_masked_graphs_on_gpu(tiny_llama):
     steps (async: the masks filled while the forward pass runs) give the tokens of steps run one
     at a time."""
     model, adapters = tiny_llama
-    specs = [StructuredOutput(json_schema=json.dumps(SCHEMA)), None, StructuredOutput(regex="[a-z]{30}"), None]
+    specs = [StructuredOutput(json_schema=json.dumps(SCHEMA)), None, StructuredOutput(regex="[a-z]{30}"),
+             None]
     # (room for the JSON answer whatever the GPU's logits make of it: its fields are bounded)
     params = [SamplingParams(max_tokens=200 if i == 0 else 20, temperature=1.0 if i % 2 else 0.0, seed=i,
                              ignore_eos=spec is None, structured=spec) for i, spec in enumerate(specs)]
@@ -214,7 +220,8 @@ def test_swapped_and_aborted_requests_on_overlapped_padded_steps(tiny_llama):
     back keep their grammars and give the texts of a roomy run; one aborted mid-way leaves the
     others unchanged and every block free."""
     model, _ = tiny_llama
-    params = SamplingParams(max_tokens=40, temperature=0.9, seed=21, structured=StructuredOutput(regex="[a-z]{40}"))
+    params = SamplingParams(max_tokens=40, temperature=0.9, seed=21,
+                            structured=StructuredOutput(regex="[a-z]{40}"))
     prompts = [[5 + i] * (3 + 4 * i) for i in range(4)]
     roomy = LLM(model, device="cpu", block_size=4, max_num_batched_tokens=16)
     expected = [o.text for o in roomy.generate(prompt_token_ids=prompts, sampling_params=params)]

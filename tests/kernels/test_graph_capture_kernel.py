@@ -62,7 +62,8 @@ def _cases(device="cuda"):
         "lora_shrink+expand": lora,
         "sample": lambda: ops.sample(*sample_args),
         # structured outputs' masked draw: rows 0 and 2 masked, the others flagged -1
-        "mask_logits+sample": lambda: ops.sample(ops.mask_logits(logits, mask_rows, bitmask), *sample_args[1:]),
+        "mask_logits+sample": lambda: ops.sample(ops.mask_logits(logits, mask_rows, bitmask),
+                                                 *sample_args[1:]),
     }
 
 
