@@ -4,8 +4,9 @@ unconstrained, on a Llama-3-8B-shaped model with random weights (or a tiny one o
 requests spread over `--num-adapters` random LoRA adapters. Each run times `--steps` decode
 steps in steady state (every request decoding, none finished; async scheduling on CUDA, so a
 step's period is what the device and the host leave between them), and the constrained run
-also the host's time filling the masks; `--repeats` runs of each, interleaved, the median run
-reported. Goal (issue 24): the constrained step <= 1.05x the
+also the host's time filling the masks (overlapped with the device's forward pass) and the
+device's time drawing the masked rows again; `--repeats` runs of each, interleaved, the median
+run reported. Goal (issue 24): the constrained step <= 1.05x the
 unconstrained one on an H100.
 
     loraplex bench structured [--batch 64] [--num-schemas 8] [--steps 32] [--prompt-len 512]
@@ -134,21 +135,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(3, model_config.vocab_size - 3, (args.batch, args.prompt_len),
                             generator=generator).tolist()
-    mask_fill: list[float] = []
-    token_masks = engine._token_masks
-
-    def timed_masks(plan):  # the host's time building a step's masks
-        begun = time.perf_counter()
-        masks = token_masks(plan)
-        mask_fill.append(time.perf_counter() - begun)
-        return masks
-
-    engine._token_masks = timed_masks
+    probe = Probe(engine)
     rows: dict[str, list[dict[str, Any]]] = {"warm-up": [], "unconstrained": [], "constrained": []}
     # interleaved, so that a drift of the machine hits both
     for label in ["warm-up"] + ["unconstrained", "constrained"] * args.repeats:
         engine.blocks.reset_prefix_cache()
-        mask_fill.clear()
         for i, prompt in enumerate(prompts):
             grammar = grammars[(i // 2) % len(grammars)] if label == "constrained" and i % 2 == 0 else None
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=i,
@@ -156,7 +147,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                     structured=grammar.spec if grammar is not None else None)
             engine.add_request(f"{label}-{i}", prompt_token_ids=prompt, params=params, grammar=grammar,
                                adapter=adapters[i % len(adapters)] if adapters else None)
-        rows[label].append(_measure(engine, args, mask_fill))
+        rows[label].append(_measure(engine, args, probe))
         engine.abort_all()
         print(label, json.dumps(rows[label][-1]), flush=True)
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed" not in n)
@@ -176,7 +167,51 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _measure(engine: LLMEngine, args: argparse.Namespace, mask_fill: list[float]) -> dict[str, Any]:
+class Probe:
+    """The constrained steps' own work, timed: the host's building of a step's masks (the
+    engine's `_token_masks`: the matchers' fills) and the masked draw on the device
+    (`ModelRunner.sample_masked`: the masks' copy and the masked-sampling graph, between CUDA
+    events; on CPU its wall time)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.mask_fill: list[float] = []
+        self.draws: list[Any] = []
+        fill, draw, cuda = engine._token_masks, engine.runner.sample_masked, engine.device.type == "cuda"
+
+        def timed_fill(plan):
+            begun = time.perf_counter()
+            masks = fill(plan)
+            self.mask_fill.append(time.perf_counter() - begun)
+            return masks
+
+        def timed_draw(started, masks):
+            if not cuda:
+                begun = time.perf_counter()
+                tokens = draw(started, masks)
+                self.draws.append(time.perf_counter() - begun)
+                return tokens
+            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            events[0].record()
+            tokens = draw(started, masks)
+            events[1].record()
+            self.draws.append(events)
+            return tokens
+
+        engine._token_masks, engine.runner.sample_masked = timed_fill, timed_draw
+
+    def clear(self) -> None:
+        self.mask_fill.clear()
+        self.draws.clear()
+
+    def per_step(self, steps: int) -> dict[str, Any]:
+        """Milliseconds a step (read after a sync)."""
+        draws = [d if isinstance(d, float) else d[0].elapsed_time(d[1]) / 1e3 for d in self.draws]
+        return {"mask_fill_ms_per_step": round(sum(self.mask_fill) / steps * 1e3, 4),
+                "mask_fill_calls": len(self.mask_fill),
+                "masked_draw_ms_per_step": round(sum(draws) / steps * 1e3, 4)}
+
+
+def _measure(engine: LLMEngine, args: argparse.Namespace, probe: Probe) -> dict[str, Any]:
     """Step the engine until every request decodes, then time `args.steps` steps (fewer if a
     request ends first: `steps` says how many were timed)."""
     batch, seen = args.batch, set()
@@ -187,7 +222,7 @@ def _measure(engine: LLMEngine, args: argparse.Namespace, mask_fill: list[float]
     for _ in range(args.warm_up_steps):
         engine.step()
     decode._sync(engine.device)
-    mask_fill.clear()
+    probe.clear()
     begun, times, running = time.perf_counter(), [], []
     for _ in range(args.steps):
         outputs = engine.step()
@@ -201,8 +236,7 @@ def _measure(engine: LLMEngine, args: argparse.Namespace, mask_fill: list[float]
     periods = [b - a for a, b in zip([begun, *times], times)]
     return {"steps": steps, "step_ms": round((ended - begun) / steps * 1e3, 4),
             "median_step_ms": round(sorted(periods)[steps // 2] * 1e3, 4),
-            "min_running": min(running), "mask_fill_ms_per_step": round(sum(mask_fill) / steps * 1e3, 4),
-            "mask_fill_calls": len(mask_fill)}
+            "min_running": min(running), **probe.per_step(steps)}
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ def test_structured_benchmark_runs_tiny_on_cpu(tmp_path) -> None:
     for run in (plain, masked):
         assert run["steps"] == 3 and run["min_running"] == 8 and run["step_ms"] > 0
     assert plain["mask_fill_calls"] == 0 and masked["mask_fill_calls"] == 3
+    assert plain["masked_draw_ms_per_step"] == 0 < masked["masked_draw_ms_per_step"]
     assert result["num_schemas"] == 2 and result["constrained_over_unconstrained"] > 0
 
 
