@@ -28,6 +28,8 @@ SCRIPTS = {
                      "scheduler and policies, an H100 step-time model (CPU)"),
     "slots": ("slot_bench", "adapter slots on a virtual clock: the real scheduler and adapter tiers, "
               "the serving workload, an H100 step-time model (CPU)"),
+    "structured": ("structured", "structured outputs' cost on the decode step: 64 requests, half "
+                   "constrained by 8 JSON schemas, against the same unconstrained"),
     "regression": ("regression", "the headline benchmarks at reduced size, each figure against the one "
                    "recorded for this device (one GPU pass, about 8 minutes: scripts/gpu-regress.sh)"),
 }

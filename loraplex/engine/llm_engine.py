@@ -464,11 +464,7 @@ class LLMEngine:
         """Run one step and return the requests that advanced or finished: this step's, or
         with async scheduling the previous step's, while this one runs on the device."""
         outputs = self._fail_adapter_loads()
-        if self._constrained and self._in_flight is not None and self._in_flight.is_constrained:
-            # The grammar's next mask needs the token in flight: no overlap for this step.
-            step, self._in_flight = self._in_flight, None
-            outputs += self.collect(step)
-        launched = self.launch(self.scheduler.schedule(), outputs)
+        launched = self.launch(self.scheduler.schedule(), outputs)  # may collect the step in flight
         if self._in_flight is not None:
             outputs += self.collect(self._in_flight)
         self._in_flight = launched
@@ -497,33 +493,49 @@ class LLMEngine:
         step, self._in_flight = self._in_flight, None
         return self._without_pins(self.collect(step)) if step is not None else []
 
-    def launch(self, plan: StepPlan, failed: list[RequestOutput]) -> InFlight | None:
+    def launch(self, plan: StepPlan, outputs: list[RequestOutput]) -> InFlight | None:
         """Queue a planned step on the device and count its work as done. If the model fails,
-        the step's requests fail (their outputs go to `failed`) and the engine serves on."""
+        the step's requests fail (their outputs go to `outputs`) and the engine serves on.
+
+        A step that samples a request following a grammar needs its token mask, and the mask
+        needs the request's previous token: when the step in flight sampled a constrained request,
+        this step's forward pass is queued first, then the step in flight is collected (its
+        outputs go to `outputs`; its grammars advance) and the masks filled while the device
+        computes, and last the masked draw is queued (ModelRunner.begin / finish)."""
         if not plan.has_work:
             return None
         try:
-            plan.token_masks = self._token_masks(plan)
-            launched = self.runner.launch(plan)
+            started = self.runner.begin(plan)
         except Exception as exc:
             logger.exception("engine step failed")
-            failed += self._fail(plan.request_ids, exc)
+            outputs += self._fail(plan.request_ids, exc)
             return None
-        if plan.is_empty:  # only records to update or blocks to copy
+        if started is None:  # only records to update or blocks to copy
             return None
         sampling = self.scheduler.advance(plan)
+        try:
+            if self._constrained and any(r.matcher is not None for r in sampling):
+                previous = self._in_flight
+                if previous is not None and previous.is_constrained:
+                    self._in_flight = None
+                    outputs += self.collect(previous)
+                plan.token_masks = self._token_masks(plan)
+            launched = self.runner.finish(started, plan.token_masks)
+        except Exception as exc:
+            logger.exception("engine step failed")
+            outputs += self._fail(plan.request_ids, exc)
+            return None
         self.num_prompt_tokens += plan.num_tokens - len(sampling)
         scored = [r for r in map(self._requests.get, plan.request_ids)
                   if r is not None and r.params.is_scoring_only and r.num_computed_tokens == r.num_tokens]
         return InFlight(plan, sampling, launched, scored)
 
     def _token_masks(self, plan: StepPlan) -> TokenMasks | None:
-        """The allowed tokens of the plan's constrained samples, from their matchers."""
-        if not self._constrained:
-            return None
+        """The allowed tokens of the plan's constrained samples, from their matchers (a request
+        that ended while the step in flight ran gets none: its token is void)."""
         constrained = [request for request_id, samples in zip(plan.request_ids, plan.samples)
                        if samples and (request := self._requests.get(request_id)) is not None
-                       and request.matcher is not None]
+                       and request.matcher is not None and not request.is_finished]
         if not constrained:
             return None
         bitmask = allocate_masks(len(constrained), self.model_config.vocab_size)
