@@ -42,7 +42,8 @@ async def _answer(reader: asyncio.StreamReader) -> tuple[str, dict[str, str]]:
 async def _trickle(host: str, port: int, head: bytes, drip: bytes, gate: asyncio.Semaphore,
                    opened: list[int]) -> tuple[str, float]:
     """Send `head`, then `drip` every TRICKLE_INTERVAL_S, until the server answers or closes;
-    returns the answer and how long the connection was held after it opened."""
+    returns the answer and how long the connection was held after it opened. `opened` counts
+    the connections open [0] and ended [1]."""
     async with gate:
         reader, writer = await asyncio.open_connection(host, port)
         writer.write(head)
@@ -61,6 +62,7 @@ async def _trickle(host: str, port: int, head: bytes, drip: bytes, gate: asyncio
         status = (await answer)[0]
     finally:
         writer.close()
+        opened[1] += 1
     return status, time.monotonic() - started
 
 
@@ -79,7 +81,7 @@ async def _eager(host: str, port: int, request: bytes) -> tuple[str, str | None]
 async def _attack(host: str, port: int, plan: dict[str, Any], established: Any, go_eager: Any,
                   results: Any) -> None:
     gate = asyncio.Semaphore(MAX_CONNECTING)
-    opened = [0]
+    opened = [0, 0]
     slow_head = b"GET /health HTTP/1.1\r\nHost: x\r\n"
     body_head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Authorization: Bearer " + plan["key"].encode() + b"\r\nContent-Length: 100000\r\n\r\n{")
@@ -95,6 +97,7 @@ async def _attack(host: str, port: int, plan: dict[str, Any], established: Any, 
         await asyncio.sleep(0.05)
     eager = await asyncio.gather(*(_eager(host, port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
                                    for _ in range(plan["num_eager"])))
+    held_at_eager = opened[0] - opened[1]
     done = await asyncio.gather(*held)
     num_bodies = plan["num_slow_bodies"]
     results.put({
@@ -103,6 +106,7 @@ async def _attack(host: str, port: int, plan: dict[str, Any], established: Any, 
         "max_held_s": max(seconds for _, seconds in done),
         "eager": dict(Counter(status for status, _ in eager)),
         "eager_retry_after": sorted({retry for _, retry in eager if retry is not None}),
+        "held_at_eager": held_at_eager,
     })
 
 

@@ -2,8 +2,9 @@
 bodies a byte at a time (slowloris) and clients that never read their streamed answers, against
 `loraplex serve` on the tiny demo, a separate process as operators run it, over real sockets.
 
-The server keeps serving another tenant (on its own kept-alive connection, as behind a proxy)
-within twice its latency without the attack; it holds no more than `--max-connections` and
+The server keeps serving another tenant (on its own kept-alive connection, as behind a proxy:
+a new connection past the limit is refused like any other) within twice its latency without the
+attack; it holds no more than `--max-connections` and
 answers the connections past it 503 with Retry-After; it closes a connection whose headers or
 body do not arrive in `--client-timeout` (408), cuts a stream its client has not read for as
 long (the generation aborted, its admission released); its memory stays bounded; and it serves
@@ -36,7 +37,7 @@ NUM_CONNECTIONS = 5000
 NUM_SLOW_BODIES = 100
 NUM_EAGER = 200
 MAX_CONNECTIONS = 4096
-CLIENT_TIMEOUT_S = 8.0
+CLIENT_TIMEOUT_S = 10.0
 MARGIN_S = 10.0
 """Beyond the client timeout, how late a held connection may be closed (a loaded machine)."""
 MAX_GROWTH_BYTES = 256 << 20
@@ -127,10 +128,13 @@ def test_5000_connections_and_slowloris(served: tuple[ServeProcess, str, str]) -
         attacker.start()
         try:
             with _peak_rss(process.process.pid) as peak:
-                assert established.wait(60), "the attack did not open its connections"
+                deadline = time.monotonic() + 60
+                while not established.wait(1):  # its connection kept alive (uvicorn closes it after 5 s idle)
+                    assert time.monotonic() < deadline, "the attack did not open its connections"
+                    assert victim.get("/health").status_code == 200
                 opened_in = time.monotonic() - started
-                attacked = _latencies(victim, SAMPLES)
                 go_eager.set()
+                attacked = _latencies(victim, SAMPLES)
                 answers = results.get(timeout=CLIENT_TIMEOUT_S + 120)
         finally:
             attacker.join(30)
@@ -150,10 +154,14 @@ def test_5000_connections_and_slowloris(served: tuple[ServeProcess, str, str]) -
     assert set(answers["slow_headers"]) <= {"408", "closed", "reset"}, answers
     assert set(answers["slow_bodies"]) <= {"408", "closed", "reset"}, answers
     assert answers["max_held_s"] <= CLIENT_TIMEOUT_S + MARGIN_S, answers
-    assert answers["eager"] == {"503": NUM_EAGER}, answers
-    assert answers["eager_retry_after"] == ["1"], answers
     assert peak[0] - before <= MAX_GROWTH_BYTES
     assert held <= 2 * calm, (quiet, attacked)
+    if answers["held_at_eager"] < MAX_CONNECTIONS:
+        pytest.skip(f"this machine was too slow to hold {MAX_CONNECTIONS} connections open until the "
+                    f"last ones were sent: {answers['held_at_eager']} were open then (the first had "
+                    f"timed out); nothing was refused")
+    assert answers["eager"] == {"503": NUM_EAGER}, answers
+    assert answers["eager_retry_after"] == ["1"], answers
 
 
 def _slow_reader(url: str, key: str) -> socket.socket:
