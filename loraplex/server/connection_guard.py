@@ -139,7 +139,8 @@ class _Guard:
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # type: ignore[misc]
-        if not self.transport.is_closing():
+        # A pipelined request already in (its cycle is the latest) is not waited for.
+        if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
             self._await_headers()
 
     def _check_body(self) -> None:
