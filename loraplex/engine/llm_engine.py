@@ -34,6 +34,13 @@ from loraplex.engine.kv_swap import KvSwapper, SwapStats
 from loraplex.engine.local_adapters import LocalAdapters
 from loraplex.engine.lora_weights import HostAdapter, LoraSlotBuffers, adapter_bytes, make_host_adapter
 from loraplex.engine.model_runner import LaunchedStep, ModelRunner
+from loraplex.engine.out_of_memory import (
+    is_out_of_memory,
+    largest_request,
+    out_of_memory_error,
+    release_cached_memory,
+    swapped_by,
+)
 from loraplex.engine.plan import StepPlan, StepResult, TokenMasks
 from loraplex.engine.policy import FcfsPolicy, SchedulingPolicy, VtcPolicy
 from loraplex.engine.prefix_cache import block_hashes
@@ -507,6 +514,9 @@ class LLMEngine:
         try:
             started = self.runner.begin(plan)
         except Exception as exc:
+            if is_out_of_memory(exc):
+                failed += self._survive_out_of_memory(plan, exc)
+                return None
             logger.exception("engine step failed")
             outputs += self._fail(plan.request_ids, exc)
             return None
@@ -529,6 +539,22 @@ class LLMEngine:
         scored = [r for r in map(self._requests.get, plan.request_ids)
                   if r is not None and r.params.is_scoring_only and r.num_computed_tokens == r.num_tokens]
         return InFlight(plan, sampling, launched, scored)
+
+    def _survive_out_of_memory(self, plan: StepPlan, exc: BaseException) -> list[RequestOutput]:
+        """The step ran out of memory: its largest request (and any it swapped in) fails, the
+        rest runs again at the next step (see loraplex.engine.out_of_memory)."""
+        release_cached_memory(self.device)
+        victim = largest_request(plan, self._requests)
+        swapped_out, swapped_in = swapped_by(plan, self._requests)
+        for request in swapped_out:
+            self.scheduler.recompute(request)
+        tokens = dict(zip(plan.request_ids, plan.num_scheduled_tokens))
+        doomed = ([victim] if victim is not None else []) + [r.request_id for r in swapped_in]
+        logger.warning("a step of %d tokens (%d requests) ran out of memory: failed %s, the others run "
+                       "again (%s)", plan.num_tokens, len(plan.request_ids), ", ".join(doomed) or "none",
+                       str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+        return [output for request_id in doomed
+                for output in self._fail([request_id], out_of_memory_error(tokens.get(request_id, 0), exc))]
 
     def _token_masks(self, plan: StepPlan) -> TokenMasks | None:
         """The allowed tokens of the plan's constrained samples, from their matchers (a request
@@ -644,6 +670,7 @@ class LLMEngine:
             self.scheduler.finish(request, "error")
             output = self._output(request, [], "", detokenizer)
             output.error = f"{type(exc).__name__}: {exc}"
+            output.error_code = getattr(exc, "code", None)
             outputs.append(output)
         return outputs
 

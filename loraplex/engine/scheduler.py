@@ -420,6 +420,12 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
+    def recompute(self, request: Request) -> None:
+        """A waiting request drops its host copy (its swap-out may not have run) and computes
+        its KV again when it resumes."""
+        self._drop_host_copy(request)
+        request.num_computed_tokens = 0
+
     def _preempt(self, request: Request, plan: StepPlan, cause: str) -> None:
         self.running.remove(request)
         self.policy.stopped(request)
