@@ -159,10 +159,12 @@ def test_5000_connections_and_slowloris(served: tuple[ServeProcess, str, str]) -
     # a few times its own (0.6-1.5x measured on a busy 2-core machine; a server that waited on
     # the attack's connections would not answer within the client's 60 s at all).
     assert held <= max(5 * calm, calm + 0.5), (quiet, attacked)
-    if answers["held_at_eager"] < MAX_CONNECTIONS:
-        pytest.skip(f"this machine was too slow to hold {MAX_CONNECTIONS} connections open until the "
-                    f"last ones were sent: {answers['held_at_eager']} were open then (the first had "
-                    f"timed out); nothing was refused")
+    if answers["held_at_eager"] < MAX_CONNECTIONS:  # the cap itself: test_connection_guard.py
+        print(f"this machine was too slow to hold {MAX_CONNECTIONS} connections open until the last "
+              f"ones were sent ({answers['held_at_eager']} were open then, the first had timed out): "
+              f"the {NUM_EAGER} requests after them were served, as they should be")
+        assert answers["eager"] == {"200": NUM_EAGER}, answers
+        return
     assert answers["eager"] == {"503": NUM_EAGER}, answers
     assert answers["eager_retry_after"] == ["1"], answers
 
