@@ -172,15 +172,15 @@ def test_an_engine_failure_mid_stream_is_an_error_event(sqlite_server: Server, e
     """Fault injection at the model boundary (as a GPU error would): the stream ends with an
     error event, the client raises, and the engine keeps serving."""
     server = sqlite_server
-    real_launch = engine.runner.launch
+    real_begin = engine.runner.begin  # where the engine queues a step's forward pass
     failing = threading.Event()
 
-    def launch(plan):
+    def begin(plan):
         if failing.is_set():
             raise RuntimeError("injected device failure")
-        return real_launch(plan)
+        return real_begin(plan)
 
-    engine.runner.launch = launch
+    engine.runner.begin = begin
     try:
         client = server.openai("acme")
         stream = client.chat.completions.create(model="style", messages=[{"role": "user", "content": "x"}],
@@ -198,7 +198,7 @@ def test_an_engine_failure_mid_stream_is_an_error_event(sqlite_server: Server, e
         assert response.status_code == 500 and response.json()["error"]["code"] == "engine_error"
         assert client.completions.create(model="style", prompt="still fine", max_tokens=3).choices
     finally:
-        engine.runner.launch = real_launch
+        engine.runner.begin = real_begin
     assert server.metric("loraplex:requests_in_flight") == 0
 
 
