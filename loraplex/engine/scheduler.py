@@ -85,6 +85,7 @@ class Scheduler:
         self.policy.add(request)
 
     def schedule(self) -> StepPlan:
+        self.blocks.start_step()
         self.adapters.poll()
         plan = StepPlan(forgotten_ids=self._forgotten)
         self._forgotten = []
@@ -333,7 +334,7 @@ class Scheduler:
 
     def _prefetch(self, upcoming: Iterator[Request]) -> None:
         """Start host loads of the adapters of the next requests in line, while there is room."""
-        for request in itertools.islice(upcoming, self.adapters.num_slots):
+        for request in itertools.islice(upcoming, self.adapters.max_resident):
             if request.adapter is not None and not self.adapters.prefetch(request.adapter):
                 return
 
