@@ -197,7 +197,7 @@ class SlotSimulation:
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             scheduling_policy=config.policy, fairness_bound=config.fairness_bound),
-            self.blocks, self.adapters, policy, HostBlockPool(config.num_host_blocks))
+            self.blocks, self.adapters, policy, HostBlockPool(config.num_host_blocks), clock=clock)
         self.num_runs = 0
 
     def run(self, workload: WorkloadConfig | None = None) -> dict[str, Any]:

@@ -707,6 +707,12 @@ class LLMEngine:
             num_relay_groups=self.runner.inputs.num_relay_groups,
             num_relay_members=self.runner.inputs.num_relay_members,
             pinned_prompts=self._pin_use(),
+            pool_page_bytes=self.memory.kv_block_bytes,
+            pool_pages={"kv": self.blocks.num_used_blocks, "adapters": self.blocks.num_lent_blocks,
+                        "free": self.blocks.num_free_blocks},
+            adapter_device_bytes={d: adapters.device_bytes(d) for d in adapters.resident},
+            num_adapter_evictions=adapters.num_evictions, max_loras=self.config.lora.max_loras,
+            adapter_wait=scheduler.adapter_wait.copy(),
         )
 
     def _pin_use(self) -> dict[str, tuple[int, int]]:

@@ -29,8 +29,9 @@ records each token when it reaches the host."""
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 from loraplex.engine.adapter_cache import AdapterCache, Wait
 from loraplex.engine.block_manager import BlockManager, HostBlockPool
@@ -38,15 +39,21 @@ from loraplex.engine.plan import NewSequence, StepPlan
 from loraplex.engine.policy import SchedulingPolicy
 from loraplex.engine.prefix_cache import block_hashes
 from loraplex.engine.request import Request, RequestStatus
+from loraplex.engine.stats import ADAPTER_WAIT_BUCKETS, Histogram
 from loraplex.engine_config import SchedulerConfig
 from loraplex.types import FinishReason
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, adapters: AdapterCache,
-                 policy: SchedulingPolicy, host_blocks: HostBlockPool | None = None) -> None:
-        """`host_blocks`: the host pool that victims are swapped to (None: always recompute)."""
+                 policy: SchedulingPolicy, host_blocks: HostBlockPool | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`host_blocks`: the host pool that victims are swapped to (None: always recompute);
+        `clock`: what adapter waits are timed by (the slot simulation's is virtual)."""
         self.config, self.blocks, self.adapters, self.policy = config, blocks, adapters, policy
+        self._clock = clock
+        self.adapter_wait = Histogram(ADAPTER_WAIT_BUCKETS)
+        """Each ended request's time waiting for its adapter (requests with one)."""
         self.host_blocks = host_blocks
         self.running: list[Request] = []
         self.adapter_waits: dict[str, Wait] = {}
@@ -183,7 +190,7 @@ class Scheduler:
         those next in line. Returns the budget left and the first request kept out for want of
         a running place or KV blocks."""
         no_slots = no_host_room = False  # someone ahead waits for a slot / for host room
-        self.adapter_waits = waits = {}
+        self.adapter_waits = {}
         self.kept_slot = None
         waiting = self.policy.waiting()
         for request in waiting:
@@ -203,7 +210,7 @@ class Scheduler:
                 has_slot = self.adapters.slot_of(request.adapter) is not None
                 if ((no_slots and (not has_slot or request.adapter == self.kept_slot))
                         or (no_host_room and not has_slot)):
-                    waits[request.request_id] = Wait.NO_SLOT if no_slots else Wait.NO_HOST_ROOM
+                    self._wait_for_adapter(request, Wait.NO_SLOT if no_slots else Wait.NO_HOST_ROOM)
                     continue
                 acquired = self.adapters.acquire(request.adapter)
                 if acquired is Wait.NO_SLOT and not no_slots:
@@ -212,7 +219,7 @@ class Scheduler:
                         budget += freed[1]
                         acquired = self.adapters.acquire(request.adapter)
                 if isinstance(acquired, Wait):
-                    waits[request.request_id] = acquired
+                    self._wait_for_adapter(request, acquired)
                     # Slots free as their holders finish and copies end. Host room frees as the
                     # requests that need its adapters end; with none running, none would.
                     if acquired is Wait.NO_SLOT and not no_slots:
@@ -220,6 +227,7 @@ class Scheduler:
                     no_host_room |= acquired is Wait.NO_HOST_ROOM and bool(self.running)
                     continue
                 slot = acquired
+                self._end_adapter_wait(request)
             swapped = request.is_swapped
             cached = self._take_cached_prefix(request)
             swapped = swapped and request.num_computed_tokens > 0  # (its prefix may be evicted)
@@ -243,6 +251,16 @@ class Scheduler:
                 budget -= num_new
                 self._charge_cap(request, num_new)
         return budget, None
+
+    def _wait_for_adapter(self, request: Request, why: Wait) -> None:
+        self.adapter_waits[request.request_id] = why
+        if request.adapter_wait_since is None:
+            request.adapter_wait_since = self._clock()
+
+    def _end_adapter_wait(self, request: Request) -> None:
+        if request.adapter_wait_since is not None:
+            request.adapter_wait_s += self._clock() - request.adapter_wait_since
+            request.adapter_wait_since = None
 
     def _chunk(self, request: Request, budget: int) -> int:
         """Tokens `request` may compute this step: what it has left, within the step's budget,
@@ -418,6 +436,8 @@ class Scheduler:
         self._drop_host_copy(request)
         if request.adapter is not None:
             self.adapters.unneed(request.adapter)
+            self._end_adapter_wait(request)
+            self.adapter_wait.observe(request.adapter_wait_s)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
