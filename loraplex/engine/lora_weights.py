@@ -225,7 +225,9 @@ class SlotField:
         return int(np.prod(self.shape)) * torch.empty((), dtype=self.dtype).element_size()
 
 
-def slot_layout(config: ModelConfig, max_rank: int, dtype: torch.dtype) -> tuple[dict[tuple[str, str], SlotField], int]:
+def slot_layout(
+    config: ModelConfig, max_rank: int, dtype: torch.dtype
+) -> tuple[dict[tuple[str, str], SlotField], int]:
     """((field, group) -> SlotField, bytes of one slot): a slot's tensors, one after another,
     each [num_layers, ...] and aligned to SLOT_ALIGN bytes."""
     has_bias = {"qkv": config.qkv_bias, "o": config.o_bias}
@@ -279,7 +281,8 @@ class LoraSlotBuffers:
         layout, num_bytes = slot_layout(config, max_rank, dtype)
         self.slot_bytes = slot_bytes or num_bytes
         if self.slot_bytes < num_bytes or self.slot_bytes % SLOT_ALIGN:
-            raise ValueError(f"a slot needs {num_bytes} bytes, aligned to {SLOT_ALIGN}; got {self.slot_bytes}")
+            raise ValueError(f"a slot needs {num_bytes} bytes, aligned to {SLOT_ALIGN}; "
+                             f"got {self.slot_bytes}")
         if pool is None:
             pool = torch.zeros(S * self.slot_bytes, dtype=torch.uint8, device=device)
         if pool.dtype != torch.uint8 or pool.dim() != 1 or pool.numel() < S * self.slot_bytes:

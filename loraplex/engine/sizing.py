@@ -141,7 +141,9 @@ def make_pool(plan: MemoryPlan, device: torch.device) -> torch.Tensor:
     return torch.zeros(plan.num_pool_blocks * plan.kv_block_bytes, dtype=torch.uint8, device=device)
 
 
-def kv_cache_view(pool: torch.Tensor, model: ModelConfig, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+def kv_cache_view(
+    pool: torch.Tensor, model: ModelConfig, block_size: int, dtype: torch.dtype
+) -> torch.Tensor:
     """The KV cache over all of the pool: `[num_blocks, num_layers, 2, block_size, num_kv_heads,
     head_dim]` (the blocks lent to adapter slots are never handed to a sequence)."""
     block = (model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim)

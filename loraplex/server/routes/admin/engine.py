@@ -8,10 +8,10 @@ from dataclasses import asdict
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
+from loraplex.engine.stats import Histogram
 from loraplex.server.auth import AdminDep
 from loraplex.server.deps import ServicesDep
 from loraplex.server.routes.docs import error_responses
-from loraplex.engine.stats import Histogram
 from loraplex.server.schemas.admin import AdapterWait, EngineState, ResidentAdapter, TenantRequests
 
 router = APIRouter(tags=["Admin: engine"])
@@ -23,8 +23,8 @@ async def get_engine_state(admin: AdminDep, services: ServicesDep) -> EngineStat
     """Requests running, waiting and swapped (per tenant, with its weight and service), KV
     blocks, the device pool's pages by kind (KV, adapters, free), preemptions and swapping,
     adapters in device slots (with their bytes) and in the host tier, loads, evictions and
-    requests' waits for their adapters, the generation rate (tokens per second over the last few seconds), and the
-    engine's options, memory plan and captured graphs."""
+    requests' waits for their adapters, the generation rate (tokens per second over the last
+    few seconds), and the engine's options, memory plan and captured graphs."""
     snapshot = await services.monitor.refresh()
     stats, llm = snapshot.stats, services.llm
     names = await run_in_threadpool(services.registry.adapters.names_by_digest, stats.adapters_in_slots)
