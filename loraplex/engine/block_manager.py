@@ -166,8 +166,8 @@ class BlockManager:
     def can_lend(self, first: int, count: int) -> bool:
         """Whether blocks first..first+count-1 are all free (cached ones nobody holds count as
         free) and none was freed in the step being planned (its swap-outs may still read it)."""
-        return all(self._refs[b] == 0 and not self._lent[b] and b not in self._fresh
-                   for b in range(first, first + count))
+        return all(self._refs[b] == 0 and not self._lent[b] and b not in self._fresh  # top first: KV
+                   for b in range(first + count - 1, first - 1, -1))  # comes from the top down
 
     def lend(self, first: int, count: int) -> bool:
         """Lend blocks first..first+count-1 to an adapter slot, evicting cached ones; False (and
