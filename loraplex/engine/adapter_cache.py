@@ -122,8 +122,9 @@ class AdapterCache:
         self._copier = (None if self._is_cuda else
                         copy_worker or ThreadPoolExecutor(1, thread_name_prefix="loraplex-slot-copy"))
         self._stream = torch.cuda.Stream(buffers.device) if self._is_cuda else None
-        self.num_host_loads = self.num_slot_loads = self.num_evictions = 0
-        """Adapters read into the host tier, copied into slots, and evicted from slots."""
+        self.num_host_loads = self.num_slot_loads = self.num_evictions = self.num_staged = 0
+        """Adapters read into the host tier, copied into slots (those staged for queued
+        requests among them), and evicted from slots."""
 
     def set_loader(self, loader: AdapterLoader) -> None:
         """Read adapters from `loader` from now on (loads under way finish with the old one)."""
@@ -166,6 +167,25 @@ class AdapterCache:
             return Wait.NO_SLOT
         self._start_copy(slot, entry)
         return Wait.LOADING
+
+    @property
+    def can_stage(self) -> bool:
+        """Whether `stage` may copy an adapter now: slots borrow the pool's pages (a fixed slot
+        is not staged into), and fewer than max_resident adapters are resident."""
+        return self._blocks is not None and len(self._slot_of) < self.max_resident
+
+    def stage(self, digest: str) -> bool:
+        """Start copying `digest` (in host memory already) into the lowest slot whose pages are
+        free, for a queued request, evicting nothing; whether a copy started."""
+        entry = self._host.get(digest)
+        if not self.can_stage or digest in self._slot_of or entry is None or entry.adapter is None:
+            return False
+        slot = self._lend_lowest()
+        if slot is None:
+            return False
+        self._start_copy(slot, entry)
+        self.num_staged += 1
+        return True
 
     def release(self, digest: str) -> None:
         """A running request that held `digest`'s slot ended; an unheld slot stays resident,

@@ -351,10 +351,27 @@ class Scheduler:
                 request.num_computed_tokens = 0
 
     def _prefetch(self, upcoming: Iterator[Request]) -> None:
-        """Start host loads of the adapters of the next requests in line, while there is room."""
+        """Start host loads of the adapters of the next requests in line, while there is room;
+        and copies of those in host memory into slots whose pages the pool has free beyond what
+        the running requests may still grow into (the pool's idle memory as an adapter cache:
+        the request then finds its adapter resident when a running place frees)."""
+        headroom = None
         for request in itertools.islice(upcoming, self.adapters.max_resident):
-            if request.adapter is not None and not self.adapters.prefetch(request.adapter):
+            if request.adapter is None:
+                continue
+            if not self.adapters.prefetch(request.adapter):
                 return
+            if self.adapters.slot_of(request.adapter) is None and self.adapters.can_stage:
+                if headroom is None:
+                    headroom = self.blocks.num_free_blocks - self._kv_growth()
+                if headroom < self.adapters.slot_blocks:
+                    continue
+                if self.adapters.stage(request.adapter):
+                    headroom -= self.adapters.slot_blocks
+
+    def _kv_growth(self) -> int:
+        """Blocks the running requests would add if each ran to its length limit."""
+        return sum(self.blocks.blocks_needed(r.max_num_tokens, len(r.block_ids)) for r in self.running)
 
     def _start(self, request: Request, slot: int, plan: StepPlan) -> None:
         self.policy.remove(request)

@@ -213,6 +213,35 @@ def test_aborts_during_host_loads_and_slot_copies_leave_every_page_accounted_for
         assert outputs[f"after-{name}"] == _reference(hf, adapters, name, prompt), name
 
 
+def test_a_queued_requests_adapter_is_copied_into_free_pages_before_a_place_frees(case):
+    """One running place, held by a long request; the adapter of the request queued behind it
+    is read and copied into free pages meanwhile (staged), so it is resident when it runs."""
+    hf, model_dir, adapters = case
+    used = {name: adapters[name] for name in ("lora8", "dora4")}
+    llm = _llm(model_dir, used, num_slots=3, num_kv_pages=64, max_num_seqs=1)
+    engine, cache = llm.engine, llm.engine.adapters
+    prompt = _prompt(4, 5)
+    engine.add_request("long", prompt_token_ids=prompt, adapter="lora8",
+                       params=SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    deadline = time.monotonic() + 30
+    while not engine.scheduler.running:  # its adapter loads first
+        engine.step()
+        assert time.monotonic() < deadline
+    engine.add_request("queued", prompt_token_ids=prompt, params=GREEDY, adapter="dora4")
+    digest = engine.local_adapters.resolve("dora4")
+    outputs = {}
+    while digest not in cache.resident or cache.slot_of(digest) in cache._copies:
+        assert "long" not in outputs and time.monotonic() < deadline, "dora4 was not staged"
+        outputs.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        time.sleep(0.005)
+        assert_pool_accounting(engine)
+    assert engine._requests["queued"].status.value == "waiting" and cache.num_staged == 1
+    loads = cache.num_slot_loads
+    outputs.update(_drive(engine))
+    assert cache.num_slot_loads == loads  # it ran from the staged copy
+    assert outputs["queued"] == _reference(hf, adapters, "dora4", prompt)
+
+
 class _Idle:
     """A reclaimer that gives back whole slots of 4 blocks, as the adapter cache would."""
 
