@@ -210,7 +210,8 @@ class SlotSimulation:
         else:
             self.blocks = BlockManager(config.num_kv_blocks, config.block_size, enable_prefix_caching=True)
             self.adapters = AdapterCache(_StandInSlots(config.num_slots), _StandInAdapter, lambda a: a,
-                                         max_host, ADAPTER_BYTES, load_worker=self.loads, copy_worker=self.copies)
+                                         max_host, ADAPTER_BYTES, load_worker=self.loads,
+                                         copy_worker=self.copies)
         tenants = TenantTable()
         policy = VtcPolicy(tenants, config.fairness_bound) if config.policy == "vtc" else FcfsPolicy(tenants)
         self.scheduler = Scheduler(
