@@ -681,7 +681,7 @@ class LLMEngine:
         swaps = swapper.stats() if swapper is not None else SwapStats(0, 0, 0.0, 0.0)
         return EngineStats(
             num_running=len(scheduler.running), num_waiting=scheduler.num_waiting,
-            num_kv_blocks=self.blocks.num_blocks, num_kv_blocks_used=self.blocks.num_used_blocks,
+            num_kv_blocks=self.memory.num_kv_blocks, num_kv_blocks_used=self.blocks.num_used_blocks,
             num_preemptions=scheduler.num_preemptions, num_lora_slots=adapters.num_slots,
             adapters_in_slots=tuple(adapters.resident), adapters_on_host=adapters.host_digests,
             host_tier_bytes=adapters.host_bytes, max_host_tier_bytes=adapters.max_host_bytes,

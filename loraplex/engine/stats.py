@@ -39,6 +39,8 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_kv_blocks: int
+    """The most blocks the KV cache can hold: the pool's pages less slot 0's and one adapter's
+    (or num_kv_blocks when set); idle adapters give theirs back as it grows."""
     num_kv_blocks_used: int
     num_preemptions: int
     num_lora_slots: int
