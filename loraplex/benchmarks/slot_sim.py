@@ -113,6 +113,8 @@ class SlotSimConfig:
     """The swap pool: 4 GiB of 2 MiB blocks."""
     policy: str = "vtc"
     fairness_bound: float = 4096.0
+    hold_places_for_loading: bool = False
+    """SchedulerConfig.hold_places_for_loading."""
     host_load_ms: float = 40.0
     """One adapter read into the host tier (the synthetic server copies 84 MB into fresh pinned
     memory: not measured on its own; the default is an estimate, see the sensitivity runs)."""
@@ -217,7 +219,8 @@ class SlotSimulation:
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
-                            scheduling_policy=config.policy, fairness_bound=config.fairness_bound),
+                            scheduling_policy=config.policy, fairness_bound=config.fairness_bound,
+                            hold_places_for_loading=config.hold_places_for_loading),
             self.blocks, self.adapters, policy, HostBlockPool(config.num_host_blocks), clock=clock)
         self.num_runs = 0
 

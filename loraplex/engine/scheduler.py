@@ -63,6 +63,8 @@ class Scheduler:
         """The adapter whose held slot the last plan kept for the first request waiting for a
         slot (no request joins it), or None if none waits for one."""
         self._forgotten: list[str] = []
+        self._loading_tenants: set[str] = set()  # this plan: tenants with a request ahead waiting
+        self._num_loading = 0  # for its adapter, and how many such requests
         self.preemptions: Counter[tuple[str, str]] = Counter()
         """(cause: "kv" or "fairness", mode: "swap" or "recompute") -> preemptions."""
         self.num_blocks_swapped_out = self.num_blocks_swapped_in = 0
@@ -191,6 +193,8 @@ class Scheduler:
         a running place or KV blocks."""
         no_slots = no_host_room = False  # someone ahead waits for a slot / for host room
         self.adapter_waits = {}
+        self._loading_tenants = set()
+        self._num_loading = 0
         self.kept_slot = None
         waiting = self.policy.waiting()
         for request in waiting:
@@ -205,6 +209,10 @@ class Scheduler:
                 continue
             if self._waits_for_prefix(request):  # another request is computing its next block
                 continue
+            if (self.config.hold_places_for_loading
+                    and len(self.running) + self._num_loading >= self.config.max_num_seqs
+                    and self.policy.holds_back(request, self.config.max_num_seqs, self._loading_tenants)):
+                continue  # the free places are for those ahead waiting for their adapters
             slot = 0
             if request.adapter is not None:
                 has_slot = self.adapters.slot_of(request.adapter) is not None
@@ -254,6 +262,8 @@ class Scheduler:
 
     def _wait_for_adapter(self, request: Request, why: Wait) -> None:
         self.adapter_waits[request.request_id] = why
+        self._loading_tenants.add(request.tenant)
+        self._num_loading += 1
         if request.adapter_wait_since is None:
             request.adapter_wait_since = self._clock()
 
