@@ -149,6 +149,29 @@ def test_adapters_of_every_rank_and_family_page_in_and_out_as_the_kv_cache_grows
             assert outputs[request_id] == _reference(hf, adapters, name, prompt), request_id
 
 
+@pytest.mark.gpu
+def test_adapters_page_through_the_pool_under_the_decode_graphs(case):
+    """On CUDA (Triton kernels, decode graphs captured once at start-up, float32): seven
+    adapters of every family through two resident places (max_loras) in waves, slots filled and
+    evicted again and again under the graphs' fixed addresses: the same greedy tokens as
+    transformers + PEFT alone; every page accounted for at every step."""
+    hf, model_dir, adapters = case
+    llm = LLM(model_dir, device="cuda", dtype="float32", block_size=BLOCK_SIZE, max_lora_rank=MAX_RANK,
+              max_loras=2, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64, flora_graphs=True)
+    for name, path in adapters.items():
+        llm.add_adapter(name, path)
+    engine, cache = llm.engine, llm.engine.adapters
+    assert engine.graphs is not None
+    requests = [(f"w{wave}-{name}", name, _prompt(10 * wave + i, 3 + i % 5))
+                for wave in range(2) for i, name in enumerate([*adapters, None])]
+    for request_id, name, prompt in requests:
+        engine.add_request(request_id, prompt_token_ids=prompt, params=GREEDY, adapter=name)
+    outputs = _drive(engine)
+    assert cache.num_evictions > 0 and len(cache.resident) <= 2
+    for request_id, name, prompt in requests:
+        assert outputs[request_id] == _reference(hf, adapters, name, prompt), request_id
+
+
 def test_an_idle_adapter_is_evicted_for_kv_and_reloaded(case):
     """Two idle adapters resident, then base-model requests that need more KV than is free:
     the less used adapter (lora1, used once, against lora8, used twice) gives its pages back,
