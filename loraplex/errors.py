@@ -39,6 +39,13 @@ class ContextLengthError(InvalidRequestError):
     code = "context_length_exceeded"
 
 
+class DeviceOutOfMemoryError(LoraplexError):
+    """The device ran out of memory in a step that computed this request (the engine failed
+    the step's largest request and serves on; the request may be retried)."""
+
+    code = "out_of_device_memory"
+
+
 class UnknownAdapterError(LoraplexError, KeyError):
     """A request names an adapter the engine does not know."""
 

@@ -143,3 +143,6 @@ class RequestOutput:
     precedes it). Complete from the request's first output on, and never changed after."""
     adapter: str | None = None
     error: str | None = None
+    error_code: str | None = None
+    """With `error`: the `code` of the LoraplexError that failed the request (None for other
+    failures), e.g. `out_of_device_memory`, which a client may retry."""

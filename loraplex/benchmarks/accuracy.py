@@ -268,8 +268,8 @@ def _force_tokens(engine: LLMEngine, forced: dict[str, list[int]]) -> None:
     runner = engine.runner
     original = runner.forward
 
-    def forward(shape, prompt=None, masks=None):
-        logits, sampled, scored = original(shape, prompt, masks)
+    def forward(shape, prompt=None):
+        logits, sampled, scored = original(shape, prompt)
         n, inputs = shape.num_samples, runner.inputs
         request_of = {row: request_id for request_id, row in runner.batch.row_of.items()}
         rows, offsets = inputs.sample_rows[:n].tolist(), inputs.offsets[:n].tolist()

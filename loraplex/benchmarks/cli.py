@@ -28,6 +28,8 @@ SCRIPTS = {
                      "scheduler and policies, an H100 step-time model (CPU)"),
     "slots": ("slot_bench", "adapter slots on a virtual clock: the real scheduler and adapter tiers, "
               "the serving workload, an H100 step-time model (CPU)"),
+    "structured": ("structured", "structured outputs' cost on the decode step: 64 requests, half "
+                   "constrained by 8 JSON schemas, against the same unconstrained"),
     "regression": ("regression", "the headline benchmarks at reduced size, each figure against the one "
                    "recorded for this device (one GPU pass, about 8 minutes: scripts/gpu-regress.sh)"),
 }
@@ -53,6 +55,9 @@ def add_benchmarks(parser: argparse.ArgumentParser) -> None:
     decode.add_argument("--rank", type=int, default=16)
     decode.add_argument("--hf-batch-sizes", type=_ints, default=(1, 8, 32))
     decode.add_argument("--hf-new-tokens", type=int, default=16)
+    decode.add_argument("--hf-adapters", type=int, default=0,
+                        help="distinct PEFT adapters, taken in turn by the batch's requests (default: one "
+                             "per request; PEFT adds adapters slowly)")
     decode.add_argument("--profile", action="store_true",
                         help="profile a few decode steps per batch size instead of benchmarking")
     decode.add_argument("--bandwidth", type=float, default=0.0,
@@ -125,7 +130,8 @@ def run_decode(args: argparse.Namespace) -> None:
 
     config = decode.DecodeBenchConfig(
         batch_sizes=args.batch_sizes, prompt_len=args.prompt_len, new_tokens=args.new_tokens, rank=args.rank,
-        hf_batch_sizes=args.hf_batch_sizes, hf_new_tokens=args.hf_new_tokens, bandwidth=args.bandwidth,
+        hf_batch_sizes=args.hf_batch_sizes, hf_new_tokens=args.hf_new_tokens,
+        hf_adapters=args.hf_adapters, bandwidth=args.bandwidth,
         device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
         model=args.model_overrides, model_path=args.model,
     )

@@ -63,6 +63,8 @@ class FairnessBenchConfig:
     device: str = "cuda"
     model: dict[str, Any] | None = None
     seed: int = 0
+    max_capped_prefill_tokens: int | None = None
+    """VTC's prompt-chunk cap (None: the engine's default)."""
 
     def workload(self, vocab_size: int) -> FairnessWorkload:
         return FairnessWorkload(light_rate=self.light_rate, heavy_factor=self.heavy_factor,
@@ -89,6 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=lambda text: tuple(text.split(",")), default=("alone", "fcfs", "vtc"),
                         help="comma-separated subset of alone,fcfs,vtc (default: all three)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-capped-prefill-tokens", type=int, default=None,
+                        help="VTC's prompt-chunk cap (default: the engine's)")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"results folder (default {RESULTS})")
     args = parser.parse_args(argv)
     config = FairnessBenchConfig(
@@ -96,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
         drain_s=args.drain_s, max_num_seqs=args.max_num_seqs, device=args.device,
         model=args.model_overrides, prompt_len=tuple(args.prompt_len), output_len=tuple(args.output_len),
         resume_tokens=args.resume_tokens, num_kv_blocks=args.num_kv_blocks,
-        system_prompt_len=args.system_prompt_len, runs=args.runs, seed=args.seed)
+        system_prompt_len=args.system_prompt_len, runs=args.runs, seed=args.seed,
+        max_capped_prefill_tokens=args.max_capped_prefill_tokens)
     name = "fairness" + (f"-system-prompts-{config.system_prompt_len}" if config.system_prompt_len else "")
     path = write(run(config), args.out, name)
     print(f"wrote {path}")
@@ -119,7 +124,9 @@ def run(config: FairnessBenchConfig) -> dict[str, Any]:
         model="synthetic-llama-3-8b", device=config.device, dtype=str(dtype).removeprefix("torch."),
         max_model_len=max_len,
         cache=CacheConfig(block_size=16, swap_space=16, num_kv_blocks=config.num_kv_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=8192),
+        scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=8192,
+                                  **({"max_capped_prefill_tokens": config.max_capped_prefill_tokens}
+                                     if config.max_capped_prefill_tokens else {})),
         lora=LoRAConfig(max_lora_rank=config.rank, max_loras=len(TENANTS))), model=model)
     for i, tenant in enumerate(TENANTS):
         engine.add_adapter(tenant, synthetic.random_adapter(model_config, config.rank, dtype, device, tenant,
@@ -163,7 +170,8 @@ def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[BenchReq
     pending = list(arrivals)
     started = time.perf_counter()
     end = config.duration_s + config.drain_s
-    tokens = 0
+    tokens = steps = 0
+    step_log: list[tuple[int, int, float]] = []  # per busy step: prompt tokens planned, running, wall s
     while (now := time.perf_counter() - started) < end and (pending or engine.has_unfinished_requests()):
         while pending and pending[0].arrival_s <= now:
             request = pending.pop(0)
@@ -173,9 +181,15 @@ def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[BenchReq
                                                      temperature=0.0),
                                adapter=request.adapter, tenant=request.tenant)
             arrived[request_id], times[request_id] = (request.arrival_s, request.tenant), []
+        busy = engine.has_unfinished_requests()
+        steps += busy
+        prompt_before, step_start = engine.num_prompt_tokens, time.perf_counter()
         for output in engine.step():
             times[output.request_id].append(time.perf_counter() - started)
             tokens += 1
+        if busy:
+            step_log.append((engine.num_prompt_tokens - prompt_before, len(engine.scheduler.running),
+                             time.perf_counter() - step_start))
     elapsed = time.perf_counter() - started
     for request_id in arrived:  # those still unfinished at the end (abort ignores the others)
         engine.abort(request_id)
@@ -193,6 +207,8 @@ def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[BenchReq
     row = {
         "policy": policy, "elapsed_s": round(elapsed, 1), "output_tokens": tokens,
         "output_tokens_per_s": round(tokens / elapsed, 1), **per_tenant,
+        "steps": steps, "prompt_tokens": after.num_prompt_tokens - before.num_prompt_tokens,
+        "steps_by_prompt_tokens": _steps_by_prompt_tokens(step_log),
         "preemptions_per_minute": {k: round((n - before.preemptions.get(k, 0)) / minutes, 1)
                                    for k, n in after.preemptions.items() if n - before.preemptions.get(k, 0)},
         "swap_out_gb": round(swapped_out / 1e9, 2), "swap_in_gb": round(swapped_in / 1e9, 2),
@@ -204,6 +220,26 @@ def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[BenchReq
     }
     print(json.dumps(row), flush=True)
     return row
+
+
+STEP_BUCKETS = ((0, 0), (1, 1024), (1025, 2048), (2049, 4096), (4097, 1 << 30))
+
+
+def _steps_by_prompt_tokens(step_log: list[tuple[int, int, float]]) -> dict[str, dict[str, float]]:
+    """The busy steps by how many prompt tokens they planned: how many, their mean wall time
+    (the engine overlaps a step with the next one's planning, so this is the step's share of the
+    run), and the mean number of requests running; to set against the step-time model that the
+    fairness simulation uses."""
+    buckets = {}
+    for low, high in STEP_BUCKETS:
+        rows = [(n, running, dt) for n, running, dt in step_log if low <= n <= high]
+        if rows:
+            label = f"{low}-{high}" if high < 1 << 30 else f">{low - 1}"
+            buckets[label] = {"steps": len(rows),
+                              "mean_ms": round(sum(dt for *_, dt in rows) / len(rows) * 1e3, 2),
+                              "mean_prompt_tokens": round(sum(n for n, *_ in rows) / len(rows), 1),
+                              "mean_running": round(sum(r for _, r, _ in rows) / len(rows), 1)}
+    return buckets
 
 
 def _swap_costs(engine: LLMEngine, config: FairnessBenchConfig, vocab: int) -> dict[str, Any]:

@@ -51,6 +51,8 @@ class FairnessSimConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     fairness_bound: float = 4096.0
+    max_capped_prefill_tokens: int = 0
+    """VTC's prompt-chunk cap (0: none, the engine's default)."""
     step: StepModel = field(default_factory=lambda: H100_OFFLINE_STEP)
 
 
@@ -61,6 +63,7 @@ def simulate_run(config: FairnessSimConfig, policy: str, heavy: bool = True) -> 
         num_slots=len(TENANTS), max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, num_kv_blocks=config.num_kv_blocks,
         num_host_blocks=config.num_host_blocks, policy=policy, fairness_bound=config.fairness_bound,
+        max_capped_prefill_tokens=config.max_capped_prefill_tokens,
         request_overhead_ms=0.0, step=config.step))
     if config.workload.system_prompt_len:
         _pin(sim, system_prompts(config.workload))
@@ -103,13 +106,15 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--system-prompt-len", type=int, default=0)
     parser.add_argument("--seed", type=int, nargs="+", default=[0])
+    parser.add_argument("--max-capped-prefill-tokens", type=int, default=0,
+                        help="VTC's prompt-chunk cap (default 0: none, as the engine)")
     parser.add_argument("--tag", default="", help="results file suffix")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"results folder (default {RESULTS})")
     args = parser.parse_args(argv)
     results = []
     for seed in args.seed:
         workload = FairnessWorkload(seed=seed, system_prompt_len=args.system_prompt_len)
-        config = FairnessSimConfig(workload=workload)
+        config = FairnessSimConfig(workload=workload, max_capped_prefill_tokens=args.max_capped_prefill_tokens)
         result = simulate(config)
         for name, run in result["runs"].items():
             print(f"seed {seed} {name:28s} {json.dumps({k: run[k] for k in run if k != 'policy'})}")

@@ -113,6 +113,8 @@ class SlotSimConfig:
     """The swap pool: 4 GiB of 2 MiB blocks."""
     policy: str = "vtc"
     fairness_bound: float = 4096.0
+    max_capped_prefill_tokens: int = 0
+    """VTC's prompt-chunk cap (SchedulerConfig.max_capped_prefill_tokens; 0: none)."""
     hold_places_for_loading: bool = False
     """SchedulerConfig.hold_places_for_loading."""
     host_load_ms: float = 40.0
@@ -220,6 +222,7 @@ class SlotSimulation:
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             scheduling_policy=config.policy, fairness_bound=config.fairness_bound,
+                            max_capped_prefill_tokens=config.max_capped_prefill_tokens,
                             hold_places_for_loading=config.hold_places_for_loading),
             self.blocks, self.adapters, policy, HostBlockPool(config.num_host_blocks), clock=clock)
         self.num_runs = 0

@@ -24,7 +24,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                                       "arguments of the offline LLM(...)).")
     for name, (owner, spec) in _option_fields().items():
         default = spec.default if spec.default is not MISSING else spec.default_factory()
-        help_text = _docstrings(owner).get(name, "")
+        help_text = _docstrings(owner).get(name, "").replace("%", "%%")  # argparse formats help with %
         if default is not None:
             help_text += f" (default: {default})"
         kwargs: dict[str, Any] = {"default": NOT_GIVEN, "help": help_text, "dest": name}

@@ -16,7 +16,12 @@ rows the batch size can have, and only when the engine asks for FLoRA graphs
 max rank 16: 88 against 228); with relay attention on, each also with relay groups (their
 members and prefixes live in fixed-size step inputs, so one graph replays any grouping). Every
 graph is captured up front (`capture_all`), largest first so that the smaller ones reuse its
-memory pool; a request never waits on a capture."""
+memory pool; a request never waits on a capture.
+
+Beside them, one small graph per (padded batch size, greedy or not) draws a step's samples
+again under its token masks (structured outputs: ModelRunner.sample with `masked`): a copy of
+the logits that the step's graph left, the mask kernel on the rows whose flag (`mask_rows`)
+is set, the sampler. A step with constrained requests replays its decode graph, then this one."""
 
 from __future__ import annotations
 
@@ -65,6 +70,7 @@ class DecodeGraphs:
         self.logits = torch.zeros(max_batch, vocab_size, dtype=torch.float32, device=device)
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._masked: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.report: CaptureReport | None = None
 
@@ -80,6 +86,15 @@ class DecodeGraphs:
         """(logits [size, vocab], tokens [size]) of a filled padded decode step."""
         self._graphs[shape.graph_key].replay()
         return self.logits[:shape.num_seqs], self.tokens[:shape.num_seqs]
+
+    def has_masked(self, shape: StepShape) -> bool:
+        return (shape.num_seqs, shape.is_greedy) in self._masked
+
+    def replay_masked(self, shape: StepShape) -> torch.Tensor:
+        """tokens [size] of a padded decode step whose graph has run, drawn again under the
+        masks that the step inputs hold (`StepInputs.fill_masks`)."""
+        self._masked[shape.num_seqs, shape.is_greedy].replay()
+        return self.tokens[:shape.num_seqs]
 
     def capture_all(self) -> CaptureReport | None:
         """Capture every graph; the step inputs hold padding meanwhile (nothing is stored)."""
@@ -98,14 +113,20 @@ class DecodeGraphs:
                             **variant)
                         self.runner.inputs.upload()
                         self._graphs[shape.graph_key] = self._capture(shape)
+            for is_greedy in (False, True):  # mask rows are -1 (none) in the step inputs meanwhile
+                shape = self.runner.inputs.fill_dummy(size, 1, adapter_slot=0, is_greedy=is_greedy,
+                                                      has_lora=False)
+                self.runner.inputs.upload()
+                self._masked[size, is_greedy] = self._capture(shape, self._run_masked)
         torch.cuda.synchronize(device)
         self.report = CaptureReport(
-            num_graphs=len(self._graphs), batch_sizes=tuple(self.sizes),
+            num_graphs=len(self._graphs) + len(self._masked), batch_sizes=tuple(self.sizes),
             seconds=time.perf_counter() - started,
             pool_bytes=torch.cuda.memory_reserved(device) - reserved,
             output_bytes=self.logits.numel() * 4 + self.tokens.numel() * 8)
         logger.info("captured %d decode graphs (batch sizes %d to %d, with and without adapters, "
-                    "greedy and sampling) in %.1f s; they hold %.0f MiB", self.report.num_graphs,
+                    "greedy and sampling, and masked sampling) in %.1f s; they hold %.0f MiB",
+                    self.report.num_graphs,
                     self.sizes[0], self.sizes[-1], self.report.seconds,
                     (self.report.pool_bytes + self.report.output_bytes) / 2**20)
         return self.report
@@ -127,13 +148,19 @@ class DecodeGraphs:
         self.logits[:shape.num_seqs].copy_(logits)
         self.tokens[:shape.num_seqs].copy_(tokens)
 
-    def _capture(self, shape: StepShape) -> torch.cuda.CUDAGraph:
+    def _run_masked(self, shape: StepShape) -> None:
+        n = shape.num_seqs
+        self.tokens[:n].copy_(self.runner.sample(shape, self.logits[:n], masked=True))
+
+    def _capture(self, shape: StepShape, run=None) -> torch.cuda.CUDAGraph:
+        run = run or self._run
         with torch.inference_mode():
-            self._run(shape)  # compile every kernel before capture
+            run(shape)  # compile every kernel before capture
             torch.cuda.synchronize(self.runner.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self._run(shape)
-        logger.debug("captured decode graph: batch %d, lora %s, greedy %s, input scale %s, expand %s, "
-                     "flora rows %d, relay %s", *shape.graph_key)
+                run(shape)
+        logger.debug("captured decode graph%s: batch %d, lora %s, greedy %s, input scale %s, expand %s, "
+                     "flora rows %d, relay %s", " (masked sampling)" if run != self._run else "",
+                     *shape.graph_key)
         return graph

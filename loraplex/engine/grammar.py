@@ -82,13 +82,16 @@ class GrammarCompiler:
     """Compiles constraints for one tokenizer; thread-safe, cached by content."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int],
-                 max_schema_bytes: int = MAX_SCHEMA_BYTES, max_cached: int = MAX_CACHED_GRAMMARS) -> None:
+                 max_schema_bytes: int = MAX_SCHEMA_BYTES, max_cached: int = MAX_CACHED_GRAMMARS,
+                 tokenizer_info: Any = None) -> None:
         """`vocab_size`: the model's (the logits' width, which may exceed the tokenizer's);
-        `stop_token_ids`: the tokens that end a request (a finished grammar allows only them)."""
+        `stop_token_ids`: the tokens that end a request (a finished grammar allows only them);
+        `tokenizer_info`: an xgrammar.TokenizerInfo to use instead of `tokenizer`'s (a
+        benchmark's synthetic vocabulary)."""
         import xgrammar
 
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=sorted(set(stop_token_ids)))
+        info = tokenizer_info or xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(set(stop_token_ids)))
         # xgrammar's own cache is off: ours keys by the whole constraint and bounds the count.
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.vocab_size = vocab_size

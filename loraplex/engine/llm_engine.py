@@ -40,6 +40,13 @@ from loraplex.engine.lora_weights import (
     pool_slot_bytes,
 )
 from loraplex.engine.model_runner import LaunchedStep, ModelRunner
+from loraplex.engine.out_of_memory import (
+    is_out_of_memory,
+    largest_request,
+    out_of_memory_error,
+    release_cached_memory,
+    swapped_by,
+)
 from loraplex.engine.plan import StepPlan, StepResult, TokenMasks
 from loraplex.engine.policy import FcfsPolicy, SchedulingPolicy, VtcPolicy
 from loraplex.engine.prefix_cache import block_hashes
@@ -483,11 +490,7 @@ class LLMEngine:
         """Run one step and return the requests that advanced or finished: this step's, or
         with async scheduling the previous step's, while this one runs on the device."""
         outputs = self._fail_adapter_loads()
-        if self._constrained and self._in_flight is not None and self._in_flight.is_constrained:
-            # The grammar's next mask needs the token in flight: no overlap for this step.
-            step, self._in_flight = self._in_flight, None
-            outputs += self.collect(step)
-        launched = self.launch(self.scheduler.schedule(), outputs)
+        launched = self.launch(self.scheduler.schedule(), outputs)  # may collect the step in flight
         if self._in_flight is not None:
             outputs += self.collect(self._in_flight)
         self._in_flight = launched
@@ -516,33 +519,68 @@ class LLMEngine:
         step, self._in_flight = self._in_flight, None
         return self._without_pins(self.collect(step)) if step is not None else []
 
-    def launch(self, plan: StepPlan, failed: list[RequestOutput]) -> InFlight | None:
+    def launch(self, plan: StepPlan, outputs: list[RequestOutput]) -> InFlight | None:
         """Queue a planned step on the device and count its work as done. If the model fails,
-        the step's requests fail (their outputs go to `failed`) and the engine serves on."""
+        the step's requests fail (their outputs go to `outputs`) and the engine serves on.
+
+        A step that samples a request following a grammar needs its token mask, and the mask
+        needs the request's previous token: when the step in flight sampled a constrained request,
+        this step's forward pass is queued first, then the step in flight is collected (its
+        outputs go to `outputs`; its grammars advance) and the masks filled while the device
+        computes, and last the masked draw is queued (ModelRunner.begin / finish)."""
         if not plan.has_work:
             return None
         try:
-            plan.token_masks = self._token_masks(plan)
-            launched = self.runner.launch(plan)
+            started = self.runner.begin(plan)
         except Exception as exc:
+            if is_out_of_memory(exc):
+                outputs += self._survive_out_of_memory(plan, exc)
+                return None
             logger.exception("engine step failed")
-            failed += self._fail(plan.request_ids, exc)
+            outputs += self._fail(plan.request_ids, exc)
             return None
-        if plan.is_empty:  # only records to update or blocks to copy
+        if started is None:  # only records to update or blocks to copy
             return None
         sampling = self.scheduler.advance(plan)
+        try:
+            if self._constrained and any(r.matcher is not None for r in sampling):
+                previous = self._in_flight
+                if previous is not None and previous.is_constrained:
+                    self._in_flight = None
+                    outputs += self.collect(previous)
+                plan.token_masks = self._token_masks(plan)
+            launched = self.runner.finish(started, plan.token_masks)
+        except Exception as exc:
+            logger.exception("engine step failed")
+            outputs += self._fail(plan.request_ids, exc)
+            return None
         self.num_prompt_tokens += plan.num_tokens - len(sampling)
         scored = [r for r in map(self._requests.get, plan.request_ids)
                   if r is not None and r.params.is_scoring_only and r.num_computed_tokens == r.num_tokens]
         return InFlight(plan, sampling, launched, scored)
 
+    def _survive_out_of_memory(self, plan: StepPlan, exc: BaseException) -> list[RequestOutput]:
+        """The step ran out of memory: its largest request (and any it swapped in) fails, the
+        rest runs again at the next step (see loraplex.engine.out_of_memory)."""
+        release_cached_memory(self.device)
+        victim = largest_request(plan, self._requests)
+        swapped_out, swapped_in = swapped_by(plan, self._requests)
+        for request in swapped_out:
+            self.scheduler.recompute(request)
+        tokens = dict(zip(plan.request_ids, plan.num_scheduled_tokens))
+        doomed = ([victim] if victim is not None else []) + [r.request_id for r in swapped_in]
+        logger.warning("a step of %d tokens (%d requests) ran out of memory: failed %s, the others run "
+                       "again (%s)", plan.num_tokens, len(plan.request_ids), ", ".join(doomed) or "none",
+                       str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+        return [output for request_id in doomed
+                for output in self._fail([request_id], out_of_memory_error(tokens.get(request_id, 0), exc))]
+
     def _token_masks(self, plan: StepPlan) -> TokenMasks | None:
-        """The allowed tokens of the plan's constrained samples, from their matchers."""
-        if not self._constrained:
-            return None
+        """The allowed tokens of the plan's constrained samples, from their matchers (a request
+        that ended while the step in flight ran gets none: its token is void)."""
         constrained = [request for request_id, samples in zip(plan.request_ids, plan.samples)
                        if samples and (request := self._requests.get(request_id)) is not None
-                       and request.matcher is not None]
+                       and request.matcher is not None and not request.is_finished]
         if not constrained:
             return None
         bitmask = allocate_masks(len(constrained), self.model_config.vocab_size)
@@ -651,6 +689,7 @@ class LLMEngine:
             self.scheduler.finish(request, "error")
             output = self._output(request, [], "", detokenizer)
             output.error = f"{type(exc).__name__}: {exc}"
+            output.error_code = getattr(exc, "code", None)
             outputs.append(output)
         return outputs
 

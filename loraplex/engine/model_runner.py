@@ -7,7 +7,15 @@ sampler queued on the device) and later collected (`collect`: waits for its toke
 the two the host may plan and launch the next step: a request whose input token is still on the
 device gets it there, from `row_tokens`, the last token sampled for each InputBatch row, so no
 step waits on the host. `forward` is the one forward pass: eager steps run it on the step's
-exact sizes, and the decode graphs capture it at padded batch sizes."""
+exact sizes, and the decode graphs capture it at padded batch sizes.
+
+Structured outputs: a step's constrained samples are drawn again under their token masks
+(`sample(masked=True)`, a small graph of its own at each padded decode size) after the
+forward pass has drawn every sample without them (sampling depends only on each row's logits,
+seed and offset, so the unconstrained rows draw the same tokens again). So the forward pass
+can be queued (`begin`) before the host knows the masks: the engine collects the previous
+step's tokens, advances the grammars and fills the masks while the device computes, then
+`finish` queues the masked draw."""
 
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ from loraplex.engine.cuda_graphs import DecodeGraphs
 from loraplex.engine.input_batch import InputBatch
 from loraplex.engine.kv_swap import KvSwapper
 from loraplex.engine.lora_weights import LoraSlotBuffers
-from loraplex.engine.plan import StepPlan, StepResult
+from loraplex.engine.plan import StepPlan, StepResult, TokenMasks
 from loraplex.engine.relay_groups import RelayRule
 from loraplex.engine.step_inputs import PENDING, FilledStep, SlotFamilies, StepInputs, StepShape
 from loraplex.kernels import Ops
@@ -50,11 +58,15 @@ class QueuedLogprobs:
 
 
 @dataclass
-class SampleMasks:
-    """A step's token masks on the device (structured outputs)."""
+class StartedStep:
+    """A step whose forward pass (and unmasked sampling) is queued, until `finish` samples the
+    constrained rows under their masks and queues the results to the host."""
 
-    rows: torch.Tensor  # [num_masked] int64: rows of the step's logits that are masked
-    bitmask: torch.Tensor  # [num_masked, ceil(vocab / 32)] int32: bit set = token allowed
+    plan: StepPlan
+    filled: FilledStep
+    logits: torch.Tensor  # [num_samples, vocab] float32: the model's own
+    tokens: torch.Tensor  # [num_samples] int64: drawn without masks
+    prompt: prompt_logprobs.QueuedPromptLogprobs | None = None
 
 
 @dataclass
@@ -88,7 +100,8 @@ class ModelRunner:
         self.inputs = StepInputs(max(max_num_batched_tokens, max_num_seqs), max_num_seqs,
                                  max_model_len, kv_cache.shape[3], self.device,
                                  SlotFamilies(lora.slot_flora_rank, lora.slot_input_scaled,
-                                              lora.slot_needs_expand), relay)
+                                              lora.slot_needs_expand), relay,
+                                 vocab_size=model.config.vocab_size)
         self.batch = InputBatch(max_num_seqs, self.inputs.max_blocks_per_seq)
         # [max_num_seqs + 1]: the last token sampled for each row; the spare row takes padding's.
         self.row_tokens = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=self.device)
@@ -102,15 +115,31 @@ class ModelRunner:
 
     # A step -------------------------------------------------------------------------------
     def launch(self, plan: StepPlan) -> LaunchedStep:
-        """Apply the plan, fill its inputs and queue the model and the sampler; returns at once
-        on CUDA. (The phases are public so that benchmarks can time them apart.)"""
+        """Apply the plan, fill its inputs and queue the model and the sampler (under the plan's
+        token masks); returns at once on CUDA. (The phases are public so that benchmarks can
+        time them apart.)"""
+        return self.finish(self.begin(plan), plan.token_masks)
+
+    def begin(self, plan: StepPlan) -> StartedStep | None:
+        """Apply the plan, fill its inputs and queue the forward pass, which draws every sample
+        without masks; None if the plan computes nothing. `finish` completes the step."""
         self.apply(plan)
         if self.swapper is not None:
             self.swapper.before_step(plan.swap_out, plan.swap_in)
         if plan.is_empty:
-            return LaunchedStep()
+            return None
         filled = self.prepare(plan)
-        return self.dispatch(plan, filled, *self.run(filled.shape, filled.prompt, filled.masks))
+        return StartedStep(plan, filled, *self.run(filled.shape, filled.prompt))
+
+    def finish(self, started: StartedStep | None, masks: TokenMasks | None) -> LaunchedStep:
+        """Draw the samples that `masks` constrains again under their masks (the others keep
+        their tokens), then queue the step's results to the host."""
+        if started is None:
+            return LaunchedStep()
+        tokens = started.tokens
+        if masks is not None and masks.request_ids:
+            tokens = self.sample_masked(started, masks)
+        return self.dispatch(started.plan, started.filled, started.logits, tokens, started.prompt)
 
     def apply(self, plan: StepPlan) -> None:
         """Bring the runner's records up to date with the plan."""
@@ -137,44 +166,39 @@ class ModelRunner:
             if prompt is not None and filled.shape.is_padded_decode:  # scoring steps run eagerly
                 filled = self.inputs.fill(plan, self.batch, None)
             filled.prompt = prompt
-        if plan.token_masks is not None:
-            filled.masks = self._masks(plan, filled)
         self.inputs.upload()
         return filled
 
-    def _masks(self, plan: StepPlan, filled: FilledStep) -> SampleMasks:
-        """The plan's token masks on the device, with the step's sample row each applies to (a
-        padded decode step samples every row; another, only the rows that sample)."""
-        masks = plan.token_masks
-        if filled.shape.is_padded_decode:
+    def sample_masked(self, started: StartedStep, masks: TokenMasks) -> torch.Tensor:
+        """[num_samples] int64: the started step's samples drawn again, those of `masks` under
+        their bitmask rows (a graph replay for a padded decode step that has one)."""
+        plan, shape = started.plan, started.filled.shape
+        if shape.is_padded_decode:  # every row samples, in plan order
             position = {request_id: i for i, request_id in enumerate(plan.request_ids)}
         else:
             sampled = (r for r, s in zip(plan.request_ids, plan.samples) if s)
             position = {request_id: i for i, request_id in enumerate(sampled)}
-        rows = torch.tensor([position[r] for r in masks.request_ids], dtype=torch.int64)
-        return SampleMasks(_to_device(rows.numpy(), self.device),
-                           masks.bitmask.to(self.device, non_blocking=True))
+        self.inputs.fill_masks(shape.num_samples, [position[r] for r in masks.request_ids], masks.bitmask)
+        if shape.is_padded_decode and self.graphs is not None and self.graphs.has_masked(shape):
+            return self.graphs.replay_masked(shape)
+        with torch.inference_mode():
+            return self.sample(shape, started.logits, masked=True)
 
-    def run(self, shape: StepShape, prompt: prompt_logprobs.PromptSelection | None = None,
-            masks: SampleMasks | None = None
+    def run(self, shape: StepShape, prompt: prompt_logprobs.PromptSelection | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, prompt_logprobs.QueuedPromptLogprobs | None]:
         """(logits [num_samples, vocab] float32, tokens [num_samples], the prompt logprobs
         queued to the host if the step scores any) of a filled step: a graph replay for a padded
-        decode step, else the forward pass run eagerly (a step with token masks runs eagerly for
-        now: the decode graphs do not take masks yet)."""
-        if (shape.is_padded_decode and masks is None and self.graphs is not None
-                and self.graphs.has(shape)):
+        decode step, else the forward pass run eagerly."""
+        if shape.is_padded_decode and self.graphs is not None and self.graphs.has(shape):
             return *self.graphs.replay(shape), None
         with torch.inference_mode():
-            return self.forward(shape, prompt, masks)
+            return self.forward(shape, prompt)
 
-    def forward(self, shape: StepShape, prompt: prompt_logprobs.PromptSelection | None = None,
-                masks: SampleMasks | None = None
+    def forward(self, shape: StepShape, prompt: prompt_logprobs.PromptSelection | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, prompt_logprobs.QueuedPromptLogprobs | None]:
-        """The forward pass and the sampler over the device step inputs, sliced to `shape`, and
-        the log-probabilities of the prompt positions in `prompt` from the same pass. `masks`:
-        the samples that draw only from their grammar's allowed tokens (the logits returned, and
-        so the logprobs, are the model's own, unmasked)."""
+        """The forward pass and the sampler (no masks) over the device step inputs, sliced to
+        `shape`, and the log-probabilities of the prompt positions in `prompt` from the same
+        pass."""
         s, t, n = self.inputs, shape.num_tokens, shape.num_samples
         attention = AttentionMetadata(
             slot_mapping=s.slot_mapping[:t], block_tables=s.block_tables[:shape.num_seqs],
@@ -196,14 +220,22 @@ class ModelRunner:
             if not shape.is_padded_decode:  # every row samples in a padded decode step
                 hidden = hidden[s.logits_indices[:n]]
             logits = self.model.compute_logits(hidden)
-            drawn = logits if masks is None else self.ops.mask_logits(logits, masks.rows, masks.bitmask)
-            if shape.is_greedy:
-                tokens = self.ops.argmax(drawn)
-            else:
-                tokens = self.ops.sample(drawn, s.temperature[:n], s.top_k[:n], s.top_p[:n],
-                                         s.seeds[:n], s.offsets[:n])
-            self.row_tokens[s.sample_rows[:n]] = tokens
+            tokens = self.sample(shape, logits)
         return logits, tokens, scored
+
+    def sample(self, shape: StepShape, logits: torch.Tensor, masked: bool = False) -> torch.Tensor:
+        """[num_samples] int64 tokens drawn from `logits` [num_samples, vocab] by the step
+        inputs' sampling parameters, and stored in `row_tokens`. `masked`: under the token masks
+        of `fill_masks` (on a copy: `logits` stay the model's own, for logprobs)."""
+        s, n = self.inputs, shape.num_samples
+        drawn = self.ops.mask_logits(logits, s.mask_rows[:n], s.bitmask[:n]) if masked else logits
+        if shape.is_greedy:
+            tokens = self.ops.argmax(drawn)
+        else:
+            tokens = self.ops.sample(drawn, s.temperature[:n], s.top_k[:n], s.top_p[:n],
+                                     s.seeds[:n], s.offsets[:n])
+        self.row_tokens[s.sample_rows[:n]] = tokens
+        return tokens
 
     def dispatch(self, plan: StepPlan, filled: FilledStep, logits: torch.Tensor, tokens: torch.Tensor,
                  prompt: prompt_logprobs.QueuedPromptLogprobs | None = None) -> LaunchedStep:

@@ -109,7 +109,7 @@ class Scheduler:
         active = [r for r in self.running if r.has_tokens_to_compute]
         decodes = [r for r in active if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in active if r.num_tokens - r.num_computed_tokens > 1]
-        self._capped = self.policy.capped_tenants(decodes)
+        self._capped = self.policy.capped_tenants(decodes) if self.config.max_capped_prefill_tokens else set()
         self._capped_left = self.config.max_capped_prefill_tokens
         first: list[Request] = []
         later: list[Request] = []
@@ -467,6 +467,12 @@ class Scheduler:
             self.adapter_wait.observe(request.adapter_wait_s)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+
+    def recompute(self, request: Request) -> None:
+        """A waiting request drops its host copy (its swap-out may not have run) and computes
+        its KV again when it resumes."""
+        self._drop_host_copy(request)
+        request.num_computed_tokens = 0
 
     def _preempt(self, request: Request, plan: StepPlan, cause: str) -> None:
         self.running.remove(request)

@@ -9,12 +9,15 @@ step's values). Padding is inert: token ids 0, cache slot -1 (nothing stored), s
 0 (attention gives zeros), adapter slot 0, sampled tokens written to the spare row.
 
 Adding a per-step input means three edits: declare it in FIELDS, fill it in `fill`, read it
-where the model runs. Nothing else copies or packs it."""
+where the model runs. Nothing else copies or packs it.
+
+Token masks (structured outputs) live beside them in buffers of their own (`mask_rows`,
+`bitmask`), written and copied by `fill_masks` once the step's samples' grammars know their
+next tokens, which may be after the step's forward pass is queued (see ModelRunner.begin)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -133,8 +136,6 @@ class FilledStep:
     query_start: np.ndarray  # [num_seqs + 1] int64: offsets of each one's tokens in the step
     prompt: PromptSelection | None = None
     """Prompt positions whose log-probabilities the step computes (such a step runs eagerly)."""
-    masks: Any = None
-    """The step's token masks (model_runner.SampleMasks), when some sample is constrained."""
 
 
 @dataclass(frozen=True)
@@ -153,10 +154,10 @@ class SlotFamilies:
 class StepInputs:
     def __init__(self, max_tokens: int, max_seqs: int, max_seq_tokens: int, block_size: int,
                  device: torch.device, families: SlotFamilies | None = None,
-                 relay: RelayRule | None = None) -> None:
+                 relay: RelayRule | None = None, vocab_size: int = 0) -> None:
         """Room for `max_tokens` tokens and `max_seqs` sequences; the spare row of row_tokens
         (padding's destination) is `max_seqs`. `relay`: when decode steps form relay groups
-        (None: never)."""
+        (None: never). `vocab_size`: the width of the token masks' bitmask rows (0: none)."""
         self.max_tokens, self.max_seqs, self.block_size = max_tokens, max_seqs, block_size
         self.max_seq_tokens = max_seq_tokens
         """The most tokens one sequence holds (the context: the rotary tables' length)."""
@@ -192,11 +193,21 @@ class StepInputs:
         self._host_blocks = [host_blocks[i % num_sets] for i in range(2)]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
+        # Token masks: for each sample, the row of `bitmask` that masks its logits, or -1
+        # (unmasked); bitmask rows [max_seqs, ceil(vocab / 32)] int32, bit set = token allowed.
+        num_words = -(-vocab_size // 32)
+        host_mask_rows = [_zeros(max_seqs, torch.int64, "cpu", pin).fill_(-1) for _ in range(num_sets)]
+        host_bitmasks = [_zeros((max_seqs, num_words), torch.int32, "cpu", pin) for _ in range(num_sets)]
+        self._host_mask_rows = [host_mask_rows[i % num_sets] for i in range(2)]
+        self._host_bitmasks = [host_bitmasks[i % num_sets] for i in range(2)]
         if self._on_host:
             self._device, self.block_tables = host_sets[0], host_blocks[0]
+            self.mask_rows, self.bitmask = host_mask_rows[0], host_bitmasks[0]
         else:
             self._device = {dtype: _zeros(n, dtype, device, False) for dtype, n in sizes.items()}
             self.block_tables = _zeros((max_seqs, max_blocks_per_seq), torch.int32, device, False)
+            self.mask_rows = _zeros(max_seqs, torch.int64, device, False).fill_(-1)
+            self.bitmask = _zeros((max_seqs, num_words), torch.int32, device, False)
         self._views = [{name: host[dtype].numpy()[lo:hi] for name, (dtype, lo, hi) in spans.items()}
                        for host in self._host_sets]
         self._pads = {f.name: max_seqs if f.pad == "spare row" else f.pad for f in FIELDS}
@@ -324,6 +335,24 @@ class StepInputs:
         rows = self._num_block_rows
         self.block_tables[:rows].copy_(self._host_blocks[self._turn][:rows], non_blocking=True)
         if self.device.type == "cuda":
+            self._copied[self._turn] = torch.cuda.Event()
+            self._copied[self._turn].record()
+
+    def fill_masks(self, num_samples: int, positions: list[int], bitmask: torch.Tensor) -> None:
+        """Mask the step filled last: sample `positions[i]` (of its `num_samples`, padding
+        included) draws only the tokens of `bitmask[i]` [len(positions), >= ceil(vocab / 32)]
+        int32 (host); the others are not masked. Copied to the device at once (queued on CUDA)."""
+        rows, bits = self._host_mask_rows[self._turn], self._host_bitmasks[self._turn]
+        rows[:num_samples] = -1
+        if positions:
+            index = torch.tensor(positions, dtype=torch.int64)
+            rows[index] = index
+            bits[index] = bitmask[:, :bits.shape[1]]
+        if self._on_host:
+            return
+        self.mask_rows[:num_samples].copy_(rows[:num_samples], non_blocking=True)
+        self.bitmask[:num_samples].copy_(bits[:num_samples], non_blocking=True)
+        if self.device.type == "cuda":  # the host set is free again once these copies are done
             self._copied[self._turn] = torch.cuda.Event()
             self._copied[self._turn].record()
 

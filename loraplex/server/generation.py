@@ -15,11 +15,11 @@ from dataclasses import dataclass, replace
 from fastapi import Request, Response
 
 from loraplex.engine.grammar import CompiledGrammar
-from loraplex.errors import ContextLengthError, InvalidRequestError, LoraplexError
+from loraplex.errors import ContextLengthError, DeviceOutOfMemoryError, InvalidRequestError, LoraplexError
 from loraplex.registry.names import NAME_PATTERN
 from loraplex.registry.records import AdapterRecord
 from loraplex.registry.registry_errors import AdapterNotFoundError
-from loraplex.server.http_errors import RateLimitError
+from loraplex.server.http_errors import RateLimitError, ServiceUnavailableError
 from loraplex.server.limits import Admission
 from loraplex.server.schemas.openai import PromptLogprob, PromptLogprobs, SamplingFields, Usage
 from loraplex.server.services import Services
@@ -171,6 +171,12 @@ async def generate(services: Services, job: Job) -> AsyncIterator[Choice]:
                 metrics.generation_tokens.inc(len(output.new_token_ids))
                 if output.finish_reason == "error":  # the detail stays in the log
                     logger.error("request %s failed in the engine: %s", job.request_id, output.error)
+                    if output.error_code == DeviceOutOfMemoryError.code:
+                        raise ServiceUnavailableError(
+                            f"the engine ran out of device memory in a step of this request (request "
+                            f"id {job.request_id}); other requests go on: retry, or send a shorter "
+                            "prompt", retry_after_s=services.config.retry_after_s,
+                            code=DeviceOutOfMemoryError.code)
                     raise EngineRequestError(f"the engine failed on this request (request id "
                                              f"{job.request_id})")
                 yield index, output

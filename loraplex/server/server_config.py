@@ -43,6 +43,15 @@ class ServerConfig:
     one at a time (with one thread: that one, in turn with the others)."""
     max_concurrent_uploads: int = 4
     """Adapter uploads validated at once; more wait for a turn."""
+    max_connections: int = 4096
+    """Open client connections; past it a new connection's request gets 503 with Retry-After
+    (`loraplex serve` raises its file limit to fit, or lowers this to what the limit allows)."""
+    client_timeout_s: float = 15.0
+    """The longest a client may take to send a request's headers, to start sending its body at
+    `min_body_bytes_per_s`, or to leave its response unread (a stalled write); past it the
+    connection is closed (408 where nothing was answered yet; a generation is aborted)."""
+    min_body_bytes_per_s: int = 1024
+    """The slowest a request body may arrive, on average, once `client_timeout_s` has passed."""
     retry_after_s: int = 1
     """Retry-After sent with 503s when the server is full or not ready."""
     engine_poll_interval_s: float = 1.0
@@ -59,7 +68,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_upload_bytes", "max_requests_in_flight",
                      "max_concurrent_uploads", "retry_after_s", "tokenizer_threads",
-                     "grammar_threads"):
+                     "grammar_threads", "max_connections", "min_body_bytes_per_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
         for name in ("max_tokens_limit", "max_prompt_tokens"):
@@ -67,6 +76,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be positive")
         if self.registry_cache_ttl_s < 0 or self.engine_poll_interval_s <= 0:
             raise ValueError("registry_cache_ttl_s must be >= 0 and engine_poll_interval_s > 0")
+        if self.client_timeout_s <= 0:
+            raise ValueError("client_timeout_s must be positive")
         if self.max_grammar_compile_s <= 0:
             raise ValueError("max_grammar_compile_s must be positive")
         if self.registry_max_stale_s < 0:

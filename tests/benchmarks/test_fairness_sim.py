@@ -20,10 +20,18 @@ def seed_0():
 def test_light_tenants_keep_their_latency_beside_a_flooding_tenant(seed_0):
     summary = seed_0["summary"]
     assert summary["light p99 TTFT vs alone (vtc)"] <= 1.5, summary
-    # 1.51x before the flooding tenant's prompt chunks were capped while light tenants decode
-    assert summary["light p99 TBT vs alone (vtc)"] <= 1.3, summary
     assert summary["light p99 TTFT vs alone (fcfs)"] > 10, summary  # the flood is real
     assert summary["throughput vtc / fcfs"] >= 0.95, summary
+
+
+def test_the_prompt_chunk_cap_shortens_the_light_tenants_time_between_tokens(seed_0):
+    """Off by default (on the H100 it cost throughput that this model does not show), the cap
+    still does what it says: the flooding tenant's prompt chunks no longer stretch the steps
+    that light tenants' tokens wait for (1.51x alone without it, 1.21x with 1,024)."""
+    capped = simulate(FairnessSimConfig(max_capped_prefill_tokens=1024))["summary"]
+    uncapped = seed_0["summary"]
+    assert capped["light p99 TBT vs alone (vtc)"] <= 1.3, capped
+    assert capped["light p99 TBT vs alone (vtc)"] < uncapped["light p99 TBT vs alone (vtc)"] - 0.1
 
 
 def test_preempted_requests_resume_from_their_host_copy_not_from_scratch(seed_0):

@@ -220,3 +220,37 @@ def test_an_unreachable_database_is_one_line(tmp_path: Path,
     assert err.startswith("loraplex: error: cannot open the registry database "
                           "postgresql://nobody:***@127.0.0.1:1/none: ")
     assert "hunter2" not in err
+
+
+def test_the_server_keeps_compiled_kernels_in_its_data_dir(tmp_path, monkeypatch):
+    """A restarted server (or a container whose data dir is a volume) finds Triton's compiled
+    kernels where it left them; TRITON_CACHE_DIR, when set, is where they go."""
+    import os
+
+    import triton
+
+    from loraplex.cli.serve import KERNEL_CACHE_DIR, keep_kernel_cache
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    folder = keep_kernel_cache(tmp_path)
+    assert folder == tmp_path / KERNEL_CACHE_DIR and folder.is_dir()
+    assert os.environ["TRITON_CACHE_DIR"] == str(folder)
+    assert triton.knobs.cache.dir == str(folder)  # what Triton's compiler reads
+
+    chosen = tmp_path / "elsewhere"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(chosen))
+    assert keep_kernel_cache(tmp_path / "data") == chosen and chosen.is_dir()
+    assert not (tmp_path / "data" / KERNEL_CACHE_DIR).exists()
+
+
+def test_serve_help_lists_every_engine_option(capsys: pytest.CaptureFixture[str]):
+    """Each engine option's help is its field's docstring: a '%' in one (a figure in percent)
+    once made `loraplex serve --help` crash in argparse's formatting."""
+    from loraplex.cli.engine_flags import _option_fields, flag
+
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    for name in _option_fields():
+        assert flag(name) in text

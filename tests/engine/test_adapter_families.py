@@ -189,10 +189,10 @@ def test_padded_decode_path_with_families(case, families, layout, monkeypatch):
                                  capture=False)
     shapes, logits, original = [], {}, runner.forward
 
-    def forward(shape, prompt=None, masks=None):
+    def forward(shape, prompt=None):
         if shape.is_padded_decode:
             shapes.append(shape)
-        return original(shape, prompt, masks)
+        return original(shape, prompt)
 
     def record(sampled_ids, step_logits):
         for request_id, row in zip(sampled_ids, step_logits):

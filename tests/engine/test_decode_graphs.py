@@ -42,10 +42,10 @@ def test_static_decode_path_matches_plain_path(tiny_llama, num_requests, async_s
                                          capture=False)
             original, sizes = runner.forward, []
 
-            def forward(shape, prompt=None, masks=None):
+            def forward(shape, prompt=None):
                 if shape.is_padded_decode:
                     sizes.append((shape.num_seqs, runner.inputs.seq_lens[:shape.num_seqs].count_nonzero()))
-                return original(shape, prompt, masks)
+                return original(shape, prompt)
 
             runner.forward = forward
             llm.decode_sizes = sizes

@@ -11,6 +11,7 @@ import re
 import pytest
 
 from loraplex import LLM, SamplingParams
+from loraplex.engine.cuda_graphs import DecodeGraphs
 from loraplex.engine.grammar import GrammarError
 from loraplex.types import StructuredOutput
 
@@ -132,3 +133,111 @@ def test_compiled_grammars_are_cached_by_content(llm):
     first = grammars.compile(spec)
     again = grammars.compile(StructuredOutput(regex="[xyz]{4}", param="structured_outputs.regex"))
     assert again is first and grammars.num_compiled == before + 1
+
+
+def trace(name: str, method, calls: list):
+    """`method`, appending its name to `calls` at each call (sample_masked: with whether the
+    step is a padded decode step)."""
+    def traced(*args):
+        calls.append(("sample_masked", args[0].filled.shape.is_padded_decode)
+                     if name == "sample_masked" else name)
+        return method(*args)
+    return traced
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_padded_decode_steps_draw_masked_rows_again_with_the_same_tokens(tiny_llama, async_scheduling):
+    """The path the decode graphs replay (run eagerly on CPU): constrained and unconstrained
+    requests on different adapters give the tokens of the plain path; the masked rows are drawn
+    again after the forward pass, and with async scheduling the step in flight is collected and
+    the masks filled between the two (the forward pass already queued)."""
+    model, adapters = tiny_llama
+    specs = [StructuredOutput(json_schema=json.dumps(SCHEMA)), StructuredOutput(regex="[a-z]{30}"),
+             None, None, StructuredOutput(choice=("yes", "no", "maybe")), None]
+    params = [SamplingParams(max_tokens=60 if i == 0 else 20, temperature=0.0 if i % 3 == 1 else 1.0,
+                             seed=40 + i, ignore_eos=spec is None, structured=spec)
+              for i, spec in enumerate(specs)]
+    prompts = [[5 + i] * (2 + i) for i in range(len(specs))]
+    names = ["qv4", None, "all8", "qv4", None, "all8"]
+
+    def run(static: bool, async_scheduling: bool):
+        llm = LLM(model, device="cpu", block_size=4, max_num_seqs=8, max_num_batched_tokens=16,
+                  async_scheduling=async_scheduling)
+        for name, path in adapters.items():
+            llm.add_adapter(name, path)
+        runner, calls = llm.engine.runner, []
+        if static:
+            runner.graphs = DecodeGraphs(runner, max_batch=8, vocab_size=runner.model.config.vocab_size,
+                                         capture=False)
+        for name in ("begin", "finish", "collect", "sample_masked"):
+            setattr(runner, name, trace(name, getattr(runner, name), calls))
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, adapters=names)
+        return [o.token_ids for o in outputs], [o.text for o in outputs], calls
+
+    plain, _, _ = run(static=False, async_scheduling=False)
+    tokens, texts, calls = run(static=True, async_scheduling=async_scheduling)
+    assert tokens == plain
+    assert set(json.loads(texts[0])) == {"name", "size", "ok"}
+    assert re.fullmatch("[a-z]{20}", texts[1]) and texts[4] in ("yes", "no", "maybe")
+    assert ("sample_masked", True) in calls  # masked rows drawn again on padded decode steps
+    overlapped = any(calls[i:i + 3] == ["begin", "collect", "finish"] for i in range(len(calls)))
+    assert overlapped == async_scheduling
+
+
+@pytest.mark.gpu
+def test_constrained_decode_steps_replay_the_masked_graphs_on_gpu(tiny_llama):
+    """On CUDA a decode step with constrained requests replays its decode graph and the masked
+    sampling graph (no eager step for masks), the outputs follow their grammars, and overlapped
+    steps (async: the masks filled while the forward pass runs) give the tokens of steps run one
+    at a time."""
+    model, adapters = tiny_llama
+    specs = [StructuredOutput(json_schema=json.dumps(SCHEMA)), None, StructuredOutput(regex="[a-z]{30}"),
+             None]
+    # (room for the JSON answer whatever the GPU's logits make of it: its fields are bounded)
+    params = [SamplingParams(max_tokens=200 if i == 0 else 20, temperature=1.0 if i % 2 else 0.0, seed=i,
+                             ignore_eos=spec is None, structured=spec) for i, spec in enumerate(specs)]
+
+    def run(async_scheduling: bool):
+        llm = LLM(model, device="cuda", dtype="float32", max_num_seqs=8, async_scheduling=async_scheduling)
+        for name, path in adapters.items():
+            llm.add_adapter(name, path)
+        graphs, replays = llm.engine.runner.graphs, []
+        original = graphs.replay_masked
+        graphs.replay_masked = lambda shape: replays.append(shape.num_seqs) or original(shape)
+        outputs = llm.generate(prompt_token_ids=PROMPTS + [[40, 41]], sampling_params=params,
+                               adapters=["qv4", "all8", None, "qv4"])
+        return [o.token_ids for o in outputs], [o.text for o in outputs], replays
+
+    tokens, texts, replays = run(async_scheduling=True)
+    assert len(replays) >= 10
+    assert set(json.loads(texts[0])) == {"name", "size", "ok"} and re.fullmatch("[a-z]{20}", texts[2])
+    assert run(async_scheduling=False)[0] == tokens
+
+
+def test_swapped_and_aborted_requests_on_overlapped_padded_steps(tiny_llama):
+    """The decode graphs' path with overlapped steps (a step's masks filled after its forward
+    pass is queued) and a KV cache too small for the batch: constrained requests swapped out and
+    back keep their grammars and give the texts of a roomy run; one aborted mid-way leaves the
+    others unchanged and every block free."""
+    model, _ = tiny_llama
+    params = SamplingParams(max_tokens=40, temperature=0.9, seed=21,
+                            structured=StructuredOutput(regex="[a-z]{40}"))
+    prompts = [[5 + i] * (3 + 4 * i) for i in range(4)]
+    roomy = LLM(model, device="cpu", block_size=4, max_num_batched_tokens=16)
+    expected = [o.text for o in roomy.generate(prompt_token_ids=prompts, sampling_params=params)]
+    engine = LLM(model, device="cpu", block_size=4, num_kv_blocks=16, max_num_batched_tokens=16,
+                 max_num_seqs=8, async_scheduling=True).engine
+    engine.runner.graphs = DecodeGraphs(engine.runner, max_batch=8, capture=False,
+                                        vocab_size=engine.runner.model.config.vocab_size)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt_token_ids=prompt, params=params)
+    engine.add_request("aborted", prompt_token_ids=[9] * 5, params=params)
+    texts, num_steps = {}, 0
+    while engine.has_unfinished_requests():
+        texts |= {o.request_id: o.text for o in engine.step() if o.finished}
+        num_steps += 1
+        if num_steps == 8:
+            assert engine.abort("aborted")
+    assert sum(n for (_, mode), n in engine.scheduler.preemptions.items() if mode == "swap") > 0
+    assert [texts[str(i)] for i in range(4)] == expected and "aborted" not in texts
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks

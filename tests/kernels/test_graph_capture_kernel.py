@@ -33,6 +33,8 @@ def _cases(device="cuda"):
                    torch.tensor([0, 0, 20, 5], dtype=torch.int32, device=device),
                    torch.tensor([1.0, 0.9, 0.8, 1.0], device=device),
                    torch.arange(4, device=device), torch.arange(4, device=device))
+    mask_rows = torch.tensor([0, -1, 2, -1], dtype=torch.int64, device=device)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, 32), generator=g, dtype=torch.int32).to(device)
 
     def rotary():
         cache = kv_layer.clone()
@@ -59,6 +61,9 @@ def _cases(device="cuda"):
         "silu_and_mul": lambda: ops.silu_and_mul(x),
         "lora_shrink+expand": lora,
         "sample": lambda: ops.sample(*sample_args),
+        # structured outputs' masked draw: rows 0 and 2 masked, the others flagged -1
+        "mask_logits+sample": lambda: ops.sample(ops.mask_logits(logits, mask_rows, bitmask),
+                                                 *sample_args[1:]),
     }
 
 
@@ -67,7 +72,7 @@ def _cases(device="cuda"):
 @pytest.mark.parametrize("name", [
     "rms_norm", "fused_add_rms_norm", "rotary_store_kv", "paged_decode_attention",
     "paged_decode_attention (splits)", "paged_attention", "silu_and_mul", "lora_shrink+expand",
-    "sample"])
+    "sample", "mask_logits+sample"])
 def test_op_replays_in_a_cuda_graph(name):
     call = _cases()[name]
     eager = call()

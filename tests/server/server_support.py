@@ -67,10 +67,12 @@ def free_socket() -> socket.socket:
 
 
 @contextlib.contextmanager
-def run_uvicorn(app: Any) -> Iterator[str]:
-    """Serve `app` with uvicorn in a thread on a free loopback port; yields the base URL."""
+def run_uvicorn(app: Any, **options: Any) -> Iterator[str]:
+    """Serve `app` with uvicorn (`options` for its Config) in a thread on a free loopback port;
+    yields the base URL."""
     sock = free_socket()
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, **({"log_level": "warning", "timeout_graceful_shutdown": 5}
+                                                   | options)))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
