@@ -30,12 +30,13 @@ def hf_config(arch: str, **overrides: Any):
     raise ValueError(arch)
 
 
-def make_hf_model(arch: str, folder: Path, seed: int = 0, **save_options: Any):
-    """A random tiny model saved to `folder`; returns the transformers model (float32, eval)."""
+def make_hf_model(arch: str, folder: Path, seed: int = 0, config: dict | None = None, **save_options: Any):
+    """A random tiny model saved to `folder` (`config`: overrides of its config); returns the
+    transformers model (float32, eval)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(arch)).eval()
+    model = AutoModelForCausalLM.from_config(hf_config(arch, **(config or {}))).eval()
     with torch.no_grad():  # qwen2 biases start at zero; make them count
         for name, param in model.named_parameters():
             if name.endswith("bias"):

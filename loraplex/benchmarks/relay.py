@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"device": device_name(device), "torch": torch.__version__, "model": "llama-3-8b shape",
             "dtype": args.dtype, "tenants": NUM_TENANTS, "rank": args.rank, "own_len": args.own_len,
             "new_tokens": args.new_tokens, "device_floors": floors.as_dict(),
-            "num_kv_blocks": engine.blocks.num_blocks, "rows": rows, "join_warm": joins,
+            "num_kv_blocks": engine.memory.num_kv_blocks, "rows": rows, "join_warm": joins,
             "speedups": _speedups(rows)}
 
 
@@ -117,8 +117,9 @@ def _run_mode(engine: LLMEngine, args, config, systems: list[list[int]], batch: 
     context = system_len + args.own_len + args.new_tokens
     blocks_needed = batch * -(-context // 16) if mode == "none" else (
         NUM_TENANTS * system_len // 16 + batch * -(-(args.own_len + args.new_tokens) // 16 + 1))
-    if blocks_needed > engine.blocks.num_blocks:
-        return row | {"skipped": f"needs {blocks_needed} KV blocks, the cache has {engine.blocks.num_blocks}"}
+    capacity = engine.memory.num_kv_blocks
+    if blocks_needed > capacity:
+        return row | {"skipped": f"needs {blocks_needed} KV blocks, the cache has {capacity}"}
     keys = []
     if mode != "none":
         for t, system in enumerate(systems):

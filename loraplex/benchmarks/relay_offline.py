@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": args.dtype, "tenants": NUM_TENANTS, "rank": args.rank,
             "num_prompts": args.num_prompts, "num_groups": args.num_groups, "prefix_len": args.prefix_len,
             "own_len": args.own_len, "new_tokens": args.new_tokens, "max_num_seqs": args.max_num_seqs,
-            "num_kv_blocks": engine.blocks.num_blocks, "rows": rows, "ratios": ratios}
+            "num_kv_blocks": engine.memory.num_kv_blocks, "rows": rows, "ratios": ratios}
 
 
 def batch(args: argparse.Namespace, vocab: int) -> list[BatchRequest]:

@@ -2,10 +2,13 @@
 its models and their sources) checked against the H100 serving runs, then 1,000 adapters
 against 32 resident ones at the measured rate with the analytic slot demand beside the
 simulated one, the same with more device slots, and a rate sweep for the highest rate at
-which p99 TTFT stays under 1 s, with 1,000 adapters and with one. Runs on a CPU in a few
-minutes; JSON and a log under bench/results/ (slots[-TAG]-simulated-h100.json and .log).
+which p99 TTFT stays under 1 s, with 1,000 adapters, 32 and one. `--pool` runs it all with the
+device pool of issue 27 (KV blocks and adapters in one pool of the same memory: num_slots
+slots' worth beside the KV cache; adapters resident as memory allows, at most --max-loras).
+Runs on a CPU in a few minutes; JSON and a log under bench/results/
+(slots[-TAG]-simulated-h100.json and .log).
 
-    python -m loraplex.benchmarks slots [--tag before] [--policy fcfs] [--num-slots 32]"""
+    python -m loraplex.benchmarks slots [--tag before] [--policy fcfs] [--num-slots 32] [--pool]"""
 
 from __future__ import annotations
 
@@ -149,10 +152,10 @@ def slot_counts(config: SlotSimConfig, counts: tuple[int, ...], num_prompts: tup
 
 def sweep(config: SlotSimConfig, rates: tuple[float, ...], num_prompts: int,
           log: Log) -> dict[str, Any]:
-    """p99 TTFT against the rate, with 1,000 adapters and with one; the highest rate tried at
+    """p99 TTFT against the rate, with 1,000 adapters, 32 and one; the highest rate tried at
     which it stays under the target."""
     result = {}
-    for num_adapters in (1000, 1):
+    for num_adapters in (1000, 32, 1):
         runs = []
         for rate in rates:
             workload = replace(config.workload, request_rate=rate, num_prompts=num_prompts,
@@ -188,6 +191,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-slots", type=int, default=32)
     parser.add_argument("--host-load-ms", type=float, default=SlotSimConfig.host_load_ms)
     parser.add_argument("--policy", choices=("vtc", "fcfs"), default="vtc")
+    parser.add_argument("--pool", action="store_true",
+                        help="one device pool for KV blocks and adapters (issue 27) instead of fixed slots")
+    parser.add_argument("--max-loras", type=int, help="with --pool: the cap on resident adapters")
     parser.add_argument("--rates", type=_floats,
                         default=(6, 8, 10, 12, 13, 14, 15, 16, 17.54, 20, 22, 25, 28))
     parser.add_argument("--slot-counts", type=_ints, default=(32, 40, 48, 64, 96),
@@ -201,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     config = SlotSimConfig(workload=ISSUE_14_WORKLOAD, num_slots=args.num_slots,
-                           host_load_ms=args.host_load_ms, policy=args.policy)
+                           host_load_ms=args.host_load_ms, policy=args.policy, pool=args.pool,
+                           max_loras=args.max_loras)
     lines: list[str] = []
 
     def log(line: str) -> None:

@@ -64,6 +64,8 @@ MAX_DRAIN_S = 600.0
 """A run that has not ended this long after its last arrival is stuck (it raises)."""
 ADAPTER_BYTES = 83_886_080
 """A rank-16 adapter on all seven projections of Llama-3-8B in bf16 (the H100's slot size)."""
+SLOT_BLOCKS = ADAPTER_BYTES // (2 << 20)
+"""Pages (KV blocks of 2 MiB: 16 tokens of Llama-3-8B) that such a slot takes in the pool."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,14 @@ class SlotSimConfig:
     workload: WorkloadConfig | None = None
     """What `run()` serves (None: only `serve` with a list of requests)."""
     num_slots: int = 32
+    """Fixed slots: the device slots. With `pool`: the slots whose memory the pool has beside
+    num_kv_blocks (the same memory as that many fixed slots)."""
+    pool: bool = False
+    """One pool of pages for KV blocks and adapters (issue 27): num_kv_blocks + (1 + num_slots)
+    x SLOT_BLOCKS pages; adapters resident as memory allows (at most `max_loras`), idle ones
+    giving their pages back when KV runs short."""
+    max_loras: int | None = None
+    """With `pool`: the cap on resident adapters (None: the pool's memory alone)."""
     max_host_adapters: int | None = None
     """Host tier size in adapters (default: twice the slots, the engine's default)."""
     max_num_seqs: int = 128
@@ -105,6 +115,8 @@ class SlotSimConfig:
     fairness_bound: float = 4096.0
     max_capped_prefill_tokens: int = 0
     """VTC's prompt-chunk cap (SchedulerConfig.max_capped_prefill_tokens; 0: none)."""
+    hold_places_for_loading: bool = False
+    """SchedulerConfig.hold_places_for_loading."""
     host_load_ms: float = 40.0
     """One adapter read into the host tier (the synthetic server copies 84 MB into fresh pinned
     memory: not measured on its own; the default is an estimate, see the sensitivity runs)."""
@@ -164,6 +176,8 @@ class _StandInSlots:
 
     device = torch.device("cpu")
 
+    slot_bytes = ADAPTER_BYTES
+
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
 
@@ -190,17 +204,27 @@ class SlotSimulation:
         self.loads = VirtualWorker(clock, config.host_load_ms / 1000)
         self.copies = VirtualWorker(clock, config.slot_copy_ms / 1000, lambda: self._device_free_at)
         max_host = (config.max_host_adapters or 2 * config.num_slots) * ADAPTER_BYTES
-        self.adapters = AdapterCache(_StandInSlots(config.num_slots), _StandInAdapter, lambda a: a,
-                                     max_host, ADAPTER_BYTES, load_worker=self.loads, copy_worker=self.copies)
+        if config.pool:
+            num_pages = config.num_kv_blocks + (1 + config.num_slots) * SLOT_BLOCKS
+            self.blocks = BlockManager(num_pages, config.block_size, enable_prefix_caching=True)
+            self.adapters = AdapterCache(
+                _StandInSlots(num_pages // SLOT_BLOCKS - 1), _StandInAdapter, lambda a: a, max_host,
+                ADAPTER_BYTES, blocks=self.blocks, slot_blocks=SLOT_BLOCKS, max_resident=config.max_loras,
+                load_worker=self.loads, copy_worker=self.copies)
+        else:
+            self.blocks = BlockManager(config.num_kv_blocks, config.block_size, enable_prefix_caching=True)
+            self.adapters = AdapterCache(_StandInSlots(config.num_slots), _StandInAdapter, lambda a: a,
+                                         max_host, ADAPTER_BYTES, load_worker=self.loads,
+                                         copy_worker=self.copies)
         tenants = TenantTable()
         policy = VtcPolicy(tenants, config.fairness_bound) if config.policy == "vtc" else FcfsPolicy(tenants)
-        self.blocks = BlockManager(config.num_kv_blocks, config.block_size, enable_prefix_caching=True)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             scheduling_policy=config.policy, fairness_bound=config.fairness_bound,
-                            max_capped_prefill_tokens=config.max_capped_prefill_tokens),
-            self.blocks, self.adapters, policy, HostBlockPool(config.num_host_blocks))
+                            max_capped_prefill_tokens=config.max_capped_prefill_tokens,
+                            hold_places_for_loading=config.hold_places_for_loading),
+            self.blocks, self.adapters, policy, HostBlockPool(config.num_host_blocks), clock=clock)
         self.num_runs = 0
 
     def run(self, workload: WorkloadConfig | None = None) -> dict[str, Any]:

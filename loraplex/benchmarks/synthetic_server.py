@@ -214,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-adapters", type=int, default=1000)
     parser.add_argument("--num-tenants", type=int, default=40)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--max-loras", type=int, default=32, help="device adapter slots")
+    parser.add_argument("--max-loras", type=int, default=None,
+                        help="most adapters resident at once (default: no cap, as many as the pool holds)")
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=4096)

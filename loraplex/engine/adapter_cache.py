@@ -1,5 +1,6 @@
-"""The engine's adapters in two tiers: device slots (the slot buffers the LoRA kernels read) and
-a host tier bounded in bytes (pinned on CUDA), each least recently used first. Adapters arrive by
+"""The engine's adapters in two tiers: device slots (the slot buffers the LoRA kernels read, in
+pages of the memory pool that the KV cache shares) and a host tier bounded in bytes (pinned on
+CUDA), least recently used first. Adapters arrive by
 digest from a loader that the caller supplies (the server's reads the blob store, the offline
 API's reads folders).
 
@@ -9,10 +10,19 @@ every step already launched (those may still read the slot's previous adapter), 
 worker thread on CPU. A request whose adapter is not on the device yet stays in the queue and
 holds no running place; `acquire` starts what its adapter needs and says when it can run.
 
+Device residency: slot s takes the pool's blocks [s * slot_blocks, (s + 1) * slot_blocks),
+lent by the block manager, which hands KV blocks out from the top down. A new adapter takes the
+lowest slot whose blocks are free (cached prefix blocks there are evicted), while fewer than
+`max_resident` adapters are resident; else an idle adapter is evicted for it. Idle adapters stay
+resident while memory is free, and give their blocks back when the KV cache runs short
+(`reclaim`, before the scheduler preempts anyone). Either way the idle adapter evicted is the
+one of lowest score (Chameleon's: 0.45 x its uses since it was loaded + 0.10 x recency + 0.45 x
+its size, each over the largest among the idle), those that a queued request needs last.
+
 Invariants: the host tier never holds more than `max_host_bytes` (a load reserves the bytes of
 an adapter of the largest rank before it starts); an adapter that a queued or running request
-needs is never dropped from the host tier, and a slot that a running request holds is never
-given to another adapter. Pure bookkeeping, but for the copies."""
+needs is never dropped from the host tier, and a slot that a running request holds, or that is
+being filled, is never evicted. Pure bookkeeping, but for the copies."""
 
 from __future__ import annotations
 
@@ -26,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.adapter_format import LoraAdapter
+from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.lora_weights import HostAdapter, LoraSlotBuffers
 
 logger = logging.getLogger(__name__)
@@ -42,7 +53,8 @@ class Wait(enum.Enum):
     NO_HOST_ROOM = "no-host-room"
     """Every byte of the host tier holds an adapter that a request needs."""
     NO_SLOT = "no-slot"
-    """Every device slot is held by running requests for other adapters."""
+    """No slot: the KV cache holds the free pages, every resident adapter is in use (held by
+    running requests or being filled), or `max_resident` adapters are."""
 
 
 @dataclass(eq=False)
@@ -67,16 +79,29 @@ class AdapterCache:
     def __init__(
         self, buffers: LoraSlotBuffers, loader: AdapterLoader,
         make_host: Callable[[LoraAdapter], HostAdapter], max_host_bytes: int, max_adapter_bytes: int,
-        *, load_worker: Executor | None = None, copy_worker: Executor | None = None,
+        *, blocks: BlockManager | None = None, slot_blocks: int = 0, max_resident: int | None = None,
+        load_worker: Executor | None = None, copy_worker: Executor | None = None,
     ) -> None:
         """`make_host` lays a loaded LoraAdapter out for slot copies (pinned on CUDA);
         `max_adapter_bytes` is the host size of an adapter of the largest rank allowed.
+        `blocks`: the pool's block manager, whose blocks the slots borrow, `slot_blocks` a slot
+        (None: the slots have memory of their own, as in the slot simulation). `max_resident`:
+        the most adapters resident at once (default: as many as there are slots).
         `load_worker` runs host loads and, on CPU, `copy_worker` slot copies, one at a time
         (default: a thread each; the slot simulation passes workers on a virtual clock)."""
         if max_host_bytes < max_adapter_bytes:
             raise ValueError(f"the host tier ({max_host_bytes} bytes) cannot hold one adapter of the "
                              f"largest rank ({max_adapter_bytes} bytes)")
         self.buffers, self.num_slots = buffers, buffers.num_slots
+        self.max_resident = min(self.num_slots, max_resident or self.num_slots)
+        self._blocks, self.slot_blocks = blocks, slot_blocks
+        if blocks is not None:
+            if slot_blocks <= 0 or (self.num_slots + 1) * slot_blocks > blocks.num_blocks:
+                raise ValueError(f"{self.num_slots + 1} slots of {slot_blocks} blocks do not fit "
+                                 f"a pool of {blocks.num_blocks}")
+            if not blocks.lend(0, slot_blocks):  # slot 0, "no adapter", keeps its blocks
+                raise ValueError("slot 0's blocks are not free")
+            blocks.reclaimer = self
         self._loader, self._make_host = loader, make_host
         self.max_host_bytes, self._max_adapter_bytes = max_host_bytes, max_adapter_bytes
         self._is_cuda = buffers.device.type == "cuda"
@@ -85,7 +110,8 @@ class AdapterCache:
         self._holders = [0] * (self.num_slots + 1)  # running requests holding each slot
         self._copies: dict[int, _SlotCopy] = {}  # slots being filled
         self._idle: OrderedDict[int, str] = OrderedDict()  # resident, unheld: oldest use first
-        self._empty = list(range(self.num_slots, 0, -1))
+        self._uses = [0] * (self.num_slots + 1)  # acquisitions since the slot's adapter was loaded
+        self._sizes = [0] * (self.num_slots + 1)  # host bytes of the slot's adapter
         # Host tier, oldest use first.
         self._host: OrderedDict[str, _HostEntry] = OrderedDict()
         self._loading: list[_HostEntry] = []
@@ -96,7 +122,9 @@ class AdapterCache:
         self._copier = (None if self._is_cuda else
                         copy_worker or ThreadPoolExecutor(1, thread_name_prefix="loraplex-slot-copy"))
         self._stream = torch.cuda.Stream(buffers.device) if self._is_cuda else None
-        self.num_host_loads = self.num_slot_loads = 0
+        self.num_host_loads = self.num_slot_loads = self.num_evictions = self.num_staged = 0
+        """Adapters read into the host tier, copied into slots (those staged for queued
+        requests among them), and evicted from slots."""
 
     def set_loader(self, loader: AdapterLoader) -> None:
         """Read adapters from `loader` from now on (loads under way finish with the old one)."""
@@ -127,6 +155,7 @@ class AdapterCache:
                 return Wait.LOADING
             self._idle.pop(slot, None)
             self._holders[slot] += 1
+            self._uses[slot] += 1
             return slot
         entry = self._host.get(digest)
         if entry is None:
@@ -138,6 +167,25 @@ class AdapterCache:
             return Wait.NO_SLOT
         self._start_copy(slot, entry)
         return Wait.LOADING
+
+    @property
+    def can_stage(self) -> bool:
+        """Whether `stage` may copy an adapter now: slots borrow the pool's pages (a fixed slot
+        is not staged into), and fewer than max_resident adapters are resident."""
+        return self._blocks is not None and len(self._slot_of) < self.max_resident
+
+    def stage(self, digest: str) -> bool:
+        """Start copying `digest` (in host memory already) into the lowest slot whose pages are
+        free, for a queued request, evicting nothing; whether a copy started."""
+        entry = self._host.get(digest)
+        if not self.can_stage or digest in self._slot_of or entry is None or entry.adapter is None:
+            return False
+        slot = self._lend_lowest()
+        if slot is None:
+            return False
+        self._start_copy(slot, entry)
+        self.num_staged += 1
+        return True
 
     def release(self, digest: str) -> None:
         """A running request that held `digest`'s slot ended; an unheld slot stays resident,
@@ -152,6 +200,15 @@ class AdapterCache:
     def slot_of(self, digest: str) -> int | None:
         """The slot `digest` is in (or being copied into)."""
         return self._slot_of.get(digest)
+
+    def device_bytes(self, digest: str) -> int:
+        """Device bytes the adapter takes now (its slot's pages; 0 when not resident)."""
+        return self.buffers.slot_bytes if digest in self._slot_of else 0
+
+    @property
+    def num_adapter_blocks(self) -> int:
+        """Pool blocks lent to adapter slots, slot 0's included."""
+        return (len(self._slot_of) + 1) * self.slot_blocks if self._blocks is not None else 0
 
     @property
     def resident(self) -> dict[str, int]:
@@ -174,16 +231,66 @@ class AdapterCache:
         return tuple(digest for digest, e in self._host.items() if e.adapter is not None)
 
     def _free_slot(self) -> int | None:
-        if self._empty:
-            return self._empty.pop()
-        if self._idle:
-            slot, evicted = self._idle.popitem(last=False)
-            del self._slot_of[evicted]
-            return slot
+        """A slot for a new adapter: the lowest whose blocks are free while fewer than
+        max_resident adapters are resident, else one that evicting idle adapters frees."""
+        if len(self._slot_of) < self.max_resident:
+            slot = self._lend_lowest()
+            if slot is not None:
+                return slot
+        while self._idle:
+            self._evict(self._victim())
+            slot = self._lend_lowest()
+            if slot is not None:
+                return slot
         return None
+
+    def _lend_lowest(self) -> int | None:
+        occupied = set(self._slot_of.values())
+        for slot in range(1, self.num_slots + 1):
+            if slot in occupied:
+                continue
+            if self._blocks is None or self._blocks.lend(slot * self.slot_blocks, self.slot_blocks):
+                return slot
+        return None
+
+    def _victim(self) -> int:
+        """The idle slot to evict: the lowest score (uses, recency, size; see the module
+        docstring), those whose adapter a queued request needs last."""
+        idle = list(self._idle)  # oldest use first
+        max_uses = max(1, *(self._uses[s] for s in idle))
+        max_size = max(1, *(self._sizes[s] for s in idle))
+
+        def score(item: tuple[int, int]) -> tuple[bool, float]:
+            position, slot = item
+            return (self._idle[slot] in self._needed,
+                    0.45 * self._uses[slot] / max_uses + 0.10 * (position + 1) / len(idle)
+                    + 0.45 * self._sizes[slot] / max_size)
+
+        return min(enumerate(idle), key=score)[1]
+
+    def _evict(self, slot: int) -> None:
+        """An idle slot's adapter leaves the device; the slot's blocks return to the pool."""
+        digest = self._idle.pop(slot)
+        del self._slot_of[digest]
+        if self._blocks is not None:
+            self._blocks.give_back(slot * self.slot_blocks, self.slot_blocks)
+        self.num_evictions += 1
+
+    # Giving blocks back to the KV cache (the block manager's reclaimer) ----------------------
+    @property
+    def num_reclaimable_blocks(self) -> int:
+        return len(self._idle) * self.slot_blocks if self._blocks is not None else 0
+
+    def reclaim(self, num_blocks: int) -> None:
+        """Evict idle adapters until at least `num_blocks` blocks are back (or none is idle)."""
+        freed = 0
+        while freed < num_blocks and self._idle and self._blocks is not None:
+            self._evict(self._victim())
+            freed += self.slot_blocks
 
     def _start_copy(self, slot: int, entry: _HostEntry) -> None:
         self._slot_of[entry.digest] = slot
+        self._uses[slot], self._sizes[slot] = 0, entry.adapter.num_bytes
         entry.num_copies += 1
         adapter = entry.adapter
         if self._stream is not None:
@@ -291,10 +398,8 @@ class AdapterCache:
         if digest in self._needed:
             raise ValueError(f"adapter {digest[:12]} is in use")
         slot = self._slot_of.get(digest)
-        if slot is not None and slot not in self._copies:
-            del self._slot_of[digest]
-            self._idle.pop(slot, None)
-            self._empty.append(slot)
+        if slot is not None and slot in self._idle:
+            self._evict(slot)
         entry = self._host.get(digest)
         if entry is not None and entry.loading is None and not entry.num_copies:
             self._drop(entry)

@@ -1,9 +1,23 @@
-"""Paged KV bookkeeping: which blocks are free, reference counts for shared blocks.
-Pure Python; the KV tensor itself lives in the model runner."""
+"""Paged bookkeeping of the device memory pool: which blocks (pages) are free, reference
+counts for shared KV blocks, and runs of blocks lent to adapter slots. Pure Python; the pool's
+buffer itself lives in the engine (the KV cache and the adapter slots are views of it)."""
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
+from typing import Protocol
+
+
+class Reclaimer(Protocol):
+    """Whoever borrows blocks (the adapter cache) and can give some back on demand."""
+
+    @property
+    def num_reclaimable_blocks(self) -> int:
+        """Lent blocks that `reclaim` could give back now (idle adapters')."""
+
+    def reclaim(self, num_blocks: int) -> None:
+        """Give back at least `num_blocks` lent blocks (if it can)."""
 
 
 class BlockManager:
@@ -16,14 +30,32 @@ class BlockManager:
     takes references to them (`match`). A cached block that nobody holds keeps its KV and is
     evictable: it is handed out again, least recently used first, only when no plain free block
     is left. A cached block that nobody holds before it was computed is forgotten. Holding a
-    reference is also how a prefix is pinned: a held block is never evicted."""
+    reference is also how a prefix is pinned: a held block is never evicted.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    The blocks are the pages of one pool that adapter slots share (loraplex/engine/lora_weights.py):
+    KV blocks are handed out from the top of the pool down, and a slot's run of blocks, from
+    the bottom up, is lent to it (`lend`) while an adapter is resident. When KV runs short, the
+    plain free blocks go first, then cached blocks nobody holds, then the `reclaimer` gives back
+    idle adapters' blocks (before the scheduler preempts anyone). Every block is always exactly
+    one of: held (KV), lent (adapters), free (plain or cached)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 max_kv_blocks: int | None = None) -> None:
+        """`max_kv_blocks`: the most blocks the KV cache may take, held and cached (default: all)."""
         if num_blocks <= 0:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.max_kv_blocks = max_kv_blocks or num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free = [-block for block in range(num_blocks)]  # heap: highest block first
+        heapq.heapify(self._free)
+        self._is_free = [True] * num_blocks  # (the heap may hold stale entries: checked here)
+        self._num_free = num_blocks
+        self._lent = [False] * num_blocks
+        self.num_lent_blocks = 0
+        """Blocks lent to adapter slots."""
+        self._fresh: set[int] = set()  # freed since the step being planned began: not lent
+        self.reclaimer: Reclaimer | None = None
         self._refs = [0] * num_blocks
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unheld; LRU first
         self._hash_of: dict[int, bytes] = {}  # cached block -> its hash
@@ -36,13 +68,20 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks that `allocate` can hand out: plain free ones and evictable cached ones."""
-        return len(self._free) + len(self._evictable)
+        """Blocks neither held nor lent: plain free ones and evictable cached ones."""
+        return self._num_free + len(self._evictable)
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks that `allocate` can hand out: the free ones and those idle adapters would give
+        back."""
+        reclaimable = self.reclaimer.num_reclaimable_blocks if self.reclaimer is not None else 0
+        return min(self.num_free_blocks + reclaimable, self.max_kv_blocks - self.num_used_blocks)
 
     @property
     def num_used_blocks(self) -> int:
-        """Blocks someone holds."""
-        return self.num_blocks - self.num_free_blocks
+        """Blocks KV holders hold."""
+        return self.num_blocks - self.num_free_blocks - self.num_lent_blocks
 
     @property
     def num_cached_blocks(self) -> int:
@@ -59,15 +98,20 @@ class BlockManager:
         return max(0, -(-num_tokens // self.block_size) - num_held)
 
     def allocate(self, count: int) -> list[int] | None:
-        """`count` fresh blocks, or None (and nothing taken) if too few are free. Evicts cached
-        blocks nobody holds, least recently used first, once the plain free list is empty."""
-        if count > self.num_free_blocks:
+        """`count` fresh blocks, or None (and nothing taken) if too few are available. Evicts
+        cached blocks nobody holds, least recently used first, once the plain free list is
+        empty, and has idle adapters give their blocks back once those are gone too."""
+        if count > self.num_available_blocks:
             return None
+        if count > self.num_free_blocks:
+            self.reclaimer.reclaim(count - self.num_free_blocks)
+            if count > self.num_free_blocks:
+                return None
         blocks = []
-        for _ in range(count):
-            if self._free:
-                block = self._free.popleft()
-            else:
+        room = self.max_kv_blocks - self.num_used_blocks - len(self._evictable)  # plain ones KV may take
+        for i in range(count):
+            block = self._pop_free() if i < room else None
+            if block is None:
                 block, _ = self._evictable.popitem(last=False)
                 self._uncache(block)
                 self.num_evicted_blocks += 1
@@ -93,11 +137,67 @@ class BlockManager:
             self._refs[block] = refs
             if refs > 0:
                 continue
+            self._fresh.add(block)
             if block in self._hash_of and block not in self._computing:
                 self._evictable[block] = None
             else:
                 self._uncache(block)
-                self._free.append(block)
+                self._push_free(block)
+
+    def _pop_free(self) -> int | None:
+        """The highest plain free block (taken off the free list), or None."""
+        while self._free:
+            block = -heapq.heappop(self._free)
+            if self._is_free[block]:
+                self._is_free[block] = False
+                self._num_free -= 1
+                return block
+        return None
+
+    def _push_free(self, block: int) -> None:
+        self._is_free[block] = True
+        self._num_free += 1
+        heapq.heappush(self._free, -block)
+        if len(self._free) > 2 * self.num_blocks:  # drop the stale entries lending left
+            self._free = [-b for b in range(self.num_blocks) if self._is_free[b]]
+            heapq.heapify(self._free)
+
+    # Lending to adapter slots ----------------------------------------------------------------
+    def can_lend(self, first: int, count: int) -> bool:
+        """Whether blocks first..first+count-1 are all free (cached ones nobody holds count as
+        free) and none was freed in the step being planned (its swap-outs may still read it)."""
+        return all(self._refs[b] == 0 and not self._lent[b] and b not in self._fresh  # top first: KV
+                   for b in range(first + count - 1, first - 1, -1))  # comes from the top down
+
+    def lend(self, first: int, count: int) -> bool:
+        """Lend blocks first..first+count-1 to an adapter slot, evicting cached ones; False (and
+        nothing lent) unless `can_lend`."""
+        if not self.can_lend(first, count):
+            return False
+        for block in range(first, first + count):
+            if self._evictable.pop(block, 0) is None:
+                self._uncache(block)
+                self.num_evicted_blocks += 1
+            else:
+                self._is_free[block] = False
+                self._num_free -= 1
+            self._lent[block] = True
+        self.num_lent_blocks += count
+        return True
+
+    def give_back(self, first: int, count: int) -> None:
+        """An adapter slot's blocks return to the free list."""
+        for block in range(first, first + count):
+            if not self._lent[block]:
+                raise ValueError(f"block {block} is not lent")
+            self._lent[block] = False
+            self._push_free(block)
+        self.num_lent_blocks -= count
+
+    def start_step(self) -> None:
+        """A new step is being planned: blocks freed before now may be lent (the steps that
+        read or swap them out are queued before any copy into them starts)."""
+        self._fresh.clear()
 
     # Prefix cache --------------------------------------------------------------------------
     def match(self, hashes: list[bytes], max_blocks: int) -> list[int]:
@@ -159,10 +259,10 @@ class BlockManager:
         """Forget every cached block nobody holds (held ones stay cached); returns how many.
         Benchmarks start each run cold with it."""
         count = len(self._evictable)
-        for block in self._evictable:
+        evictable, self._evictable = self._evictable, OrderedDict()
+        for block in evictable:
             self._uncache(block)
-            self._free.append(block)
-        self._evictable.clear()
+            self._push_free(block)
         return count
 
     def _note_peak(self) -> None:

@@ -5,8 +5,8 @@ A step is scheduled, launched on the device and collected. With async scheduling
 `step()` call launches the next step before it collects the one in flight, so the host plans
 step N+1 and processes step N's tokens while the device computes step N+1.
 
-Building the engine does all the slow work up front: the weights are loaded, memory is shared
-between the KV cache and the adapter slots from measured activations, and every decode graph is
+Building the engine does all the slow work up front: the weights are loaded, the pool that the KV
+cache and the adapter slots share is sized from measured activations, and every decode graph is
 captured, so that no request pays for any of it."""
 
 from __future__ import annotations
@@ -32,7 +32,13 @@ from loraplex.engine.detokenizer import Detokenizer
 from loraplex.engine.grammar import CompiledGrammar, GrammarCompiler, allocate_masks
 from loraplex.engine.kv_swap import KvSwapper, SwapStats
 from loraplex.engine.local_adapters import LocalAdapters
-from loraplex.engine.lora_weights import HostAdapter, LoraSlotBuffers, adapter_bytes, make_host_adapter
+from loraplex.engine.lora_weights import (
+    HostAdapter,
+    LoraSlotBuffers,
+    adapter_bytes,
+    make_host_adapter,
+    pool_slot_bytes,
+)
 from loraplex.engine.model_runner import LaunchedStep, ModelRunner
 from loraplex.engine.out_of_memory import (
     is_out_of_memory,
@@ -51,7 +57,9 @@ from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.sizing import (
     MemoryPlan,
     cuda_budget,
-    make_kv_cache,
+    kv_block_bytes,
+    kv_cache_view,
+    make_pool,
     plan_memory,
     resolve_device,
     resolve_dtype,
@@ -73,6 +81,9 @@ from loraplex.types import FinishReason, RequestOutput, SamplingParams
 logger = logging.getLogger(__name__)
 
 DIGEST_PATTERN = re.compile(r"[0-9a-f]{64}")
+DEFAULT_HOST_ADAPTERS = 64
+"""Adapters of the largest rank that the host tier holds when neither max_cpu_loras nor
+max_loras is set."""
 IDLE_WAIT_S = 0.0005
 """A step with nothing to run pauses this long, so that a caller stepping in a loop while
 requests wait for adapter loads does not keep the loader threads from the interpreter."""
@@ -129,14 +140,17 @@ class LLMEngine:
         self.memory = self._plan_memory(ops, use_graphs)
         logger.info("memory: %s", self.memory.describe())
         max_rank = config.lora.max_lora_rank
-        self.lora = LoraSlotBuffers(self.model_config, self.memory.num_lora_slots, max_rank, self.dtype,
-                                    self.device, base_weights=self.model.group_weights)
         block_size = config.cache.block_size
-        self.kv_cache = make_kv_cache(self.memory, self.model_config, block_size, self.dtype, self.device)
+        self.pool = make_pool(self.memory, self.device)
+        self.lora = LoraSlotBuffers(self.model_config, self.memory.num_lora_slots, max_rank, self.dtype,
+                                    self.device, base_weights=self.model.group_weights, pool=self.pool,
+                                    slot_bytes=self.memory.lora_slot_bytes)
+        self.kv_cache = kv_cache_view(self.pool, self.model_config, block_size, self.dtype)
         self.max_model_len = min(self.max_model_len, self.memory.num_kv_blocks * block_size)
-        self.blocks = BlockManager(self.memory.num_kv_blocks, block_size,
-                                   enable_prefix_caching=config.cache.enable_prefix_caching)
-        block_bytes = self.kv_cache[0].numel() * self.kv_cache.element_size()
+        self.blocks = BlockManager(self.memory.num_pool_blocks, block_size,
+                                   enable_prefix_caching=config.cache.enable_prefix_caching,
+                                   max_kv_blocks=self.memory.max_kv_blocks)
+        block_bytes = self.memory.kv_block_bytes
         num_host_blocks = KvSwapper.host_blocks_for(config.cache.swap_space, block_bytes)
         self.local_adapters = LocalAdapters(self.model_config.shape, max_rank)
         self._external_loader = False
@@ -145,8 +159,8 @@ class LLMEngine:
                             pin=self.device.type == "cuda")
         self.adapters = AdapterCache(
             self.lora, self.local_adapters.load, make_host,
-            max_host_bytes=(config.lora.max_cpu_loras or 2 * self.memory.num_lora_slots) * max_adapter,
-            max_adapter_bytes=max_adapter)
+            max_host_bytes=self._max_host_adapters() * max_adapter, max_adapter_bytes=max_adapter,
+            blocks=self.blocks, slot_blocks=self.memory.slot_blocks, max_resident=config.lora.max_loras)
         self.tenants = TenantTable()
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.adapters, self._policy(),
                                    HostBlockPool(num_host_blocks) if num_host_blocks else None)
@@ -199,9 +213,14 @@ class LLMEngine:
             return FcfsPolicy(self.tenants)
         return VtcPolicy(self.tenants, config.fairness_bound)
 
+    def _max_host_adapters(self) -> int:
+        lora = self.config.lora
+        return lora.max_cpu_loras or 2 * (lora.max_loras or DEFAULT_HOST_ADAPTERS // 2)
+
     def _plan_memory(self, ops: Ops, use_graphs: bool) -> MemoryPlan:
         config, model = self.config, self.model_config
-        slot_bytes = adapter_bytes(model, config.lora.max_lora_rank, self.dtype)
+        page_bytes = kv_block_bytes(model, config.cache.block_size, self.dtype)
+        slot_bytes = pool_slot_bytes(model, config.lora.max_lora_rank, self.dtype, page_bytes)
         if self.device.type != "cuda":
             return plan_memory(config, model, self.dtype, self.max_model_len, slot_bytes,
                                config.cache.cpu_kv_cache_bytes)
@@ -436,7 +455,7 @@ class LLMEngine:
             return self.max_model_len
         own = set(hashes)
         num_apart = sum(block_hash not in own for block_hash in pinned)
-        return min(self.max_model_len, (self.blocks.num_blocks - num_apart) * self.blocks.block_size)
+        return min(self.max_model_len, (self.memory.num_kv_blocks - num_apart) * self.blocks.block_size)
 
     def _no_room_error(self, num_prompt_tokens: int, room: int) -> InvalidRequestError:
         return InvalidRequestError(
@@ -701,7 +720,7 @@ class LLMEngine:
         swaps = swapper.stats() if swapper is not None else SwapStats(0, 0, 0.0, 0.0)
         return EngineStats(
             num_running=len(scheduler.running), num_waiting=scheduler.num_waiting,
-            num_kv_blocks=self.blocks.num_blocks, num_kv_blocks_used=self.blocks.num_used_blocks,
+            num_kv_blocks=self.memory.num_kv_blocks, num_kv_blocks_used=self.blocks.num_used_blocks,
             num_preemptions=scheduler.num_preemptions, num_lora_slots=adapters.num_slots,
             adapters_in_slots=tuple(adapters.resident), adapters_on_host=adapters.host_digests,
             host_tier_bytes=adapters.host_bytes, max_host_tier_bytes=adapters.max_host_bytes,
@@ -727,6 +746,12 @@ class LLMEngine:
             num_relay_groups=self.runner.inputs.num_relay_groups,
             num_relay_members=self.runner.inputs.num_relay_members,
             pinned_prompts=self._pin_use(),
+            pool_page_bytes=self.memory.kv_block_bytes,
+            pool_pages={"kv": self.blocks.num_used_blocks, "adapters": self.blocks.num_lent_blocks,
+                        "free": self.blocks.num_free_blocks},
+            adapter_device_bytes={d: adapters.device_bytes(d) for d in adapters.resident},
+            num_adapter_evictions=adapters.num_evictions, max_loras=self.config.lora.max_loras,
+            adapter_wait=scheduler.adapter_wait.copy(),
         )
 
     def _pin_use(self) -> dict[str, tuple[int, int]]:

@@ -1,5 +1,6 @@
-"""LoRA weights on the device: fixed slot buffers per layer and module group (fixed addresses,
-so CUDA graphs stay valid), and the host-memory copy of each adapter they are filled from.
+"""LoRA weights on the device: slot buffers per layer and module group, views into the memory
+pool that the KV cache shares (fixed addresses, so CUDA graphs stay valid), and the host-memory
+copy of each adapter they are filled from.
 
 Per group (qkv, o, gate_up, down), over all layers:
   a           [num_layers, num_slots + 1, num_slices, max_rank, in_features]
@@ -19,6 +20,8 @@ Per group (qkv, o, gate_up, down), over all layers:
   in_scale    [num_layers, num_slots + 1, in_features] float32   o and down only: IA3's input
               vector (1 elsewhere); the activation kernel applies down's, a row scaling o's
   in_scaled   [num_layers, num_slots + 1] int32   down only: 1 = the activation applies in_scale
+a, b, scale, shift and in_scale are views into the pool (slot s in the pool's bytes
+[s * slot_bytes, (s + 1) * slot_bytes)); the int32 flags are small dense tensors of their own.
 Slot 0 stays empty: it means "no adapter". A DoRA slot's scale is computed when the adapter is
 copied in, from the base weights (the row norms of W0 + s B A)."""
 
@@ -197,35 +200,105 @@ def make_host_adapter(
     return host
 
 
+SLOT_ALIGN = 256
+"""Bytes each slot tensor starts on (within a slot, and each slot within the pool)."""
+POOLED_FIELDS = ("a", "b", "scale", "shift", "in_scale")
+"""The per-slot tensors that live in the pool's bytes; the int32 flags stay dense tensors of
+their own (the kernels read them as contiguous [num_slots] vectors), a few bytes a slot."""
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class SlotField:
+    """One pooled tensor of one group: its shape below [num_layers, num_slots + 1], its dtype
+    and where its first layer starts within a slot's bytes."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+
+    @property
+    def layer_bytes(self) -> int:
+        return int(np.prod(self.shape)) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def slot_layout(
+    config: ModelConfig, max_rank: int, dtype: torch.dtype
+) -> tuple[dict[tuple[str, str], SlotField], int]:
+    """((field, group) -> SlotField, bytes of one slot): a slot's tensors, one after another,
+    each [num_layers, ...] and aligned to SLOT_ALIGN bytes."""
+    has_bias = {"qkv": config.qkv_bias, "o": config.o_bias}
+    fields, offset = {}, 0
+    for group, modules in LORA_GROUPS.items():
+        in_features, offsets = group_dims(config, group)
+        shapes = {"a": ((len(modules), max_rank, in_features), dtype),
+                  "b": ((offsets[-1], max_rank), dtype),
+                  "scale": ((offsets[-1],), torch.float32)}
+        if has_bias.get(group):
+            shapes["shift"] = ((offsets[-1],), torch.float32)
+        if group in INPUT_SCALE_GROUPS:
+            shapes["in_scale"] = ((in_features,), torch.float32)
+        for name, (shape, field_dtype) in shapes.items():
+            field = SlotField(shape, field_dtype, offset)
+            fields[name, group] = field
+            offset = _round_up(offset + config.num_layers * field.layer_bytes, SLOT_ALIGN)
+    return fields, offset
+
+
+def pool_slot_bytes(config: ModelConfig, max_rank: int, dtype: torch.dtype, page_bytes: int) -> int:
+    """Bytes a slot takes in a pool of `page_bytes` pages (KV blocks): its tensors rounded up
+    to whole pages, and to SLOT_ALIGN."""
+    _, num_bytes = slot_layout(config, max_rank, dtype)
+    slot_bytes = _round_up(num_bytes, page_bytes)
+    while slot_bytes % SLOT_ALIGN:
+        slot_bytes += page_bytes
+    return slot_bytes
+
+
 class LoraSlotBuffers:
     """The device slot buffers of every layer and group, and on the host what each slot holds
-    (its family, FLoRA rank, whether it scales an input) for the runner to plan steps by."""
+    (its family, FLoRA rank, whether it scales an input) for the runner to plan steps by.
+
+    Slot s's weights and vectors (a, b, scale, shift, in_scale) live in the bytes
+    [s * slot_bytes, (s + 1) * slot_bytes) of `pool`, a uint8 buffer that the KV cache shares
+    (the block manager lends a slot's pages to it while an adapter is resident);
+    each is a strided view [num_layers, num_slots + 1, ...] whose slot stride is slot_bytes, so
+    `t[layer]` and `t[:, slot]` read as dense slot buffers would, and the addresses never change
+    (CUDA graphs stay valid). Without `pool`, the buffers get a pool of their own."""
 
     def __init__(
         self, config: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype,
         device: torch.device, base_weights: BaseWeights | None = None,
+        pool: torch.Tensor | None = None, slot_bytes: int | None = None,
     ) -> None:
         self.num_slots, self.max_rank, self.device = num_slots, max_rank, torch.device(device)
         self.base_weights = base_weights
         """Needed to load DoRA adapters (their row norms); set once the model is built."""
         L, S = config.num_layers, num_slots + 1
+        layout, num_bytes = slot_layout(config, max_rank, dtype)
+        self.slot_bytes = slot_bytes or num_bytes
+        if self.slot_bytes < num_bytes or self.slot_bytes % SLOT_ALIGN:
+            raise ValueError(f"a slot needs {num_bytes} bytes, aligned to {SLOT_ALIGN}; "
+                             f"got {self.slot_bytes}")
+        if pool is None:
+            pool = torch.zeros(S * self.slot_bytes, dtype=torch.uint8, device=device)
+        if pool.dtype != torch.uint8 or pool.dim() != 1 or pool.numel() < S * self.slot_bytes:
+            raise ValueError(f"the pool must be a uint8 vector of at least {S * self.slot_bytes} bytes")
+        self.pool = pool
         self.a, self.b, self.ranks, self.flora_ranks = {}, {}, {}, {}
         self.scale, self.scaled, self.shift, self.in_scale = {}, {}, {}, {}
         self.fused_scaled, self.in_scaled = {}, {}
+        for (name, group), field in layout.items():
+            getattr(self, name)[group] = self._pooled(field, L, S)
         self._views: list[dict[str, SlotGroup]] = [{} for _ in range(L)]
-        has_bias = {"qkv": config.qkv_bias, "o": config.o_bias}
         for group, modules in LORA_GROUPS.items():
             in_features, offsets = group_dims(config, group)
-            self.a[group] = torch.zeros(L, S, len(modules), max_rank, in_features, dtype=dtype, device=device)
-            self.b[group] = torch.zeros(L, S, offsets[-1], max_rank, dtype=dtype, device=device)
             self.ranks[group] = torch.zeros(L, S, len(modules), dtype=torch.int32, device=device)
             self.flora_ranks[group] = torch.zeros(L, S, len(modules), dtype=torch.int32, device=device)
-            self.scale[group] = torch.ones(L, S, offsets[-1], dtype=torch.float32, device=device)
             self.scaled[group] = torch.zeros(L, S, dtype=torch.int32, device=device)
-            if has_bias.get(group):
-                self.shift[group] = torch.zeros(L, S, offsets[-1], dtype=torch.float32, device=device)
-            if group in INPUT_SCALE_GROUPS:
-                self.in_scale[group] = torch.ones(L, S, in_features, dtype=torch.float32, device=device)
             if group in FUSED_OUTPUT_GROUPS:
                 self.fused_scaled[group] = torch.zeros(L, S, dtype=torch.int32, device=device)
             if group in FUSED_INPUT_GROUPS:
@@ -235,12 +308,14 @@ class LoraSlotBuffers:
                     ("shift", self.shift.get(group)), ("in_scale", self.in_scale.get(group)),
                     ("fused_scaled", self.fused_scaled.get(group)),
                     ("in_scaled", self.in_scaled.get(group)))}
+                b = self.b[group][layer]
                 self._views[layer][group] = SlotGroup(
-                    self.a[group][layer], self.b[group][layer], self.ranks[group][layer], offsets,
+                    self.a[group][layer], b, self.ranks[group][layer], offsets,
                     flora_ranks=self.flora_ranks[group][layer],
-                    flora_b=self.b[group][layer].view(S, max_rank, offsets[-1]),
+                    flora_b=b.view(S, max_rank, offsets[-1]),
                     scale=self.scale[group][layer],
                     scaled=self.scaled[group][layer], **views)
+        self._clear(0)  # slot 0, "no adapter", keeps its bytes for good
         # What each slot holds, on the host.
         self.slot_flora_rank = np.zeros(S, dtype=np.int64)
         self.slot_input_scaled = np.zeros(S, dtype=bool)
@@ -249,14 +324,25 @@ class LoraSlotBuffers:
         """A step with the adapter runs the LoRA shrink and expand (HostAdapter.needs_expand)."""
         self.slot_family = ["lora"] * S
 
+    def _pooled(self, field: SlotField, num_layers: int, num_slots: int) -> torch.Tensor:
+        """[num_layers, num_slots, *field.shape]: a view of the pool, slot-major."""
+        element = torch.empty((), dtype=field.dtype).element_size()
+        flat = self.pool.view(field.dtype)
+        dense = torch.empty(field.shape, device="meta").stride()
+        layer = int(np.prod(field.shape))
+        return flat.as_strided((num_layers, num_slots, *field.shape),
+                               (layer, self.slot_bytes // element, *dense), field.offset // element)
+
+    def _clear(self, slot: int) -> None:
+        """Zero a slot's bytes (they may hold KV), then its vectors' neutral values."""
+        self.pool[slot * self.slot_bytes:(slot + 1) * self.slot_bytes].zero_()
+        for group in LORA_GROUPS:
+            self.scale[group][:, slot].fill_(1.0)
+            if group in self.in_scale:
+                self.in_scale[group][:, slot].fill_(1.0)
+
     def group(self, layer: int, name: str) -> SlotGroup:
         return self._views[layer][name]
-
-    @property
-    def num_bytes(self) -> int:
-        tensors = [*self.a.values(), *self.b.values(), *self.scale.values(), *self.shift.values(),
-                   *self.in_scale.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
 
     def load(self, slot: int, host: HostAdapter) -> None:
         """Copy an adapter into a slot (asynchronous on CUDA from pinned memory); a DoRA
@@ -266,6 +352,7 @@ class LoraSlotBuffers:
         if host.family == "dora" and self.base_weights is None:
             raise ValueError("DoRA adapters need the base weights (base_weights is not set)")
         r, is_flora = host.rank, host.family == "flora"
+        self._clear(slot)
         for group in LORA_GROUPS:
             self.a[group][:, slot, :, :r].copy_(host.a[group], non_blocking=True)
             if is_flora:  # B transposed: [max_rank, out] in the slot's memory

@@ -61,6 +61,11 @@ class SchedulingPolicy(ABC):
         holds only requests whose preemption frees a slot) can run; None to let it wait."""
         return None
 
+    def holds_back(self, request: Request, max_places: int, loading: set[str]) -> bool:
+        """Whether `request` leaves a free running place (of `max_places`) to others for now,
+        while requests of the tenants in `loading` wait for their adapters."""
+        return False
+
     def prefills_first(self, request: Request) -> bool:
         """Whether the rest of running `request`'s prompt takes the step's token budget before
         waiting requests are admitted (True), or only what they leave (False)."""
@@ -184,6 +189,18 @@ class VtcPolicy(SchedulingPolicy):
         victim = self.choose_victim(running)
         gap = self._counters.get(victim.tenant, 0.0) - self._counters.get(blocked.tenant, 0.0)
         return victim if gap > self.bound else None
+
+    def holds_back(self, request: Request, max_places: int, loading: set[str]) -> bool:
+        """A tenant that holds its weighted share of the running places takes no more while
+        another tenant's requests wait for their adapters: it would lose them again one
+        fairness preemption at a time as those adapters arrive (issue 27: a batch of 600
+        requests over 40 tenants sent at once)."""
+        if not loading - {request.tenant}:
+            return False
+        active = self._active() | {request.tenant}
+        total = sum(self.tenants.weight(t) for t in active)
+        share = max_places * self.tenants.weight(request.tenant) / total
+        return self._running[request.tenant] >= max(1, int(share))
 
     def capped_tenants(self, decoding: Sequence[Request]) -> set[str]:
         """The active tenants served more than a tenant that decodes in this step: their prompt

@@ -43,6 +43,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    adapter_wait_s: float = 0.0
+    """Seconds it has waited in the queue for its adapter (a host load, a slot copy, a slot)."""
+    adapter_wait_since: float | None = None
+    """When its current wait for its adapter began (None: not waiting for it)."""
     host_block_ids: list[int] = field(default_factory=list)
     """Host-pool blocks holding a copy of this request's KV (swapped out, or kept after a
     swap-in so that the next swap-out copies only what was written since)."""

@@ -29,8 +29,9 @@ records each token when it reaches the host."""
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 from loraplex.engine.adapter_cache import AdapterCache, Wait
 from loraplex.engine.block_manager import BlockManager, HostBlockPool
@@ -38,15 +39,21 @@ from loraplex.engine.plan import NewSequence, StepPlan
 from loraplex.engine.policy import SchedulingPolicy
 from loraplex.engine.prefix_cache import block_hashes
 from loraplex.engine.request import Request, RequestStatus
+from loraplex.engine.stats import ADAPTER_WAIT_BUCKETS, Histogram
 from loraplex.engine_config import SchedulerConfig
 from loraplex.types import FinishReason
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, adapters: AdapterCache,
-                 policy: SchedulingPolicy, host_blocks: HostBlockPool | None = None) -> None:
-        """`host_blocks`: the host pool that victims are swapped to (None: always recompute)."""
+                 policy: SchedulingPolicy, host_blocks: HostBlockPool | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`host_blocks`: the host pool that victims are swapped to (None: always recompute);
+        `clock`: what adapter waits are timed by (the slot simulation's is virtual)."""
         self.config, self.blocks, self.adapters, self.policy = config, blocks, adapters, policy
+        self._clock = clock
+        self.adapter_wait = Histogram(ADAPTER_WAIT_BUCKETS)
+        """Each ended request's time waiting for its adapter (requests with one)."""
         self.host_blocks = host_blocks
         self.running: list[Request] = []
         self.adapter_waits: dict[str, Wait] = {}
@@ -56,6 +63,8 @@ class Scheduler:
         """The adapter whose held slot the last plan kept for the first request waiting for a
         slot (no request joins it), or None if none waits for one."""
         self._forgotten: list[str] = []
+        self._loading_tenants: set[str] = set()  # this plan: tenants with a request ahead waiting
+        self._num_loading = 0  # for its adapter, and how many such requests
         self.preemptions: Counter[tuple[str, str]] = Counter()
         """(cause: "kv" or "fairness", mode: "swap" or "recompute") -> preemptions."""
         self.num_blocks_swapped_out = self.num_blocks_swapped_in = 0
@@ -85,6 +94,7 @@ class Scheduler:
         self.policy.add(request)
 
     def schedule(self) -> StepPlan:
+        self.blocks.start_step()
         self.adapters.poll()
         plan = StepPlan(forgotten_ids=self._forgotten)
         self._forgotten = []
@@ -182,7 +192,9 @@ class Scheduler:
         those next in line. Returns the budget left and the first request kept out for want of
         a running place or KV blocks."""
         no_slots = no_host_room = False  # someone ahead waits for a slot / for host room
-        self.adapter_waits = waits = {}
+        self.adapter_waits = {}
+        self._loading_tenants = set()
+        self._num_loading = 0
         self.kept_slot = None
         waiting = self.policy.waiting()
         for request in waiting:
@@ -197,12 +209,16 @@ class Scheduler:
                 continue
             if self._waits_for_prefix(request):  # another request is computing its next block
                 continue
+            if (self.config.hold_places_for_loading
+                    and len(self.running) + self._num_loading >= self.config.max_num_seqs
+                    and self.policy.holds_back(request, self.config.max_num_seqs, self._loading_tenants)):
+                continue  # the free places are for those ahead waiting for their adapters
             slot = 0
             if request.adapter is not None:
                 has_slot = self.adapters.slot_of(request.adapter) is not None
                 if ((no_slots and (not has_slot or request.adapter == self.kept_slot))
                         or (no_host_room and not has_slot)):
-                    waits[request.request_id] = Wait.NO_SLOT if no_slots else Wait.NO_HOST_ROOM
+                    self._wait_for_adapter(request, Wait.NO_SLOT if no_slots else Wait.NO_HOST_ROOM)
                     continue
                 acquired = self.adapters.acquire(request.adapter)
                 if acquired is Wait.NO_SLOT and not no_slots:
@@ -211,7 +227,7 @@ class Scheduler:
                         budget += freed[1]
                         acquired = self.adapters.acquire(request.adapter)
                 if isinstance(acquired, Wait):
-                    waits[request.request_id] = acquired
+                    self._wait_for_adapter(request, acquired)
                     # Slots free as their holders finish and copies end. Host room frees as the
                     # requests that need its adapters end; with none running, none would.
                     if acquired is Wait.NO_SLOT and not no_slots:
@@ -219,6 +235,7 @@ class Scheduler:
                     no_host_room |= acquired is Wait.NO_HOST_ROOM and bool(self.running)
                     continue
                 slot = acquired
+                self._end_adapter_wait(request)
             swapped = request.is_swapped
             cached = self._take_cached_prefix(request)
             swapped = swapped and request.num_computed_tokens > 0  # (its prefix may be evicted)
@@ -242,6 +259,18 @@ class Scheduler:
                 budget -= num_new
                 self._charge_cap(request, num_new)
         return budget, None
+
+    def _wait_for_adapter(self, request: Request, why: Wait) -> None:
+        self.adapter_waits[request.request_id] = why
+        self._loading_tenants.add(request.tenant)
+        self._num_loading += 1
+        if request.adapter_wait_since is None:
+            request.adapter_wait_since = self._clock()
+
+    def _end_adapter_wait(self, request: Request) -> None:
+        if request.adapter_wait_since is not None:
+            request.adapter_wait_s += self._clock() - request.adapter_wait_since
+            request.adapter_wait_since = None
 
     def _chunk(self, request: Request, budget: int) -> int:
         """Tokens `request` may compute this step: what it has left, within the step's budget,
@@ -332,10 +361,27 @@ class Scheduler:
                 request.num_computed_tokens = 0
 
     def _prefetch(self, upcoming: Iterator[Request]) -> None:
-        """Start host loads of the adapters of the next requests in line, while there is room."""
-        for request in itertools.islice(upcoming, self.adapters.num_slots):
-            if request.adapter is not None and not self.adapters.prefetch(request.adapter):
+        """Start host loads of the adapters of the next requests in line, while there is room;
+        and copies of those in host memory into slots whose pages the pool has free beyond what
+        the running requests may still grow into (the pool's idle memory as an adapter cache:
+        the request then finds its adapter resident when a running place frees)."""
+        headroom = None
+        for request in itertools.islice(upcoming, self.adapters.max_resident):
+            if request.adapter is None:
+                continue
+            if not self.adapters.prefetch(request.adapter):
                 return
+            if self.adapters.slot_of(request.adapter) is None and self.adapters.can_stage:
+                if headroom is None:
+                    headroom = self.blocks.num_free_blocks - self._kv_growth()
+                if headroom < self.adapters.slot_blocks:
+                    continue
+                if self.adapters.stage(request.adapter):
+                    headroom -= self.adapters.slot_blocks
+
+    def _kv_growth(self) -> int:
+        """Blocks the running requests would add if each ran to its length limit."""
+        return sum(self.blocks.blocks_needed(r.max_num_tokens, len(r.block_ids)) for r in self.running)
 
     def _start(self, request: Request, slot: int, plan: StepPlan) -> None:
         self.policy.remove(request)
@@ -417,6 +463,8 @@ class Scheduler:
         self._drop_host_copy(request)
         if request.adapter is not None:
             self.adapters.unneed(request.adapter)
+            self._end_adapter_wait(request)
+            self.adapter_wait.observe(request.adapter_wait_s)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 

@@ -1,11 +1,11 @@
-"""Device, dtype, context length, and how the engine's memory is shared between the KV cache and
-the adapter slots, resolved once when the engine starts.
+"""Device, dtype, context length, and the size of the one memory pool that the KV cache and the
+adapter slots share, resolved once when the engine starts.
 
 On CUDA the engine may use `gpu_memory_utilization` of the device's memory. The weights are
 loaded first; a dummy step of the largest prefill and one of the largest decode graph are run on
 scratch buffers to measure their activations (the eager peak is transient; the graphs' pool is
-held for good); what is left is shared by the adapter slots and the KV cache. On CPU the two
-share `cpu_kv_cache_bytes`."""
+held for good); what is left is the pool of KV blocks and adapter slots, whose boundary moves
+with demand at run time. On CPU the pool takes at most `cpu_kv_cache_bytes`."""
 
 from __future__ import annotations
 
@@ -55,22 +55,38 @@ def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> i
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    num_kv_blocks: int
+    num_pool_blocks: int
+    """Pages of the one device pool that KV blocks and adapter slots share (a page is a KV
+    block; an adapter slot takes `slot_blocks` of them)."""
     num_lora_slots: int
+    """Adapter slots the pool has views for: the most adapters resident at once."""
     kv_block_bytes: int
     lora_slot_bytes: int
+    """Bytes a slot takes in the pool (whole pages)."""
     budget_bytes: int
-    """What the KV cache and the slots share."""
+    """What the pool may take."""
     activation_bytes: int = 0
     """Measured peak of the largest eager step (CUDA)."""
     graph_bytes: int = 0
     """Measured peak of the largest decode graph, with the graphs' static outputs (CUDA)."""
+    max_kv_blocks: int | None = None
+    """The most blocks the KV cache may hold (num_kv_blocks, when set); None: the pool's."""
+
+    @property
+    def slot_blocks(self) -> int:
+        return self.lora_slot_bytes // self.kv_block_bytes
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """The most KV blocks a request with an adapter can have: the pool less slot 0 (kept
+        for good) and one adapter's slot, or max_kv_blocks."""
+        return min(self.num_pool_blocks - 2 * self.slot_blocks, self.max_kv_blocks or self.num_pool_blocks)
 
     def describe(self) -> str:
         mib = 2**20
-        kv, slots = self.num_kv_blocks * self.kv_block_bytes, self.num_lora_slots * self.lora_slot_bytes
-        text = (f"{self.num_kv_blocks} KV blocks ({kv / mib:.0f} MiB), "
-                f"{self.num_lora_slots} adapter slots ({slots / mib:.0f} MiB)")
+        text = (f"one pool of {self.num_pool_blocks} pages of {self.kv_block_bytes / mib:.2f} MiB "
+                f"({self.num_pool_blocks * self.kv_block_bytes / mib:.0f} MiB) for KV blocks and "
+                f"up to {self.num_lora_slots} adapter slots of {self.slot_blocks} pages")
         if self.activation_bytes or self.graph_bytes:
             text += (f"; set aside: activations {self.activation_bytes / mib:.0f} MiB, "
                      f"decode graphs {self.graph_bytes / mib:.0f} MiB")
@@ -81,31 +97,38 @@ def plan_memory(
     config: EngineConfig, model: ModelConfig, dtype: torch.dtype, max_model_len: int,
     lora_slot_bytes: int, budget_bytes: int, activation_bytes: int = 0, graph_bytes: int = 0,
 ) -> MemoryPlan:
-    """Split `budget_bytes` between adapter slots and KV blocks. KV blocks: `num_kv_blocks`, or
-    what is left after the slots, never more than every running request at full length can use
-    (`enough`). Slots: `max_loras`, or what `lora_memory_fraction` of the budget buys, or more
-    where the KV cache would leave memory unused (at most max_num_seqs, at least one)."""
+    """Size the pool that KV blocks and adapter slots (`lora_slot_bytes` each, whole KV blocks)
+    share: all of `budget_bytes`, but no more than the KV cache that every running request can
+    use at full length beside slot 0 and max_loras adapters (max_num_seqs when max_loras is not
+    set) needs. `num_kv_blocks`, when set, is a fixed KV cache (the KV cache never holds more)
+    beside room for slot 0 and as many of those adapters as the rest of the budget buys (at
+    least one), as benchmarks and tests that set it expect. The slots are as many as the pool
+    holds (at most max_loras)."""
     block_bytes = kv_block_bytes(model, config.cache.block_size, dtype)
-    max_num_seqs = config.scheduler.max_num_seqs
-    enough = max_num_seqs * -(-max_model_len // config.cache.block_size)
-    slots = config.lora.max_loras
-    if slots is None:
-        share = max(budget_bytes * config.lora.lora_memory_fraction, budget_bytes - enough * block_bytes)
-        slots = max(1, min(max_num_seqs, int(share) // lora_slot_bytes))
-    num_blocks = config.cache.num_kv_blocks
-    if num_blocks is None:
-        num_blocks = min(enough, (budget_bytes - slots * lora_slot_bytes) // block_bytes)
-    if num_blocks < 1:
+    slot_blocks = -(-lora_slot_bytes // block_bytes)
+    max_loras = config.lora.max_loras
+    kv_blocks = config.cache.num_kv_blocks
+    adapters = (1 + (max_loras or config.scheduler.max_num_seqs)) * slot_blocks
+    budget_blocks = budget_bytes // block_bytes
+    if kv_blocks is None:
+        enough = config.scheduler.max_num_seqs * -(-max_model_len // config.cache.block_size)
+        num_blocks = min(enough + adapters, budget_blocks)
+    else:
+        num_blocks = kv_blocks + max(2 * slot_blocks, min(adapters, budget_blocks - kv_blocks))
+    if num_blocks < 2 * slot_blocks + 1:
         raise ModelLoadError(
             f"no memory is left for the KV cache ({budget_bytes / 2**20:.0f} MiB for the cache and "
-            f"{slots} adapter slots of {lora_slot_bytes / 2**20:.0f} MiB): raise gpu_memory_utilization "
-            "(or cpu_kv_cache_bytes), or lower max_loras, max_lora_rank or max_num_batched_tokens")
-    return MemoryPlan(num_blocks, slots, block_bytes, lora_slot_bytes, budget_bytes, activation_bytes,
-                      graph_bytes)
+            f"adapters of {slot_blocks * block_bytes / 2**20:.0f} MiB): raise gpu_memory_utilization "
+            "(or cpu_kv_cache_bytes), or lower max_lora_rank or max_num_batched_tokens")
+    num_slots = num_blocks // slot_blocks - 1
+    if max_loras is not None:
+        num_slots = min(num_slots, max_loras)
+    return MemoryPlan(num_blocks, num_slots, block_bytes, slot_blocks * block_bytes, budget_bytes,
+                      activation_bytes, graph_bytes, max_kv_blocks=kv_blocks)
 
 
 def cuda_budget(config: EngineConfig, device: torch.device, activation_bytes: int, graph_bytes: int) -> int:
-    """Bytes left for the KV cache and the slots: the engine's share of the device, less what
+    """Bytes left for the pool (KV cache and adapter slots): the engine's share of the device, less what
     is in use now (weights, other processes) and the measured activations and graphs."""
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
@@ -113,8 +136,15 @@ def cuda_budget(config: EngineConfig, device: torch.device, activation_bytes: in
     return allowed - (total - free) - activation_bytes - graph_bytes
 
 
-def make_kv_cache(plan: MemoryPlan, model: ModelConfig, block_size: int, dtype: torch.dtype,
-                  device: torch.device) -> torch.Tensor:
-    """The KV cache `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`, zeroed."""
-    shape = (plan.num_kv_blocks, model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device)
+def make_pool(plan: MemoryPlan, device: torch.device) -> torch.Tensor:
+    """The device pool: `num_pool_blocks` pages of `kv_block_bytes`, uint8, zeroed."""
+    return torch.zeros(plan.num_pool_blocks * plan.kv_block_bytes, dtype=torch.uint8, device=device)
+
+
+def kv_cache_view(
+    pool: torch.Tensor, model: ModelConfig, block_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The KV cache over all of the pool: `[num_blocks, num_layers, 2, block_size, num_kv_heads,
+    head_dim]` (the blocks lent to adapter slots are never handed to a sequence)."""
+    block = (model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim)
+    return pool.view(dtype).view(-1, *block)

@@ -3,7 +3,35 @@ the admin API and benchmarks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
+
+ADAPTER_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+"""Upper bounds, in seconds, of the adapter-wait histogram's buckets (+Inf after them)."""
+
+
+@dataclass
+class Histogram:
+    """Counts of observations by bucket (Prometheus' cumulative buckets are summed on export)."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    """Per bucket, the last one past every bound (+Inf); not cumulative."""
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def copy(self) -> Histogram:
+        return Histogram(self.bounds, list(self.counts), self.total)
 
 
 @dataclass(frozen=True)
@@ -11,6 +39,8 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_kv_blocks: int
+    """The most blocks the KV cache can hold: the pool's pages less slot 0's and one adapter's
+    (or num_kv_blocks when set); idle adapters give theirs back as it grows."""
     num_kv_blocks_used: int
     num_preemptions: int
     num_lora_slots: int
@@ -68,7 +98,25 @@ class EngineStats:
     """Relay groups, and the requests in them, summed over those steps."""
     pinned_prompts: dict[str, tuple[int, int]] | None = None
     """Each pinned system prompt's key -> (KV blocks it holds, running requests reading them)."""
+    pool_page_bytes: int = 0
+    """Bytes of a page of the device pool (a KV block)."""
+    pool_pages: dict[str, int] | None = None
+    """The device pool's pages by kind: "kv" (held by requests and pinned prompts), "adapters"
+    (lent to adapter slots, slot 0's included), "free" (cached KV blocks nobody holds among them)."""
+    adapter_device_bytes: dict[str, int] | None = None
+    """Digest -> device bytes of each resident adapter (its slot's pages)."""
+    num_adapter_evictions: int = 0
+    """Adapters evicted from the device (for KV, for another adapter, or removed)."""
+    max_loras: int | None = None
+    """The cap on resident adapters, when one is set."""
+    adapter_wait: Histogram | None = None
+    """Each ended request's wait for its adapter, in seconds (requests with an adapter)."""
 
     @property
     def kv_cache_usage(self) -> float:
         return self.num_kv_blocks_used / self.num_kv_blocks if self.num_kv_blocks else 0.0
+
+    @property
+    def num_lora_resident(self) -> int:
+        """Adapters resident on the device now (vllm:lora_requests_info's max_lora)."""
+        return len(self.adapters_in_slots)

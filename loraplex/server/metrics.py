@@ -7,7 +7,8 @@ The Gateway API Inference Extension's endpoint picker (its model-server protocol
 reads `vllm:num_requests_waiting`, `vllm:num_requests_running`, the KV cache use
 (`vllm:gpu_cache_usage_perc`, and `vllm:kv_cache_usage_perc` as newer vLLM names it) and the
 gauge `vllm:lora_requests_info`, whose value is the time it was sampled and whose labels are
-`max_lora` (device adapter slots), `running_lora_adapters` (adapters in device slots, ready to
+`max_lora` (the adapters resident on the device now: without fixed slots, the number that
+memory holds moves with the KV cache's demand), `running_lora_adapters` (adapters in device slots, ready to
 serve) and `waiting_lora_adapters` (adapters that waiting requests ask for and that are not in a
 slot), each a comma-separated list of the adapter names requests use (`model`). The names of
 these metrics are in `EPP_METRICS`, which deploy/ and its test are checked against."""
@@ -19,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from loraplex.engine.async_engine import ENGINE_THREAD_NAME
@@ -134,7 +135,10 @@ class _EngineCollector(Collector):
             "loraplex:kv_blocks_used": ("KV blocks in use.", stats.num_kv_blocks_used),
             "loraplex:kv_blocks_total": ("KV blocks allocated.", stats.num_kv_blocks),
             "loraplex:lora_adapters_resident": ("Adapters in device slots.", len(stats.adapters_in_slots)),
-            "loraplex:lora_adapter_slots": ("Device adapter slots.", stats.num_lora_slots),
+            "loraplex:lora_adapter_slots": ("Adapter slots the device pool has room for (the most "
+                                            "adapters resident at once).", stats.num_lora_slots),
+            "loraplex:pool_page_bytes": ("Bytes of a page of the device pool (a KV block).",
+                                         stats.pool_page_bytes),
             "loraplex:lora_adapters_host": ("Adapters in the engine's host tier.",
                                             len(stats.adapters_on_host)),
             "loraplex:lora_host_tier_bytes": ("Bytes of the adapters in the host tier.",
@@ -153,6 +157,8 @@ class _EngineCollector(Collector):
             "vllm:num_preemptions": ("Requests preempted by the scheduler.", stats.num_preemptions),
             "loraplex:lora_host_loads": ("Adapters read into the host tier.", stats.num_adapter_host_loads),
             "loraplex:lora_slot_loads": ("Adapters copied into device slots.", stats.num_adapter_slot_loads),
+            "loraplex:lora_evictions": ("Adapters evicted from the device (for KV, for another "
+                                        "adapter, or removed).", stats.num_adapter_evictions),
             "loraplex:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
                                               stats.prefix_queried_tokens),
             "loraplex:prefix_cache_hits": ("Prompt tokens found in the prefix cache.",
@@ -175,6 +181,7 @@ class _EngineCollector(Collector):
             yield family
         yield from _per_tenant(labels, stats)
         yield from _swapping(labels, stats)
+        yield from _pool(labels, stats)
 
     def _lora_info(self, stats: EngineStats, sampled_at: float) -> GaugeMetricFamily:
         """vLLM's `vllm:lora_requests_info`: the value is when it was sampled (the endpoint
@@ -185,7 +192,7 @@ class _EngineCollector(Collector):
                                    "waiting requests ask for (as labels); the value is a timestamp.",
                                    labels=list(LORA_INFO_LABELS))
         family.add_metric([self._names(stats.adapters_in_slots), self._names(waiting),
-                           str(stats.num_lora_slots)], sampled_at)
+                           str(stats.num_lora_resident)], sampled_at)
         return family
 
     def _names(self, digests: Iterable[str]) -> str:
@@ -244,6 +251,28 @@ def _per_tenant(labels: list[str], stats: EngineStats) -> Iterator:
         for tenant in tenants:
             family.add_metric([*labels, tenant], values.get(tenant, 0))
         yield family
+
+
+def _pool(labels: list[str], stats: EngineStats) -> Iterator:
+    """The device pool's pages by kind, and the adapter-wait histogram."""
+    pages = GaugeMetricFamily("loraplex:pool_pages", "Pages of the device pool by kind: kv (held by "
+                              "requests and pinned prompts), adapters (lent to adapter slots), free "
+                              "(cached KV nobody holds among them).", labels=["model_name", "kind"])
+    for kind, count in (stats.pool_pages or {}).items():
+        pages.add_metric([*labels, kind], count)
+    yield pages
+    wait = stats.adapter_wait
+    if wait is None:
+        return
+    family = HistogramMetricFamily("loraplex:lora_adapter_wait_seconds", "Each ended request's "
+                                   "time in the queue waiting for its adapter (host load, slot copy "
+                                   "or a slot); requests with an adapter.", labels=["model_name"])
+    cumulative, buckets = 0, []
+    for bound, count in zip([*map(str, wait.bounds), "+Inf"], wait.counts):
+        cumulative += count
+        buckets.append((bound, cumulative))
+    family.add_metric(labels, buckets, wait.total)
+    yield family
 
 
 def _swapping(labels: list[str], stats: EngineStats) -> Iterator:

@@ -1,6 +1,6 @@
-"""The slot simulation (`loraplex bench slots`): its virtual clock, its accounting, and its
-slot demand against the M/G/inf formula, on small workloads (each run takes well under a
-second)."""
+"""The slot simulation (`loraplex bench slots`): its virtual clock, its accounting, its slot
+demand against the M/G/inf formula, fixed slots against the device pool, on small workloads
+(each run takes well under a second)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from loraplex.benchmarks.serve_workload import WorkloadConfig, make_workload
 from loraplex.benchmarks.slot_bench import main
 from loraplex.benchmarks.slot_sim import (
     SlotSimConfig,
+    SlotSimulation,
     VirtualWorker,
     analytic_adapters_running,
     analytic_slot_shortage,
@@ -93,6 +94,33 @@ def test_the_analytic_demand_at_its_limits():
     assert analytic_adapters_running(1e-6, 1000, 1.0, 1.0) == pytest.approx(1e-6, rel=1e-3)  # rate x D
     low, high = (analytic_adapters_running(17.54, 1000, 1.0, d) for d in (2.0, 2.9))
     assert 25 < low < high < 40
+
+
+def test_the_pool_holds_more_adapters_than_the_fixed_slots_of_the_same_memory():
+    """The pool of 8 slots' memory beside the KV cache: while the KV cache leaves pages free,
+    more than 8 adapters are resident and fewer requests wait for one."""
+    busy = replace(SMALL, request_rate=30.0)
+    fixed = simulate(SlotSimConfig(workload=busy, num_slots=4, num_kv_blocks=2048))
+    pool = simulate(SlotSimConfig(workload=busy, num_slots=4, num_kv_blocks=2048, pool=True))
+    assert pool["adapters_running"]["max"] > 4 >= fixed["adapters_running"]["max"]
+    assert pool["adapter_slot_loads"] < fixed["adapter_slot_loads"]
+    assert pool["ttft_ms"]["p99"] < fixed["ttft_ms"]["p99"]
+    capped = simulate(SlotSimConfig(workload=busy, num_slots=4, num_kv_blocks=2048, pool=True, max_loras=4))
+    assert capped["adapters_running"]["max"] <= 4
+
+
+def test_places_held_for_loading_adapters_spare_a_batch_its_fairness_swaps():
+    """600 requests over 40 tenants sent at once: without holding places, the tenants whose
+    adapters are resident first take the places, and lose them one fairness preemption at a
+    time as the others' adapters arrive."""
+    batch = replace(SMALL, num_prompts=600, request_rate=math.inf, num_tenants=40, num_adapters=1000,
+                    prompt_len=256, output_len=128, max_prompt_len=1024)
+    swaps = {}
+    for hold in (False, True):
+        sim = SlotSimulation(SlotSimConfig(workload=batch, pool=True, hold_places_for_loading=hold))
+        assert sim.run()["completed"] == 600
+        swaps[hold] = sim.scheduler.preemptions["fairness", "swap"]
+    assert swaps[False] > 50 and swaps[True] <= 5, swaps
 
 
 def test_the_command_writes_json_and_a_log(tmp_path, monkeypatch, capsys):

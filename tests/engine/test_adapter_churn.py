@@ -17,6 +17,7 @@ import pytest
 from loraplex import LLM, SamplingParams
 from loraplex.engine.adapter_cache import Wait
 from loraplex.engine.lora_weights import adapter_bytes
+from tests.engine.pool_checks import assert_pool_accounting
 from tests.factories import AdapterSpec, make_adapter, make_hf_model
 
 NUM_ADAPTERS = 64
@@ -62,7 +63,8 @@ def _assert_nothing_leaks(llm: LLM) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     engine.step()  # the runner forgets finished requests at its next step
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert_pool_accounting(engine)
+    assert engine.blocks.num_used_blocks == 0  # no KV held: every page is free or an adapter's
     assert engine.num_requests == 0 and not engine.runner.batch.row_of
     cache = engine.adapters
     assert cache.num_held_slots == 0 and cache.num_needed == 0

@@ -65,7 +65,7 @@ def test_static_decode_path_matches_plain_path(tiny_llama, num_requests, async_s
     assert all(size in graph_batch_sizes(20) and real <= size for size, real in llm.decode_sizes)
     assert max(real for _, real in llm.decode_sizes) == num_requests
     assert any(real < size for size, real in llm.decode_sizes)
-    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+    assert llm.engine.blocks.num_used_blocks == 0
 
 
 def test_warm_up_and_memory_steps_store_nothing(tiny_llama):

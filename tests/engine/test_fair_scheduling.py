@@ -29,7 +29,7 @@ NUM_BLOCKS = 160  # 2,560 tokens: less than 16 requests can hold, so blocks run 
 class NoAdapters:
     """The adapter tier of a base-model-only workload: nothing to load."""
 
-    num_slots = 0
+    num_slots = max_resident = 0
 
     def poll(self) -> None:
         pass

@@ -25,7 +25,7 @@ def llm(tiny_llama, request):
 def _assert_all_returned(engine):
     engine.step()  # the runner drops finished requests' rows at its next step
     assert not engine.has_unfinished_requests()
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert engine.blocks.num_used_blocks == 0
     assert engine.scheduler.num_unfinished == 0
     assert engine.num_requests == 0
     assert not engine.runner.batch.row_of

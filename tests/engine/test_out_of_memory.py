@@ -109,7 +109,7 @@ def assert_all_returned(engine: LLMEngine) -> None:
     """Memory accounting is exact: every KV block, adapter slot and runner row is back."""
     engine.step()  # the runner drops ended requests' rows at its next step
     assert not engine.has_unfinished_requests()
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert engine.blocks.num_used_blocks == 0
     assert engine.scheduler.num_unfinished == 0 and not engine.scheduler.running
     assert engine.num_requests == 0
     assert not engine.runner.batch.row_of

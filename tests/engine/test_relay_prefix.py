@@ -147,7 +147,7 @@ def test_mixed_batch_groups_only_same_tenant_and_adapter(case, monkeypatch, pref
         assert any(len(group) >= 3 for group in log.groups), log.groups
         assert llm.engine.blocks.num_hit_tokens >= 3 * (SYSTEM_LEN // BLOCK_SIZE) * BLOCK_SIZE
     assert all(group <= GROUP for group in log.groups), "only same tenant and adapter share"
-    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+    assert llm.engine.blocks.num_used_blocks == 0
 
 
 def test_relay_off_and_auto_give_the_same_tokens(case, monkeypatch):
@@ -185,7 +185,7 @@ def test_requests_join_and_leave_a_warm_group(case, monkeypatch):
     _check(tokens, case)
     assert len(tokens["a1"]) == 3 and len(tokens["a3"]) == MAX_TOKENS
     assert {"a0", "a1"} in log.groups and {"a0", "a2", "a3"} in log.groups
-    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+    assert llm.engine.blocks.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("swap_space", [4.0, 0.0], ids=["swap", "recompute"])
@@ -211,7 +211,7 @@ def test_a_preempted_member_resumes_and_rejoins(case, monkeypatch, swap_space):
     assert set(tokens) == GROUP
     resumed = log.groups[-1]
     assert "a1" in resumed, "the resumed member reads the shared prefix with its group again"
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert engine.blocks.num_used_blocks == 0
 
 
 def test_cached_blocks_are_evicted_under_pressure_and_recomputed(case):
@@ -220,7 +220,7 @@ def test_cached_blocks_are_evicted_under_pressure_and_recomputed(case):
     _check(_run_all(llm), case)
     blocks = llm.engine.blocks
     assert blocks.num_cached_blocks >= SYSTEM_LEN // BLOCK_SIZE
-    assert blocks.num_free_blocks == blocks.num_blocks  # cached blocks nobody holds count as free
+    assert blocks.num_used_blocks == 0  # cached blocks nobody holds count as free
     _add(llm, case, "plain0")
     _add(llm, case, "other-tenant")  # needs more blocks than the plain free list has
     _check(_run_all(llm), case)
@@ -228,7 +228,7 @@ def test_cached_blocks_are_evicted_under_pressure_and_recomputed(case):
     for key in ("a1", "a2"):  # the evicted prefix is computed again, correctly
         _add(llm, case, key)
     _check(_run_all(llm), case)
-    assert blocks.num_free_blocks == blocks.num_blocks
+    assert blocks.num_used_blocks == 0
 
 
 def test_64_requests_sharing_a_2048_token_prompt_hold_it_once():
@@ -257,7 +257,7 @@ def test_64_requests_sharing_a_2048_token_prompt_hold_it_once():
     assert engine.blocks.num_shared_blocks == 128
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert engine.blocks.num_used_blocks == 0
 
 
 def test_a_pinned_prompt_survives_pressure_until_unpinned(case):
@@ -275,7 +275,7 @@ def test_a_pinned_prompt_survives_pressure_until_unpinned(case):
     _check(_run_all(llm), case)
     assert engine.blocks.num_hit_tokens - hits == (SYSTEM_LEN // BLOCK_SIZE) * BLOCK_SIZE
     engine.unpin_prompt("t1/desk")
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert engine.blocks.num_used_blocks == 0
 
 
 def test_a_request_that_never_fits_beside_the_pins_is_refused(case):

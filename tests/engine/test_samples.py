@@ -47,7 +47,7 @@ def test_samples_share_the_prompt_blocks_and_match_each_sample_alone(llm, adapte
     assert engine.num_prompt_tokens - computed_before == 17 + 3 * 1
     # Blocks: 4 shared once, and each sample's own (prompt tail and output: 24 tokens -> 6 blocks).
     assert peak_blocks == 4 + 4 * 2
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert engine.blocks.num_used_blocks == 0
 
 
 def test_a_sample_waits_for_its_donor_and_survives_its_preemption(tiny_llama):
@@ -68,7 +68,7 @@ def test_a_sample_waits_for_its_donor_and_survives_its_preemption(tiny_llama):
             outputs[output.request_id] = output.token_ids
     assert engine.scheduler.num_preemptions > 0
     assert [outputs[f"s{i}"] for i in range(3)] == alone
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert engine.blocks.num_used_blocks == 0
 
 
 def test_a_sample_must_name_a_queued_request_of_its_prompt(llm):

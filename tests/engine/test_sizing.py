@@ -1,4 +1,4 @@
-"""How memory is shared between adapter slots and KV blocks (plan_memory), with Llama-3-8B's
+"""How big the pool that adapter slots and KV blocks share is (plan_memory), with Llama-3-8B's
 shape and round budgets."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from loraplex.benchmarks import synthetic
-from loraplex.engine.lora_weights import adapter_bytes
+from loraplex.engine.lora_weights import adapter_bytes, pool_slot_bytes
 from loraplex.engine.sizing import kv_block_bytes, plan_memory
 from loraplex.engine_config import EngineConfig
 from loraplex.errors import ModelLoadError
@@ -18,7 +18,8 @@ LLAMA = synthetic.model_config()
 
 def _plan(budget: int, max_model_len: int = 8192, **options):
     config = EngineConfig.from_kwargs("m", **options)
-    slot = adapter_bytes(LLAMA, config.lora.max_lora_rank, torch.bfloat16)
+    page = kv_block_bytes(LLAMA, config.cache.block_size, torch.bfloat16)
+    slot = pool_slot_bytes(LLAMA, config.lora.max_lora_rank, torch.bfloat16, page)
     return plan_memory(config, LLAMA, torch.bfloat16, max_model_len, slot, budget), slot
 
 
@@ -33,27 +34,41 @@ def test_slot_and_block_sizes_are_the_real_ones():
     assert kv_block_bytes(LLAMA, 16, torch.bfloat16) == 16 * 128 * 1024  # 128 KiB a token
 
 
-def test_slots_take_their_share_of_a_budget_the_kv_cache_can_fill():
+def test_a_slot_takes_whole_pages_of_the_pool():
+    page = kv_block_bytes(LLAMA, 16, torch.bfloat16)
+    slot = pool_slot_bytes(LLAMA, 16, torch.bfloat16, page)
+    assert slot % page == 0 and 0 <= slot - adapter_bytes(LLAMA, 16, torch.bfloat16) < page + 64 * 256
+
+
+def test_the_pool_takes_a_budget_the_kv_cache_can_fill_and_slots_are_bounded_by_it():
+    """No max_loras: every byte of the budget is one pool, and as many adapters fit as it holds."""
     plan, slot = _plan(50 * GIB, max_lora_rank=64)
-    assert plan.num_lora_slots == int(50 * GIB * 0.15) // slot
-    assert plan.num_kv_blocks == (50 * GIB - plan.num_lora_slots * slot) // plan.kv_block_bytes
+    assert plan.num_pool_blocks == 50 * GIB // plan.kv_block_bytes
+    assert plan.num_lora_slots == plan.num_pool_blocks // plan.slot_blocks - 1
+    assert plan.num_kv_blocks == plan.num_pool_blocks - 2 * plan.slot_blocks
+    assert plan.max_kv_blocks is None
 
 
-def test_slots_take_what_the_kv_cache_cannot_use():
-    """128 requests of 656 tokens need 11 GB of KV: slots get the rest, up to one a request."""
+def test_the_pool_holds_no_more_than_the_kv_cache_and_the_adapters_can_use():
+    """128 requests of 656 tokens need 11 GB of KV: the pool holds that and 129 slots (slot 0
+    and one a request), not the whole budget."""
     plan, slot = _plan(50 * GIB, max_model_len=656, max_num_seqs=128, max_lora_rank=16)
-    assert plan.num_lora_slots == 128
-    assert plan.num_kv_blocks == 128 * 41
+    assert plan.num_pool_blocks == 128 * 41 + 129 * plan.slot_blocks
+    assert plan.num_lora_slots == plan.num_pool_blocks // plan.slot_blocks - 1  # while KV leaves room
 
 
 def test_options_override_the_sizing():
+    """num_kv_blocks is a fixed KV cache beside room for max_loras adapters; max_loras caps the slots."""
     plan, _ = _plan(50 * GIB, max_loras=7, num_kv_blocks=100)
-    assert (plan.num_lora_slots, plan.num_kv_blocks) == (7, 100)
+    assert (plan.num_lora_slots, plan.num_kv_blocks, plan.max_kv_blocks) == (7, 100, 100)
+    assert plan.num_pool_blocks == 100 + 8 * plan.slot_blocks
 
 
 def test_too_little_memory_is_refused_with_the_options_to_change():
+    """The pool must hold slot 0, one adapter of the largest rank and a KV block."""
+    _, slot = _plan(GIB, max_lora_rank=64)
     with pytest.raises(ModelLoadError, match="raise gpu_memory_utilization"):
-        _plan(GIB, max_loras=8, max_lora_rank=64)
+        _plan(2 * slot, max_lora_rank=64)
 
 
 def test_warm_up_steps_never_hold_a_sequence_longer_than_the_context(tiny_llama):

@@ -176,7 +176,7 @@ def test_a_tenant_waiting_for_a_device_slot_gets_one_by_fair_preemption(tiny_lla
         alone = llm.generate(prompt_token_ids=[prompt], sampling_params=params[request_id],
                              adapters=[adapter])[0]
         assert outputs[request_id] == alone.token_ids, request_id
-    assert engine.adapters.num_held_slots == 0 and engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert engine.adapters.num_held_slots == 0 and engine.blocks.num_used_blocks == 0
 
 
 def test_a_swap_out_leaves_on_the_device_only_the_cached_blocks_others_hold_too():

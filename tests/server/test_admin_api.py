@@ -160,7 +160,9 @@ def test_engine_state_and_audit(server: Server) -> None:
         assert state["model"] == MODEL_ID and state["device"] == "cpu" and state["is_alive"] is True
         assert state["kv_blocks_total"] == 1024 and state["num_requests_running"] == 0
         style = http.get("/admin/api/adapters/acme/style").json()["digest"]
-        assert {"digest": style, "names": ["acme/style"]} in state["adapters_resident"]
+        resident = {a["digest"]: a for a in state["adapters_resident"]}
+        assert resident[style]["names"] == ["acme/style"]
+        assert resident[style]["device_bytes"] == state["memory"]["lora_slot_bytes"] > 0
         assert state["num_generated_tokens"] >= 2 and state["num_adapter_slots"] == 4
         http.post("/admin/api/tenants", json={"name": "audited"})
         (entry, *_) = http.get("/admin/api/audit", params={"limit": 5}).json()

@@ -1,7 +1,8 @@
 """The metrics the Gateway API Inference Extension's endpoint picker reads (its model-server
 protocol, proposal 003), under vLLM's names and types: queue depth, running requests, KV cache
 use, and `vllm:lora_requests_info` whose labels name the adapters (as requests name them) in
-device slots and those that waiting requests ask for, and `max_lora`."""
+device slots and those that waiting requests ask for, and `max_lora` (the adapters resident
+now: the device pool, not a fixed number of slots, bounds them)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def test_the_endpoint_picker_finds_its_metrics(sqlite_server: Server) -> None:
     (info,) = families[LORA_INFO_METRIC].samples
     assert set(info.labels) == set(LORA_INFO_LABELS)
     engine = sqlite_server.http().get("/admin/api/engine").json()
-    assert info.labels["max_lora"] == str(engine["num_adapter_slots"])
+    assert info.labels["max_lora"] == str(len(engine["adapters_resident"]))
     # In its slot, named as requests name it, not by its digest (other tests' adapters on this
     # shared server may be resident too).
     resident = info.labels["running_lora_adapters"].split(",")
@@ -56,7 +57,7 @@ def test_waiting_adapters_are_listed(sqlite_server: Server) -> None:
     (info,) = next(f for f in text_string_to_metric_families(metrics.render().decode())
                    if f.name == LORA_INFO_METRIC).samples
     assert info.labels == {"running_lora_adapters": "style", "waiting_lora_adapters": "other,shared",
-                           "max_lora": "4"}
+                           "max_lora": "1"}
     assert info.value == 1.5e9
 
 

@@ -96,7 +96,7 @@ def test_engine_page_refreshes_live_and_stops_when_left(admin_page, server: Live
         str(server.options["max_loras"]))
     expect(options.get_by_role("row", name=re.compile(r"--block-size"))).to_contain_text("16")
     expect(page.locator('[data-role="startup"]')).to_contain_text(
-        f'{server.options["max_loras"]} adapter slots')
+        f'up to {server.options["max_loras"]} adapter slots')
 
     page.get_by_role("button", name="Pause updates").click()
     expect(page.get_by_role("button", name="Resume updates")).to_have_attribute("aria-pressed", "true")

@@ -1,5 +1,5 @@
 // Engine: requests running, waiting and swapped, per tenant with its share of the service over
-// time, KV blocks, the prefix cache and relay decode, preemptions and swapping, adapters in device slots and in the host tier, the generation rate, and the engine's options and start-up (memory plan, CUDA graphs),
+// time, KV blocks, the device pool's pages by kind (KV, adapters, free), the prefix cache and relay decode, preemptions and swapping, adapters in device slots and in the host tier, the generation rate, and the engine's options and start-up (memory plan, CUDA graphs),
 // polled from GET /admin/api/engine while the page is open and visible.
 
 import { api } from "../api.js";
@@ -23,11 +23,18 @@ const STATS = [
     sub: (s) => `of ${formatNumber(s.kv_blocks_total)} (${(100 * s.kv_cache_usage).toFixed(1)}%)`,
     meter: (s) => s.kv_cache_usage,
   },
+  {
+    key: "pool", label: "Device pool", value: (s) => `${formatNumber(poolTotal(s))} pages`,
+    sub: (s) => `of ${formatBytes(s.pool_page_bytes)}: ${formatNumber(s.pool_pages.kv ?? 0)} KV, `
+      + `${formatNumber(s.pool_pages.adapters ?? 0)} adapters, ${formatNumber(s.pool_pages.free ?? 0)} free`,
+    meter: (s) => (poolTotal(s) ? 1 - (s.pool_pages.free ?? 0) / poolTotal(s) : 0),
+  },
   { key: "tokens-per-second", label: "Tokens per second", value: (s) => formatRate(s.generation_tokens_per_second) },
   { key: "generated", label: "Tokens generated", value: (s) => formatNumber(s.num_generated_tokens), sub: () => "since start" },
   {
     key: "resident", label: "Adapters resident", value: (s) => formatNumber(s.adapters_resident.length),
-    sub: (s) => `of ${formatNumber(s.num_adapter_slots)} device slots`,
+    sub: (s) => `of at most ${formatNumber(s.num_adapter_slots)} (${s.max_loras ? "--max-loras" : "what the pool holds"}); `
+      + `${formatNumber(s.num_adapter_evictions)} evicted since start`,
     meter: (s) => (s.num_adapter_slots ? s.adapters_resident.length / s.num_adapter_slots : 0),
   },
   {
@@ -37,7 +44,8 @@ const STATS = [
   },
   {
     key: "adapter-loads", label: "Adapter loads", value: (s) => formatNumber(s.num_adapter_slot_loads),
-    sub: (s) => `into slots; ${formatNumber(s.num_adapter_host_loads)} read into the host tier`,
+    sub: (s) => `into slots; ${formatNumber(s.num_adapter_host_loads)} read into the host tier; `
+      + `mean wait for an adapter ${meanWait(s.adapter_wait)}`,
   },
   {
     key: "preemptions", label: "Preemptions", value: (s) => formatNumber(s.num_preemptions),
@@ -65,6 +73,16 @@ const STATS = [
       : "no shared prefix read once per group yet"),
   },
 ];
+
+function poolTotal(state) {
+  return Object.values(state.pool_pages ?? {}).reduce((n, c) => n + c, 0);
+}
+
+function meanWait(wait) {
+  if (!wait || !wait.num_requests) return "–";
+  const mean = wait.total_seconds / wait.num_requests;
+  return mean < 10 ? `${(1000 * mean).toFixed(mean < 0.01 ? 1 : 0)} ms` : formatDuration(mean);
+}
 
 function byMode(preemptions, mode) {
   return Object.entries(preemptions).filter(([kind]) => kind.endsWith(`:${mode}`)).reduce((n, [, c]) => n + c, 0);
@@ -128,13 +146,14 @@ function statTiles() {
 
 function residentTable(state) {
   return table({
-    caption: `${state.adapters_resident.length} of ${state.num_adapter_slots} adapter slots in use`,
+    caption: `${state.adapters_resident.length} adapters resident in the device pool (at most ${state.num_adapter_slots})`,
     rows: state.adapters_resident,
     rowKey: (a) => a.digest,
     empty: "No adapter is in a device slot now. Adapters load on first use.",
     columns: [
       { label: "Digest", cell: (a) => h("code", { title: a.digest }, shortHash(a.digest)) },
       { label: "Adapters (tenant/name)", cell: (a) => (a.names.length ? a.names.join(", ") : h("span", { class: "muted" }, "none now (deleted)")) },
+      { label: "Device memory", cell: (a) => formatBytes(a.device_bytes) },
     ],
   });
 }
@@ -146,8 +165,10 @@ function optionsTable(state) {
   const memory = state.memory;
   const graphs = state.cuda_graphs;
   const startup = [
-    `${formatNumber(memory.num_kv_blocks)} KV blocks of ${formatBytes(memory.kv_block_bytes)}`,
-    `${formatNumber(memory.num_lora_slots)} adapter slots of ${formatBytes(memory.lora_slot_bytes)}`,
+    `one pool of ${formatNumber(memory.num_pool_blocks)} pages of ${formatBytes(memory.kv_block_bytes)} `
+      + `(${formatBytes(memory.num_pool_blocks * memory.kv_block_bytes)}) for KV blocks and adapters`,
+    `up to ${formatNumber(memory.num_lora_slots)} adapter slots of ${formatNumber(memory.slot_blocks)} pages `
+      + `(${formatBytes(memory.lora_slot_bytes)})`,
     graphs ? `${formatNumber(graphs.num_graphs)} decode graphs captured in ${graphs.seconds.toFixed(1)} s, `
       + `holding ${formatBytes(graphs.pool_bytes + graphs.output_bytes)}` : "no CUDA graphs (eager steps)",
   ].join("; ");
@@ -246,7 +267,7 @@ export function render(container) {
     h("section", { class: "card", "aria-labelledby": "tenants-title" },
       h("h2", { id: "tenants-title" }, "Tenants"), shareChart, tenants),
     h("section", { class: "card", "aria-labelledby": "resident-title" },
-      h("h2", { id: "resident-title" }, "Adapters in device slots"), resident),
+      h("h2", { id: "resident-title" }, "Adapters on the device"), resident),
     h("section", { class: "card", "aria-labelledby": "options-title" },
       h("h2", { id: "options-title" }, "Options and start-up"), options));
   poll();

@@ -119,15 +119,18 @@ class Adapter(BaseModel):
     num_requests_served: int
     is_loaded: bool = Field(description="In the engine's host tier now.")
     is_resident: bool = Field(description="In a device slot now.")
+    device_bytes: int = Field(0, description="Device memory it takes now (its slot's pages of the "
+                              "pool that the KV cache shares); 0 when not resident.")
 
     @classmethod
-    def of(cls, record: AdapterRecord, loaded: set[str], resident: set[str]) -> Adapter:
+    def of(cls, record: AdapterRecord, loaded: set[str], device_bytes: dict[str, int]) -> Adapter:
         return cls(tenant=record.tenant, name=record.name, digest=record.digest,
                    base_model=record.base_model, family=record.family, rank=record.rank,
                    alpha=record.alpha,
                    target_modules=list(record.target_modules), size_bytes=record.size_bytes,
                    created_at=record.created_at, num_requests_served=record.num_requests_served,
-                   is_loaded=record.digest in loaded, is_resident=record.digest in resident)
+                   is_loaded=record.digest in loaded, is_resident=record.digest in device_bytes,
+                   device_bytes=device_bytes.get(record.digest, 0))
 
 
 # System prompts --------------------------------------------------------------------------------
@@ -196,6 +199,14 @@ class ResidentAdapter(BaseModel):
     digest: str = Field(description=f"The adapter's identity. {IDENTITY}")
     names: list[str] = Field(description="`tenant/name` of every adapter in the registry with this "
                              "digest now (several names can share one copy; none if all were deleted).")
+    device_bytes: int = Field(0, description="Device memory it takes (its slot's pages of the pool).")
+
+
+class AdapterWait(BaseModel):
+    num_requests: int = Field(description="Ended requests that had an adapter.")
+    total_seconds: float = Field(description="Their waits for it, summed.")
+    buckets: dict[str, int] = Field(description="Requests by upper bound of their wait, in seconds "
+                                    '(not cumulative; "+Inf" last).')
 
 
 class TenantRequests(BaseModel):
@@ -243,7 +254,15 @@ class EngineState(BaseModel):
     relay_steps: int = Field(description="Decode steps that read shared prefixes once per group.")
     relay_groups: int = Field(description="Relay groups, summed over relay steps.")
     relay_members: int = Field(description="Requests in relay groups, summed over relay steps.")
-    num_adapter_slots: int
+    num_adapter_slots: int = Field(description="Adapter slots the pool has room for (the most "
+                                   "resident at once, max_loras when set).")
+    max_loras: int | None = Field(None, description="The cap on resident adapters, when set.")
+    pool_page_bytes: int = Field(0, description="Bytes of a page of the device pool (a KV block).")
+    pool_pages: dict[str, int] = Field(default_factory=dict, description='The device pool\'s pages by '
+                                       'kind: "kv" (held), "adapters" (lent to adapter slots, slot 0\'s '
+                                       'included), "free" (cached KV nobody holds among them).')
+    num_adapter_evictions: int = Field(0, description="Adapters evicted from the device so far.")
+    adapter_wait: AdapterWait | None = Field(None, description="Ended requests' waits for their adapter.")
     adapters_resident: list[ResidentAdapter] = Field(description="Adapters in device slots.")
     num_adapters_on_host: int = Field(description="Adapters in the engine's host tier.")
     host_tier_bytes: int
@@ -254,8 +273,9 @@ class EngineState(BaseModel):
     num_generated_tokens: int
     options: dict[str, Any] = Field(description="The engine's options, as `loraplex serve` flags "
                                     "(or their defaults) set them.")
-    memory: dict[str, int] = Field(description="How the engine shares its memory: KV blocks, adapter "
-                                   "slots and their sizes, what was set aside for activations and graphs.")
+    memory: dict[str, int | None] = Field(description="The engine's memory plan: the pool's pages and "
+                                          "their size, adapter slots and their pages, the KV cache's "
+                                          "cap, what was set aside for activations and graphs.")
     cuda_graphs: dict[str, Any] | None = Field(description="The decode graphs captured at start-up "
                                                "(none on CPU or with enforce_eager).")
     uptime_s: float

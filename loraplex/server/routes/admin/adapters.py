@@ -38,8 +38,9 @@ UPLOAD_FORM = {
 
 async def _adapters(services: Services, records: list) -> list[Adapter]:
     stats = (await services.monitor.refresh()).stats
-    on_host, resident = set(stats.adapters_on_host), set(stats.adapters_in_slots)
-    return [Adapter.of(record, on_host, resident) for record in records]
+    on_host = set(stats.adapters_on_host)
+    device_bytes = stats.adapter_device_bytes or dict.fromkeys(stats.adapters_in_slots, 0)
+    return [Adapter.of(record, on_host, device_bytes) for record in records]
 
 
 @router.get("", response_model=list[Adapter], summary="List adapters",

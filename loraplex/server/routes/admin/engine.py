@@ -8,10 +8,11 @@ from dataclasses import asdict
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
+from loraplex.engine.stats import Histogram
 from loraplex.server.auth import AdminDep
 from loraplex.server.deps import ServicesDep
 from loraplex.server.routes.docs import error_responses
-from loraplex.server.schemas.admin import EngineState, ResidentAdapter, TenantRequests
+from loraplex.server.schemas.admin import AdapterWait, EngineState, ResidentAdapter, TenantRequests
 
 router = APIRouter(tags=["Admin: engine"])
 
@@ -20,9 +21,10 @@ router = APIRouter(tags=["Admin: engine"])
             responses=error_responses(401, 403, 503))
 async def get_engine_state(admin: AdminDep, services: ServicesDep) -> EngineState:
     """Requests running, waiting and swapped (per tenant, with its weight and service), KV
-    blocks, preemptions and swapping, adapters in device slots and in
-    the host tier, the generation rate (tokens per second over the last few seconds), and the
-    engine's options, memory plan and captured graphs."""
+    blocks, the device pool's pages by kind (KV, adapters, free), preemptions and swapping,
+    adapters in device slots (with their bytes) and in the host tier, loads, evictions and
+    requests' waits for their adapters, the generation rate (tokens per second over the last
+    few seconds), and the engine's options, memory plan and captured graphs."""
     snapshot = await services.monitor.refresh()
     stats, llm = snapshot.stats, services.llm
     names = await run_in_threadpool(services.registry.adapters.names_by_digest, stats.adapters_in_slots)
@@ -50,15 +52,28 @@ async def get_engine_state(admin: AdminDep, services: ServicesDep) -> EngineStat
         prefix_cache_evicted_blocks=stats.prefix_evicted_blocks, kv_blocks_shared=stats.num_shared_kv_blocks,
         relay_steps=stats.num_relay_steps, relay_groups=stats.num_relay_groups,
         relay_members=stats.num_relay_members,
-        num_adapter_slots=stats.num_lora_slots,
-        adapters_resident=[ResidentAdapter(digest=digest, names=list(names[digest]))
+        num_adapter_slots=stats.num_lora_slots, max_loras=stats.max_loras,
+        pool_page_bytes=stats.pool_page_bytes, pool_pages=stats.pool_pages or {},
+        num_adapter_evictions=stats.num_adapter_evictions, adapter_wait=_adapter_wait(stats.adapter_wait),
+        adapters_resident=[ResidentAdapter(digest=digest, names=list(names[digest]),
+                                           device_bytes=(stats.adapter_device_bytes or {}).get(digest, 0))
                            for digest in stats.adapters_in_slots],
         num_adapters_on_host=len(stats.adapters_on_host), host_tier_bytes=stats.host_tier_bytes,
         max_host_tier_bytes=stats.max_host_tier_bytes, num_adapter_host_loads=stats.num_adapter_host_loads,
         num_adapter_slot_loads=stats.num_adapter_slot_loads,
         generation_tokens_per_second=snapshot.tokens_per_second,
         num_generated_tokens=stats.num_generated_tokens,
-        options=llm.config.options(), memory=asdict(llm.memory),
+        options=llm.config.options(),
+        memory=asdict(llm.memory) | {"num_kv_blocks": llm.memory.num_kv_blocks,
+                                     "slot_blocks": llm.memory.slot_blocks},
         cuda_graphs=None if llm.graphs is None else asdict(llm.graphs),
         uptime_s=time.time() - services.started_at,
     )
+
+
+def _adapter_wait(histogram: Histogram | None) -> AdapterWait | None:
+    if histogram is None:
+        return None
+    bounds = [str(bound) for bound in histogram.bounds] + ["+Inf"]
+    return AdapterWait(num_requests=histogram.count, total_seconds=histogram.total,
+                       buckets=dict(zip(bounds, histogram.counts)))
