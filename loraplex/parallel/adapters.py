@@ -27,12 +27,18 @@ from loraplex.parallel.sharding import COLUMN_GROUPS, ShardLayout
 SUPPORTED_FAMILIES = ("lora", "ia3", "flora")
 
 
+def check_adapter_family(family: str, world_size: int) -> None:
+    """Raise AdapterError for a family that tensor parallelism does not serve yet (checked by
+    the driver before any worker gets the adapter, and by each worker)."""
+    if world_size > 1 and family not in SUPPORTED_FAMILIES:
+        raise AdapterError(
+            f"{family} adapters are not supported under tensor parallelism yet "
+            f"(tensor_parallel_size {world_size}); supported: {', '.join(SUPPORTED_FAMILIES)}")
+
+
 def shard_host_adapter(host: HostAdapter, layout: ShardLayout) -> HostAdapter:
     """Rank `layout.rank`'s part of `host` (made for the full model)."""
-    if host.family not in SUPPORTED_FAMILIES:
-        raise AdapterError(
-            f"{host.family} adapters are not supported under tensor parallelism yet "
-            f"(tensor_parallel_size {layout.world_size}); supported: {', '.join(SUPPORTED_FAMILIES)}")
+    check_adapter_family(host.family, layout.world_size)
     a, b = dict(host.a), dict(host.b)
     out_scale = None if host.out_scale is None else dict(host.out_scale)
     in_scale = None if host.in_scale is None else dict(host.in_scale)

@@ -10,6 +10,7 @@ recovered) and WorkerError raised."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -21,6 +22,9 @@ import torch.multiprocessing as mp
 
 from loraplex.engine.lora_weights import HostAdapter
 from loraplex.engine.plan import StepPlan
+from loraplex.model.model_config import ModelConfig
+from loraplex.parallel.adapters import check_adapter_family
+from loraplex.parallel.sharding import check_tensor_parallel
 from loraplex.worker.commands import LoadAdapter, LoadModel, RunnerSpec, RunStep, Shutdown
 from loraplex.worker.process import run_worker
 from loraplex.worker.replies import Done, Failed, StepOutput
@@ -39,7 +43,8 @@ class TensorParallelWorkers:
     """`world_size` worker processes (spawned) in one gloo process group. Use as a context
     manager, or call `close()`: the processes are stopped on every path out."""
 
-    def __init__(self, world_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S, num_threads: int = 1) -> None:
+    def __init__(self, world_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 num_threads: int = 1) -> None:
         """`num_threads`: torch's CPU threads in each worker."""
         self.world_size, self.timeout_s = world_size, timeout_s
         # The rendezvous is a file, not a port: nothing to choose, nothing to collide with.
@@ -72,10 +77,16 @@ class TensorParallelWorkers:
         return [p.pid for p in self._processes]
 
     def load_model(self, spec: RunnerSpec) -> list[dict[str, tuple[int, ...]]]:
-        """Every rank builds its shard; returns each rank's parameter shapes."""
+        """Every rank builds its shard; returns each rank's parameter shapes. A model that does
+        not split over the ranks is refused here, before any worker reads it (ModelLoadError)."""
+        check_tensor_parallel(ModelConfig.load(spec.model), self.world_size)
         return self._call(LoadModel(spec))
 
     def load_adapter(self, slot: int, adapter: HostAdapter) -> None:
+        """Copy an adapter (laid out for the full model) into `slot` on every rank, each its
+        shard. A family not served under tensor parallelism is refused here (AdapterError), the
+        workers untouched."""
+        check_adapter_family(adapter.family, self.world_size)
         self._call(LoadAdapter(slot, adapter))
 
     def execute(self, plan: StepPlan, return_logits: bool = False) -> StepOutput:
@@ -87,8 +98,11 @@ class TensorParallelWorkers:
         if not self._conns:
             raise WorkerError("the workers are stopped")
         try:
-            for conn in self._conns:
-                conn.send(command)
+            for rank, conn in enumerate(self._conns):
+                try:
+                    conn.send(command)
+                except OSError:  # the pipe's other end is gone
+                    raise self._died(rank) from None
             return self._replies()
         except BaseException:
             self.close(grace_s=1.0)  # a rank may be stuck in a collective: no long wait
@@ -101,27 +115,30 @@ class TensorParallelWorkers:
         while pending:
             ready = wait(list(pending), timeout=max(deadline - time.monotonic(), 0))
             if not ready:
-                raise WorkerError(f"ranks {sorted(pending.values())} gave no answer in {self.timeout_s:.0f} s")
+                silent = sorted(pending.values())
+                raise WorkerError(f"ranks {silent} gave no answer in {self.timeout_s:.0f} s")
             for conn in ready:
                 rank = pending.pop(conn)
                 try:
                     reply = conn.recv()
-                except EOFError:
-                    code = self._processes[rank].exitcode
-                    raise WorkerError(f"worker rank {rank} died (exit code {code})") from None
+                except (EOFError, OSError):  # closed, or reset by the dying process
+                    raise self._died(rank) from None
                 if isinstance(reply, Failed):
                     raise WorkerError(f"worker rank {reply.rank} failed:\n{reply.error}")
                 assert isinstance(reply, Done)
                 answers[rank] = reply.value
         return [answers[rank] for rank in range(self.world_size)]
 
+    def _died(self, rank: int) -> WorkerError:
+        process = self._processes[rank]
+        process.join(1)
+        return WorkerError(f"worker rank {rank} died (exit code {process.exitcode})")
+
     def close(self, grace_s: float = STOP_GRACE_S) -> None:
         """Stop every worker (Shutdown; after `grace_s`, terminate; then kill); idempotent."""
         for conn in self._conns:
-            try:
+            with contextlib.suppress(OSError, ValueError):  # already gone
                 conn.send(Shutdown())
-            except (OSError, ValueError):
-                pass
         deadline = time.monotonic() + grace_s
         for process in self._processes:
             process.join(max(deadline - time.monotonic(), 0.1))

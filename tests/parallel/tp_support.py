@@ -1,0 +1,97 @@
+"""Run the single-process engine and record what it hands its runner (adapter slot loads and
+step plans, in order) with each step's tokens and logits, to replay into tensor-parallel
+workers."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from loraplex.engine.lora_weights import HostAdapter
+from loraplex.engine.plan import StepPlan, StepResult
+from loraplex.worker.commands import RunnerSpec
+from tests.factories import hf_config, save_byte_tokenizer
+
+
+def make_tiny_model(arch: str, folder: Path, **overrides):
+    """A random tiny model of `arch` (tests.factories' shapes, with `overrides`) saved to
+    `folder`; returns the transformers model."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(arch, **overrides)).eval()
+    with torch.no_grad():  # qwen2 biases start at zero; make them count
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    save_byte_tokenizer(folder)
+    return model
+
+
+@dataclass
+class RecordedStep:
+    plan: StepPlan
+    result: StepResult | None = None
+    logits: torch.Tensor | None = None
+
+
+@dataclass
+class Recording:
+    events: list[tuple[int, HostAdapter] | RecordedStep] = field(default_factory=list)
+    """Slot loads (slot, adapter) and steps, in the order the runner saw them."""
+
+    @property
+    def steps(self) -> list[RecordedStep]:
+        return [e for e in self.events if isinstance(e, RecordedStep)]
+
+
+def record(engine) -> Recording:
+    """Record the slot loads and steps of `engine` (synchronous scheduling) from now on."""
+    recording, runner, lora = Recording(), engine.runner, engine.lora
+    load, launch, collect = lora.load, runner.launch, runner.collect
+
+    def recording_load(slot: int, adapter: HostAdapter) -> None:
+        recording.events.append((slot, adapter))
+        load(slot, adapter)
+
+    def recording_launch(plan: StepPlan):
+        step = RecordedStep(copy.deepcopy(plan))
+        recording.events.append(step)
+        runner.on_logits = lambda ids, logits: setattr(step, "logits", logits.clone())
+        return launch(plan)
+
+    def recording_collect(launched):
+        result = collect(launched)
+        recording.steps[-1].result = result
+        return result
+
+    lora.load, runner.launch, runner.collect = recording_load, recording_launch, recording_collect
+    return recording
+
+
+def runner_spec(engine) -> RunnerSpec:
+    """The runner sizes of `engine`, for workers to build the same runner on their shards."""
+    config = engine.config
+    return RunnerSpec(
+        model=config.model, dtype="float32", device="cpu", max_model_len=engine.max_model_len,
+        num_kv_blocks=engine.memory.num_kv_blocks, block_size=config.cache.block_size,
+        num_lora_slots=engine.memory.num_lora_slots, max_lora_rank=config.lora.max_lora_rank,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        relay_attention=config.relay_attention)
+
+
+def replay(workers, recording: Recording) -> list[RecordedStep]:
+    """Send the recorded loads and steps to `workers`; their steps (tokens and logits)."""
+    replayed = []
+    for event in recording.events:
+        if isinstance(event, RecordedStep):
+            output = workers.execute(event.plan, return_logits=True)
+            replayed.append(RecordedStep(event.plan, output.result, output.logits))
+        else:
+            workers.load_adapter(*event)
+    return replayed
