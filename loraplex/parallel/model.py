@@ -13,7 +13,7 @@ query heads, KV heads and intermediate rows, see sharding.py), with
   [rows, vocab] logits would move twice the bytes.
 
 LoRA needs nothing more here: a rank's slot buffers have its shard config's shapes (column
-groups: B's rows split, A whole; row groups: A's columns split, B whole, see adapters.py), so
+groups: B's rows split, A whole; row groups: A's columns split, B whole, see loraplex/worker/adapters.py), so
 the row groups' LoRA partial sums ride the base all-reduce."""
 
 from __future__ import annotations

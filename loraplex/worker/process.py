@@ -13,16 +13,16 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from loraplex.engine.lora_weights import LoraSlotBuffers
+from loraplex.engine.lora_weights import HostAdapter, LoraSlotBuffers
 from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.relay_groups import RelayRule
 from loraplex.engine.sizing import resolve_dtype
 from loraplex.kernels import select_ops
 from loraplex.model.model_config import ModelConfig
-from loraplex.parallel.adapters import shard_host_adapter
 from loraplex.parallel.collectives import TensorParallelGroup
 from loraplex.parallel.loader import load_model_shard
 from loraplex.parallel.sharding import ShardLayout
+from loraplex.worker.adapters import dora_row_scales, shard_host_adapter
 from loraplex.worker.commands import LoadAdapter, LoadModel, RunnerSpec, RunStep, Shutdown
 from loraplex.worker.replies import Done, Failed, StepOutput
 
@@ -67,7 +67,7 @@ class Worker:
         if self.runner is None:
             raise RuntimeError(f"{type(command).__name__} before LoadModel")
         if isinstance(command, LoadAdapter):
-            self.runner.lora.load(command.slot, shard_host_adapter(command.adapter, self.layout))
+            self.load_adapter(command.slot, command.adapter)
             return None
         if isinstance(command, RunStep):
             return self.run_step(command)
@@ -95,6 +95,20 @@ class Worker:
         shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         shapes["kv_cache"] = tuple(kv_cache.shape)
         return shapes
+
+    def load_adapter(self, slot: int, adapter: HostAdapter) -> None:
+        """Copy the rank's shard of `adapter` into `slot`; a DoRA adapter's o and down scales
+        are then set from its row norms over every rank's columns."""
+        shard, lora = shard_host_adapter(adapter, self.layout), self.runner.lora
+        lora.load(slot, shard)
+        if shard.family != "dora":
+            return
+        base_weights = self.runner.model.group_weights
+        for name, scale in dora_row_scales(shard, base_weights, self.group).items():
+            lora.scale[name][:, slot].copy_(scale)
+            if name in lora.shift:  # o's bias: y <- scale (W0 x + delta) + bias (rank 0 holds it)
+                bias = torch.stack([base_weights(layer, name)[1] for layer in range(len(scale))])
+                lora.shift[name][:, slot].copy_((1 - scale) * bias.float())
 
     def run_step(self, command: RunStep) -> StepOutput | None:
         runner, logits = self.runner, []

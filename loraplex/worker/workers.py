@@ -23,7 +23,6 @@ import torch.multiprocessing as mp
 from loraplex.engine.lora_weights import HostAdapter
 from loraplex.engine.plan import StepPlan
 from loraplex.model.model_config import ModelConfig
-from loraplex.parallel.adapters import check_adapter_family
 from loraplex.parallel.sharding import check_tensor_parallel
 from loraplex.worker.commands import LoadAdapter, LoadModel, RunnerSpec, RunStep, Shutdown
 from loraplex.worker.process import run_worker
@@ -84,9 +83,7 @@ class TensorParallelWorkers:
 
     def load_adapter(self, slot: int, adapter: HostAdapter) -> None:
         """Copy an adapter (laid out for the full model) into `slot` on every rank, each its
-        shard. A family not served under tensor parallelism is refused here (AdapterError), the
-        workers untouched."""
-        check_adapter_family(adapter.family, self.world_size)
+        shard."""
         self._call(LoadAdapter(slot, adapter))
 
     def execute(self, plan: StepPlan, return_logits: bool = False) -> StepOutput:

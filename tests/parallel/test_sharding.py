@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from loraplex.engine.lora_weights import HostAdapter
-from loraplex.errors import AdapterError, ModelLoadError
+from loraplex.errors import ModelLoadError
 from loraplex.model.model_config import ModelConfig
-from loraplex.parallel.adapters import shard_host_adapter
 from loraplex.parallel.sharding import ShardLayout, check_tensor_parallel
+from loraplex.worker.adapters import shard_host_adapter
 from tests.factories import hf_config
 
 
@@ -91,8 +89,3 @@ def test_adapter_shards_follow_their_base_layer():
     assert torch.allclose(halves[0] + halves[1], whole, atol=1e-5)
 
 
-def test_dora_is_refused_under_tensor_parallelism():
-    c = config()
-    host = dataclasses.replace(_host(c, "dora"), magnitude={})
-    with pytest.raises(AdapterError, match="dora adapters are not supported under tensor parallelism"):
-        shard_host_adapter(host, ShardLayout(c, 0, 2))

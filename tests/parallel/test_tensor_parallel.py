@@ -1,7 +1,7 @@
 """TP=2 over gloo on CPU, float32: two worker processes run the single-process engine's step
 plans (adapter slot loads included) on their shards; tokens must match exactly and logits
 within 1e-5, for tiny Llama, Qwen2 and Mistral models, in batches that mix the base model with
-adapters of several families and share prompt prefixes (prefix cache, relay decode)."""
+adapters of every family (LoRA, DoRA, IA3, FLoRA) and share prompt prefixes (prefix cache, relay decode)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ import signal
 import pytest
 
 from loraplex import LLM, SamplingParams
-from loraplex.engine.lora_weights import HostAdapter
-from loraplex.errors import AdapterError, ModelLoadError
+from loraplex.errors import ModelLoadError
 from loraplex.worker.commands import RunnerSpec
 from loraplex.worker.workers import TensorParallelWorkers, WorkerError
-from tests.factories import ADAPTERS, make_adapter, make_flora_adapter, make_ia3_adapter
+from tests.factories import ADAPTERS, make_adapter, make_dora_adapter, make_flora_adapter, make_ia3_adapter
 from tests.parallel.conftest import one_torch_thread
 from tests.parallel.tp_support import make_tiny_model, record, replay, runner_spec
 
@@ -36,6 +35,8 @@ def tiny(request, tmp_path_factory):
         hf = make_tiny_model(arch, folder / "model", **ARCHS[arch])
         adapters = {spec.name: make_adapter(hf, spec, folder, seed=i)
                     for i, spec in enumerate(ADAPTERS[1:4:2], 1)}  # all8 (all seven), pattern
+        adapters["dora"] = make_dora_adapter(hf, folder / "dora", ("q_proj", "v_proj", "o_proj", "down_proj"),
+                                             rank=4, alpha=8)
         adapters["ia3"] = make_ia3_adapter(hf, folder / "ia3", ("k_proj", "v_proj", "o_proj", "down_proj"),
                                            ("down_proj",))
         adapters["flora"] = make_flora_adapter(hf, folder / "flora",
@@ -52,8 +53,9 @@ def test_tp2_matches_one_process(tiny, tp2_workers):
     recording = record(llm.engine)
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
     llm.generate(prompt_token_ids=[[5, 6, 7, 8, 9], [10] * 19], sampling_params=greedy)  # no adapter
-    names = [None, "all8", "pattern", "ia3", "flora", "all8", None, "flora"]
-    prompts = [SYSTEM + [100 + i] * (1 + i % 3) if i < 6 else [200 + i] * (3 + i) for i in range(len(names))]
+    names = [None, "all8", "pattern", "ia3", "flora", "dora", "all8", None, "flora", "dora"]
+    # the first 7 share a prefix (the two all8 ones form a relay group), the last 3 do not
+    prompts = [SYSTEM + [100 + i] * (1 + i % 3) if i < 7 else [200 + i] * (3 + i) for i in range(len(names))]
     llm.generate(prompt_token_ids=prompts, sampling_params=greedy, adapters=names)
     assert llm.engine.runner.inputs.num_relay_steps > 0  # some decode step read the shared prefix once
 
@@ -89,12 +91,6 @@ def test_heads_that_do_not_split_are_refused_before_loading(tmp_path):
     refusal = "tensor_parallel_size 4 does not divide the model's 2 attention heads"
     with pytest.raises(ModelLoadError, match=refusal):
         TensorParallelWorkers.load_model(_NoWorkers(4), RunnerSpec(str(tmp_path)))
-
-
-def test_dora_is_refused_before_any_worker_gets_it():
-    host = HostAdapter("digest", 2, {}, {}, {}, family="dora")
-    with pytest.raises(AdapterError, match="dora adapters are not supported under tensor parallelism"):
-        TensorParallelWorkers.load_adapter(_NoWorkers(2), 1, host)
 
 
 class _NoWorkers:
