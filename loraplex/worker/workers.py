@@ -72,6 +72,10 @@ class TensorParallelWorkers:
         self.close()
 
     @property
+    def is_closed(self) -> bool:
+        return not self._conns
+
+    @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._processes]
 

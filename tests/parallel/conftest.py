@@ -28,9 +28,17 @@ def _one_torch_thread():
 
 
 @pytest.fixture(scope="session")
-def tp2_workers():
+def _tp2_pool():
+    pool: list[TensorParallelWorkers] = []
+    yield pool
+    for workers in pool:
+        workers.close()
+
+
+@pytest.fixture
+def tp2_workers(_tp2_pool):
     """Two CPU worker processes in one gloo group, shared by the tests (spawning them costs
-    seconds); each test loads its own model into them. Stopped at the end of the session, or
-    at once when a command fails."""
-    with TensorParallelWorkers(2, timeout_s=120) as workers:
-        yield workers
+    seconds), started again after a test that made them stop; each test loads its own model."""
+    if not _tp2_pool or _tp2_pool[-1].is_closed:
+        _tp2_pool.append(TensorParallelWorkers(2, timeout_s=120))
+    return _tp2_pool[-1]

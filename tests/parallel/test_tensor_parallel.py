@@ -11,6 +11,7 @@ import signal
 import pytest
 
 from loraplex import LLM, SamplingParams
+from loraplex.engine.lora_weights import HostAdapter
 from loraplex.errors import ModelLoadError
 from loraplex.worker.commands import RunnerSpec
 from loraplex.worker.workers import TensorParallelWorkers, WorkerError
@@ -103,6 +104,23 @@ class _NoWorkers:
         raise AssertionError("a worker was called")
 
 
+def test_a_failing_worker_is_reported_with_its_traceback_and_all_stopped(tp2_workers):
+    pids = tp2_workers.pids
+    no_slot = HostAdapter("digest", 1, {}, {}, {})
+    with pytest.raises(WorkerError, match="(?s)rank [01] failed:.*(slot 999 out of range|before LoadModel)"):
+        tp2_workers.load_adapter(999, no_slot)
+    _check_gone(pids)
+    with pytest.raises(WorkerError, match="stopped"):
+        tp2_workers.execute(None)
+
+
+def _check_gone(pids: list[int]) -> None:
+    """Every worker stopped and reaped."""
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 def test_a_dead_worker_is_reported_and_the_others_stopped(tmp_path):
     make_tiny_model("llama", tmp_path)
     workers = TensorParallelWorkers(2, timeout_s=30)
@@ -111,8 +129,6 @@ def test_a_dead_worker_is_reported_and_the_others_stopped(tmp_path):
         os.kill(pids[1], signal.SIGKILL)
         with pytest.raises(WorkerError, match="rank 1 died"):
             workers.load_model(RunnerSpec(str(tmp_path), num_kv_blocks=4))
-        for pid in pids:  # both stopped and reaped
-            with pytest.raises(ProcessLookupError):
-                os.kill(pid, 0)
+        _check_gone(pids)
     finally:
         workers.close()
