@@ -28,6 +28,9 @@ class RunnerSpec:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     relay_attention: Literal["auto", "always", "off"] = "auto"
+    num_host_blocks: int = 0
+    """The host pool that preempted requests' KV is swapped to (each rank swaps its shard of a
+    block); 0: none, and a plan that swaps is refused."""
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,8 @@ class Worker:
                                base_weights=model.group_weights)
         self.layout = layout
         self.runner = ModelRunner(model, kv_cache, lora, ops, spec.max_num_seqs, spec.max_num_batched_tokens,
-                                  spec.max_model_len, relay=RelayRule(spec.relay_attention))
+                                  spec.max_model_len, num_host_blocks=spec.num_host_blocks,
+                                  relay=RelayRule(spec.relay_attention))
         shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         shapes["kv_cache"] = tuple(kv_cache.shape)
         return shapes
@@ -112,6 +113,9 @@ class Worker:
 
     def run_step(self, command: RunStep) -> StepOutput | None:
         runner, logits = self.runner, []
+        if (command.plan.swap_out or command.plan.swap_in) and runner.swapper is None:
+            raise ValueError("the plan swaps KV blocks, but the workers have no host pool "
+                             "(num_host_blocks 0)")
         is_driver_rank = self.group.rank == 0
         runner.on_logits = (lambda ids, step_logits: logits.append(step_logits.clone())) \
             if command.return_logits and is_driver_rank else None

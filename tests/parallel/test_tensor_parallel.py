@@ -47,8 +47,9 @@ def tiny(request, tmp_path_factory):
 
 def test_tp2_matches_one_process(tiny, tp2_workers):
     arch, model, adapters = tiny
-    llm = LLM(model, device="cpu", dtype="float32", cpu_kv_cache_bytes=2 << 20, swap_space=0,
-              max_loras=len(adapters), max_lora_rank=16, relay_attention="always")
+    # 20 blocks of 16 tokens for 10 requests of 3 blocks: some are preempted and swapped out
+    llm = LLM(model, device="cpu", dtype="float32", num_kv_blocks=20, swap_space=0.01,
+              max_num_batched_tokens=64, max_loras=len(adapters), max_lora_rank=16, relay_attention="always")
     for name, path in adapters.items():
         llm.add_adapter(name, path)
     recording = record(llm.engine)
@@ -57,8 +58,10 @@ def test_tp2_matches_one_process(tiny, tp2_workers):
     names = [None, "all8", "pattern", "ia3", "flora", "dora", "all8", None, "flora", "dora"]
     # the first 7 share a prefix (the two all8 ones form a relay group), the last 3 do not
     prompts = [SYSTEM + [100 + i] * (1 + i % 3) if i < 7 else [200 + i] * (3 + i) for i in range(len(names))]
-    llm.generate(prompt_token_ids=prompts, sampling_params=greedy, adapters=names)
+    longer = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)  # grows past its blocks
+    llm.generate(prompt_token_ids=prompts, sampling_params=longer, adapters=names)
     assert llm.engine.runner.inputs.num_relay_steps > 0  # some decode step read the shared prefix once
+    assert llm.engine.scheduler.num_blocks_swapped_in > 0
 
     shapes = tp2_workers.load_model(runner_spec(llm.engine))
     _check_shard_shapes(llm.engine.model_config, shapes)

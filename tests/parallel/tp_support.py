@@ -82,7 +82,8 @@ def runner_spec(engine) -> RunnerSpec:
         num_lora_slots=engine.memory.num_lora_slots, max_lora_rank=config.lora.max_lora_rank,
         max_num_seqs=config.scheduler.max_num_seqs,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-        relay_attention=config.relay_attention)
+        relay_attention=config.relay_attention,
+        num_host_blocks=0 if engine.runner.swapper is None else len(engine.runner.swapper.host))
 
 
 def replay(workers, recording: Recording) -> list[RecordedStep]:
