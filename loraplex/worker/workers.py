@@ -52,6 +52,7 @@ class TensorParallelWorkers:
         context = mp.get_context("spawn")
         self._conns: list[Connection] = []
         self._processes: list[Any] = []
+        self._num_launched = 0  # steps sent and not yet collected
         try:
             for rank in range(world_size):
                 parent, child = context.Pipe()
@@ -92,22 +93,45 @@ class TensorParallelWorkers:
 
     def execute(self, plan: StepPlan, return_logits: bool = False) -> StepOutput:
         """Run one step on every rank; rank 0's tokens (and logits, when asked)."""
-        return self._call(RunStep(plan, return_logits))[0]
+        self.launch(plan, return_logits)
+        return self.collect()
+
+    def launch(self, plan: StepPlan, return_logits: bool = False) -> None:
+        """Queue a step on every rank and return at once: the driver may plan and launch the
+        next before it collects this one (the ranks run their commands in order)."""
+        self._guarded(self._send, RunStep(plan, return_logits))
+        self._num_launched += 1
+
+    def collect(self) -> StepOutput:
+        """The oldest launched step's output (waits for it)."""
+        if not self._num_launched:
+            raise RuntimeError("no step launched")
+        self._num_launched -= 1
+        return self._guarded(self._replies)[0]
 
     def _call(self, command: Any) -> list[Any]:
         """Send `command` to every rank; their answers in rank order."""
+        if self._num_launched:
+            raise RuntimeError(f"collect the {self._num_launched} launched steps first")
+        self._guarded(self._send, command)
+        return self._guarded(self._replies)
+
+    def _guarded(self, fn: Any, *args: Any) -> Any:
+        """fn(*args); on any failure the workers are stopped and the error raised."""
         if not self._conns:
             raise WorkerError("the workers are stopped")
         try:
-            for rank, conn in enumerate(self._conns):
-                try:
-                    conn.send(command)
-                except OSError:  # the pipe's other end is gone
-                    raise self._died(rank) from None
-            return self._replies()
+            return fn(*args)
         except BaseException:
             self.close(grace_s=1.0)  # a rank may be stuck in a collective: no long wait
             raise
+
+    def _send(self, command: Any) -> None:
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send(command)
+            except OSError:  # the pipe's other end is gone
+                raise self._died(rank) from None
 
     def _replies(self) -> list[Any]:
         answers: dict[int, Any] = {}
@@ -152,5 +176,5 @@ class TensorParallelWorkers:
                 process.join()
         for conn in self._conns:
             conn.close()
-        self._conns, self._processes = [], []
+        self._conns, self._processes, self._num_launched = [], [], 0
         shutil.rmtree(self._store_dir, ignore_errors=True)

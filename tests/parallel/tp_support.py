@@ -87,12 +87,24 @@ def runner_spec(engine) -> RunnerSpec:
 
 
 def replay(workers, recording: Recording) -> list[RecordedStep]:
-    """Send the recorded loads and steps to `workers`; their steps (tokens and logits)."""
-    replayed = []
+    """Send the recorded loads and steps to `workers`; their steps (tokens and logits). Each
+    step is launched before the one before it is collected (as async scheduling will)."""
+    replayed, launched = [], []
+
+    def collect_one() -> None:
+        plan, output = launched.pop(0), workers.collect()
+        replayed.append(RecordedStep(plan, output.result, output.logits))
+
     for event in recording.events:
         if isinstance(event, RecordedStep):
-            output = workers.execute(event.plan, return_logits=True)
-            replayed.append(RecordedStep(event.plan, output.result, output.logits))
+            workers.launch(event.plan, return_logits=True)
+            launched.append(event.plan)
+            if len(launched) == 2:
+                collect_one()
         else:
+            while launched:  # a slot load waits for the steps in flight
+                collect_one()
             workers.load_adapter(*event)
+    while launched:
+        collect_one()
     return replayed
