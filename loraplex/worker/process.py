@@ -39,7 +39,7 @@ def run_worker(rank: int, world_size: int, init_method: str, conn: Connection, t
         while True:
             try:
                 command = conn.recv()
-            except EOFError:  # the driver is gone
+            except (EOFError, OSError):  # the driver is gone
                 return
             if isinstance(command, Shutdown):
                 conn.send(Done(rank))

@@ -1,24 +1,9 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import pytest
-import torch
 
 from loraplex.worker.workers import TensorParallelWorkers
-
-
-@contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """Tiny models on a shared CPU: one thread is 20x faster than two contended ones (a
-    single-process step fell from 0.37 s to 0.02 s); the workers run one thread each too."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+from tests.parallel.tp_support import one_torch_thread
 
 
 @pytest.fixture(autouse=True)

@@ -16,8 +16,7 @@ from loraplex.errors import ModelLoadError
 from loraplex.worker.commands import RunnerSpec
 from loraplex.worker.workers import TensorParallelWorkers, WorkerError
 from tests.factories import ADAPTERS, make_adapter, make_dora_adapter, make_flora_adapter, make_ia3_adapter
-from tests.parallel.conftest import one_torch_thread
-from tests.parallel.tp_support import make_tiny_model, record, replay, runner_spec
+from tests.parallel.tp_support import make_tiny_model, one_torch_thread, record, replay, runner_spec
 
 ARCHS = {
     "llama": {},  # 4 query heads, 2 KV heads: 2 and 1 a rank
