@@ -18,10 +18,12 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 from loraplex.engine.lora_weights import HostAdapter
 from loraplex.engine.plan import StepPlan
+from loraplex.errors import ModelLoadError
 from loraplex.model.model_config import ModelConfig
 from loraplex.parallel.sharding import check_tensor_parallel
 from loraplex.worker.commands import LoadAdapter, LoadModel, RunnerSpec, RunStep, Shutdown
@@ -82,8 +84,12 @@ class TensorParallelWorkers:
 
     def load_model(self, spec: RunnerSpec) -> list[dict[str, tuple[int, ...]]]:
         """Every rank builds its shard; returns each rank's parameter shapes. A model that does
-        not split over the ranks is refused here, before any worker reads it (ModelLoadError)."""
+        not split over the ranks, or more ranks than GPUs, is refused here, before any worker
+        reads the model (ModelLoadError)."""
         check_tensor_parallel(ModelConfig.load(spec.model), self.world_size)
+        if torch.device(spec.device).type == "cuda" and self.world_size > torch.cuda.device_count():
+            raise ModelLoadError(f"tensor_parallel_size {self.world_size} needs as many GPUs; "
+                                 f"{torch.cuda.device_count()} present", param="tensor_parallel_size")
         return self._call(LoadModel(spec))
 
     def load_adapter(self, slot: int, adapter: HostAdapter) -> None:

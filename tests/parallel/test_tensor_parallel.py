@@ -9,6 +9,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 from loraplex import LLM, SamplingParams
 from loraplex.engine.lora_weights import HostAdapter
@@ -94,6 +95,13 @@ def test_heads_that_do_not_split_are_refused_before_loading(tmp_path):
     refusal = "tensor_parallel_size 4 does not divide the model's 2 attention heads"
     with pytest.raises(ModelLoadError, match=refusal):
         TensorParallelWorkers.load_model(_NoWorkers(4), RunnerSpec(str(tmp_path)))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 4, reason="needs fewer than 4 GPUs")
+def test_more_ranks_than_gpus_are_refused_before_loading(tmp_path):
+    make_tiny_model("llama", tmp_path)
+    with pytest.raises(ModelLoadError, match="tensor_parallel_size 4 needs as many GPUs"):
+        TensorParallelWorkers.load_model(_NoWorkers(4), RunnerSpec(str(tmp_path), device="cuda"))
 
 
 class _NoWorkers:
