@@ -66,24 +66,28 @@ class Recording:
 def record(engine) -> Recording:
     """Record the slot loads and steps of `engine` (synchronous scheduling) from now on."""
     recording, runner, lora = Recording(), engine.runner, engine.lora
-    load, launch, collect = lora.load, runner.launch, runner.collect
+    # where a step's plan enters the runner: `begin` where structured outputs split the launch
+    # in two (begin, then finish with the masks), else `launch`
+    entry = "begin" if hasattr(runner, "begin") else "launch"
+    load, start, collect = lora.load, getattr(runner, entry), runner.collect
 
     def recording_load(slot: int, adapter: HostAdapter) -> None:
         recording.events.append((slot, adapter))
         load(slot, adapter)
 
-    def recording_launch(plan: StepPlan):
+    def recording_start(plan: StepPlan, *args, **kwargs):
         step = RecordedStep(copy.deepcopy(plan))
         recording.events.append(step)
         runner.on_logits = lambda ids, logits: setattr(step, "logits", logits.clone())
-        return launch(plan)
+        return start(plan, *args, **kwargs)
 
     def recording_collect(launched):
         result = collect(launched)
         recording.steps[-1].result = result
         return result
 
-    lora.load, runner.launch, runner.collect = recording_load, recording_launch, recording_collect
+    lora.load, runner.collect = recording_load, recording_collect
+    setattr(runner, entry, recording_start)
     return recording
 
 
