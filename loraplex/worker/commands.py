@@ -1,0 +1,66 @@
+"""What the driver sends to every worker (plain, picklable data)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from loraplex.engine.lora_weights import HostAdapter
+from loraplex.engine.plan import StepPlan
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """A model and the runner around it, as every rank builds its shard of them. Sizes come
+    from the driver's memory plan, so that its block and slot ids mean the same on every rank."""
+
+    model: str
+    """A local Hugging Face model folder."""
+    dtype: str = "float32"
+    """"float32", "bfloat16" or "float16"."""
+    device: str = "cpu"
+    """"cpu" (gloo), or "cuda" (rank r on GPU r; not built yet)."""
+    max_model_len: int = 512
+    num_kv_blocks: int = 64
+    block_size: int = 16
+    num_lora_slots: int = 4
+    max_lora_rank: int = 16
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    relay_attention: Literal["auto", "always", "off"] = "auto"
+    num_host_blocks: int = 0
+    """The host pool that preempted requests' KV is swapped to (each rank swaps its shard of a
+    block); 0: none, and a plan that swaps is refused."""
+
+
+@dataclass(frozen=True)
+class LoadModel:
+    """Build (or replace) the rank's model shard and runner. Replies the shard's parameter
+    shapes (name -> shape)."""
+
+    spec: RunnerSpec
+
+
+@dataclass(frozen=True)
+class LoadAdapter:
+    """Copy an adapter (laid out for the full model) into a slot; each rank keeps its shard."""
+
+    slot: int
+    adapter: HostAdapter
+
+
+@dataclass(frozen=True)
+class RunStep:
+    """Run one step plan to its sampled tokens. Rank 0 replies a StepOutput."""
+
+    plan: StepPlan
+    return_logits: bool = False
+    """Rank 0 also returns the step's logits [num_samples, vocab] (tests, benchmarks)."""
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Leave the process group and exit."""
+
+
+Command = LoadModel | LoadAdapter | RunStep | Shutdown
