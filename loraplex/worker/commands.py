@@ -22,6 +22,9 @@ class RunnerSpec:
     """"cpu" (gloo), or "cuda" (rank r on GPU r; not built yet)."""
     max_model_len: int = 512
     num_kv_blocks: int = 64
+    """KV blocks a rank's cache has: the driver's block id space, its pool's pages (the driver
+    hands KV blocks out of one pool with the adapter slots; a rank's slots have memory of their
+    own for now, so the pages that adapters take there stay unused in a rank's cache)."""
     block_size: int = 16
     num_lora_slots: int = 4
     max_lora_rank: int = 16

@@ -96,7 +96,7 @@ def runner_spec(engine) -> RunnerSpec:
     config = engine.config
     return RunnerSpec(
         model=config.model, dtype="float32", device="cpu", max_model_len=engine.max_model_len,
-        num_kv_blocks=engine.memory.num_kv_blocks, block_size=config.cache.block_size,
+        num_kv_blocks=engine.memory.num_pool_blocks, block_size=config.cache.block_size,
         num_lora_slots=engine.memory.num_lora_slots, max_lora_rank=config.lora.max_lora_rank,
         max_num_seqs=config.scheduler.max_num_seqs,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
