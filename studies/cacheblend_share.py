@@ -34,7 +34,8 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 SHARES = (0.0, 0.05, 0.10, 0.15, 0.20, 0.30, 1.0)
-SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+SYSTEM = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+          "<|im_end|>\n")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -246,7 +247,8 @@ def main() -> None:
                 "first_logprob_error": round(abs(logprob - reference_logprob), 5),
                 "answer": tokenizer.decode(answer)}
         rows.append(row)
-        print(json.dumps({"question": q, **{s: (r["agreement"], r["rouge_l"]) for s, r in row["shares"].items()}}),
+        scores = {share: (cell["agreement"], cell["rouge_l"]) for share, cell in row["shares"].items()}
+        print(json.dumps({"question": q, **scores}),
               flush=True)
     summary = {}
     for share in SHARES:

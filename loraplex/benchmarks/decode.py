@@ -362,7 +362,8 @@ def _print_row(row: dict[str, Any]) -> None:
           f"{row['tok_s']:9.1f} tok/s  step {row['step_ms']:8.2f} ms  "
           f"floor {row['floor_step_ms']:7.2f} ms ({row['floor_tok_s']:9.1f} tok/s)  "
           f"{100 * row['fraction_of_floor']:5.1f}% of floor ({row['floor_binding']})"
-          + (f"  {row['distinct_adapters']} distinct adapters" if "distinct_adapters" in row else ""), flush=True)
+          + (f"  {row['distinct_adapters']} distinct adapters" if "distinct_adapters" in row else ""),
+          flush=True)
 
 
 def plot(json_path: Path, png_path: Path) -> None:

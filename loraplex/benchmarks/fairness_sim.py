@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for seed in args.seed:
         workload = FairnessWorkload(seed=seed, system_prompt_len=args.system_prompt_len)
-        config = FairnessSimConfig(workload=workload, max_capped_prefill_tokens=args.max_capped_prefill_tokens)
+        config = FairnessSimConfig(workload=workload,
+                                   max_capped_prefill_tokens=args.max_capped_prefill_tokens)
         result = simulate(config)
         for name, run in result["runs"].items():
             print(f"seed {seed} {name:28s} {json.dumps({k: run[k] for k in run if k != 'policy'})}")
