@@ -112,9 +112,7 @@ def test_add_a_system_prompt_and_view_it_with_its_token_count(admin_page, server
     go_to(page, "System prompts")
     page.get_by_label("Tenant", exact=True).select_option("demo")
     adapter = page.get_by_label("Adapter")
-    # The tenant's adapters arrive by a fetch that waits for the engine's stats (a busy engine
-    # thread on a loaded machine took longer than the default 5 s once in four suite runs).
-    expect(adapter.locator('option[value="pirate"]')).to_have_count(1, timeout=20_000)
+    expect(adapter.locator('option[value="pirate"]')).to_have_count(1)
     page.get_by_label("Name", exact=True).fill("ui-tea")
     adapter.select_option("pirate")
     text = "You are a helpful assistant who answers questions about tea.\nKeep answers short."

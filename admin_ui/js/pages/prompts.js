@@ -28,14 +28,21 @@ function addForm(onAdded) {
   const alert = formAlert();
   const submit = h("button", { type: "submit", class: "button" }, "Add prompt");
 
+  // The latest tenant's adapters win: a slower answer for the tenant chosen before (the page
+  // loads the first tenant's at once) must not replace them.
+  let latest = 0;
   async function loadAdapters() {
-    if (!tenant.value()) return;
+    const chosen = tenant.value();
+    if (!chosen) return;
+    const ticket = ++latest;
+    let options = [NO_ADAPTER];
     try {
-      const adapters = await api.adapters.list(tenant.value());
-      adapter.setOptions([NO_ADAPTER, ...adapters.map((a) => ({ value: a.name, label: a.name }))]);
+      const adapters = await api.adapters.list(chosen);
+      options = [NO_ADAPTER, ...adapters.map((a) => ({ value: a.name, label: a.name }))];
     } catch {
-      adapter.setOptions([NO_ADAPTER]);
+      // no adapters offered: the prompt can still be added unbound
     }
+    if (ticket === latest) adapter.setOptions(options);
   }
   tenant.input.addEventListener("change", loadAdapters);
 
