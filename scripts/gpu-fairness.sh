@@ -39,8 +39,10 @@ for stage in "$@"; do
         variant:*)
             IFS=: read -r _ name runs <<< "$stage"
             mkdir -p "$OUT/$name"
+            # -P: `python -m` puts the working directory (this tree) before PYTHONPATH on the
+            # path, which ran this tree's package instead of the variant's until 2a1c05f
             LORAPLEX_COMMIT="$COMMIT+$name" PYTHONPATH=".device/$name" \
-                python3 -m loraplex.benchmarks fairness --runs "$runs" --out "$OUT/$name" 2>&1 \
+                python3 -P -m loraplex.benchmarks fairness --runs "$runs" --out "$OUT/$name" 2>&1 \
                 | tee "$OUT/$name/fairness.log" | tail -8
             ;;
         *)

@@ -84,8 +84,18 @@ def group_figures(arrived: dict[str, tuple[float, str]], token_s: dict[str, list
         tbt = [b - a for r in ids for a, b in zip(token_s.get(r, []), token_s.get(r, [])[1:])]
         figures[group] = {"requests": len(ids), "started": sum(bool(token_s.get(r)) for r in ids),
                           "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
-                          "tbt_p50_s": _pct(tbt, 50), "tbt_p99_s": _pct(tbt, 99)}
+                          "tbt_p50_s": _pct(tbt, 50), "tbt_p99_s": _pct(tbt, 99),
+                          "slowest_starts": _slowest(ids, ttft, arrived)}
     return figures
+
+
+def _slowest(ids: list[str], ttft: list[float], arrived: dict[str, tuple[float, str]],
+             count: int = 5) -> list[dict[str, Any]]:
+    """The `count` requests that waited longest for their first token: when each arrived and
+    how long it waited, so that a tail can be told apart as a run's start (cold adapters, every
+    tenant at once) or its steady state."""
+    worst = sorted(zip(ttft, ids), reverse=True)[:count]
+    return [{"request": r, "arrival_s": round(arrived[r][0], 3), "ttft_s": round(t, 4)} for t, r in worst]
 
 
 def summarize(runs: dict[str, dict[str, Any]]) -> dict[str, float | None]:

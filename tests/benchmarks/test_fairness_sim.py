@@ -22,6 +22,10 @@ def test_light_tenants_keep_their_latency_beside_a_flooding_tenant(seed_0):
     assert summary["light p99 TTFT vs alone (vtc)"] <= 1.5, summary
     assert summary["light p99 TTFT vs alone (fcfs)"] > 10, summary  # the flood is real
     assert summary["throughput vtc / fcfs"] >= 0.95, summary
+    light = seed_0["runs"]["vtc"]["light"]  # the tail's requests, for telling start-up from steady state
+    slowest = light["slowest_starts"]
+    assert len(slowest) == 5 and slowest[0]["ttft_s"] == max(s["ttft_s"] for s in slowest)
+    assert slowest[0]["ttft_s"] >= light["ttft_p99_s"]
 
 
 def test_the_prompt_chunk_cap_shortens_the_light_tenants_time_between_tokens(seed_0):
