@@ -72,6 +72,8 @@ class PagedGroup:
     """[num_slots] int64 into the pool as float32; -1: none."""
     shift_at: torch.Tensor
     """[num_slots] int64 into the pool as float32; -1: none."""
+    in_scale_at: torch.Tensor
+    """[num_slots] int64 into the pool as float32 (IA3's input vector); -1: none."""
     pages: list[list[int]]
     """The pool pages each slot holds (slot 0: none)."""
 
@@ -80,13 +82,15 @@ def page_slot_group(
     pool: torch.Tensor, page_bytes: int, take_page: Callable[[], int], lora_a: torch.Tensor,
     lora_bt: torch.Tensor, ranks: torch.Tensor, slice_offsets: tuple[int, ...],
     scale: torch.Tensor | None = None, shift: torch.Tensor | None = None,
-    scaled: Sequence[bool] | None = None,
+    scaled: Sequence[bool] | None = None, in_scale: torch.Tensor | None = None,
+    in_scaled: Sequence[bool] | None = None,
 ) -> PagedGroup:
     """Copy dense slot buffers of one group into rank pages of `pool` (a uint8 vector of pages
     of page_bytes), each slot into pool pages of its own from take_page(). lora_a [num_slots,
     num_slices, max_rank, in], lora_bt [num_slots, max_rank, out] (B transposed: FLoRA's slot
     layout, or lora_b.transpose(1, 2)), ranks [num_slots, num_slices]; scale, shift [num_slots,
-    out] float32 for the slots that set `scaled`. Slot 0 stays empty. Used by the tests and the
+    out] float32 for the slots that set `scaled`, in_scale [num_slots, in] float32 for those that
+    set `in_scaled`. Slot 0 stays empty. Used by the tests and the
     paged-vs-slots benchmark; the engine packs a whole adapter the same way."""
     num_slots, num_slices, max_rank, in_features = lora_a.shape
     element = lora_a.element_size()
@@ -96,7 +100,7 @@ def page_slot_group(
     a_pages = torch.zeros(num_slots, num_slices, max_pages, dtype=torch.int64)
     b_pages = torch.zeros_like(a_pages)
     scale_at = torch.full((num_slots,), -1, dtype=torch.int64)
-    shift_at = scale_at.clone()
+    shift_at, in_scale_at = scale_at.clone(), scale_at.clone()
     held: list[list[int]] = [[]]
     slot_ranks = ranks.tolist()
     for slot in range(1, num_slots):
@@ -114,6 +118,9 @@ def page_slot_group(
             if shift is not None:
                 blocks.append(("shift", 0, 0, shift[slot]))
             sizes += [4 * slice_offsets[-1]] * (len(blocks) - len(sizes))
+        if in_scaled is not None and in_scaled[slot]:
+            blocks.append(("in_scale", 0, 0, in_scale[slot]))
+            sizes.append(4 * in_features)
         num_pages, placed = place_blocks(sizes, page_bytes)
         pages = [take_page() for _ in range(num_pages)]
         held.append(pages)
@@ -124,8 +131,8 @@ def page_slot_group(
                 table[slot, s, p] = at // element
                 weights[at // element:at // element + source.numel()].copy_(source.reshape(-1))
             else:
-                (scale_at if kind == "scale" else shift_at)[slot] = at // 4
+                {"scale": scale_at, "shift": shift_at, "in_scale": in_scale_at}[kind][slot] = at // 4
                 vectors[at // 4:at // 4 + source.numel()].copy_(source)
     device = pool.device
     return PagedGroup(a_pages.to(device), b_pages.to(device), scale_at.to(device), shift_at.to(device),
-                      held)
+                      in_scale_at.to(device), held)
