@@ -47,17 +47,34 @@ def place_blocks(sizes: Sequence[int], page_bytes: int) -> tuple[int, list[tuple
     return len(used), placed
 
 
-def adapter_rank_page_bytes(config: ModelConfig, rank: int, dtype: torch.dtype) -> int:
-    """Bytes of the rank pages of an adapter of `rank` on every module (before packing into pool
-    pages): proportional to the rank in steps of PAGE_RANK."""
-    from loraplex.engine.lora_weights import group_dims
+def adapter_page_sizes(config: ModelConfig, rank: int, dtype: torch.dtype,
+                       with_vectors: bool = False) -> list[int]:
+    """Bytes of each rank page of an adapter of `rank` on every module, layer by layer (A's
+    [PAGE_RANK, in], B transposed's [PAGE_RANK, width] of each slice), and with_vectors (DoRA,
+    IA3) its float32 vectors: every group's output, o's and down's input."""
+    from loraplex.engine.lora_weights import INPUT_SCALE_GROUPS, group_dims
 
     element = torch.empty((), dtype=dtype).element_size()
-    total = 0
-    for group, modules in LORA_GROUPS.items():
-        in_features, offsets = group_dims(config, group)
-        total += num_rank_pages(rank) * PAGE_RANK * (len(modules) * in_features + offsets[-1])
-    return config.num_layers * total * element
+    sizes = []
+    for _ in range(config.num_layers):
+        for group in LORA_GROUPS:
+            in_features, offsets = group_dims(config, group)
+            for lo, hi in zip(offsets, offsets[1:]):
+                sizes += [PAGE_RANK * in_features * element, PAGE_RANK * (hi - lo) * element] \
+                    * num_rank_pages(rank)
+            if with_vectors:
+                sizes.append(4 * offsets[-1])
+                if group in INPUT_SCALE_GROUPS:
+                    sizes.append(4 * in_features)
+    return sizes
+
+
+def adapter_pool_pages(config: ModelConfig, rank: int, dtype: torch.dtype, page_bytes: int,
+                       with_vectors: bool = False) -> int:
+    """Pool pages (KV blocks of page_bytes) an adapter of `rank` on every module takes: its rank
+    pages packed first-fit. Proportional to the rank (in steps of PAGE_RANK), up to the last,
+    partly filled pool page; a slot of step 1 took max_lora_rank's worth for any adapter."""
+    return place_blocks(adapter_page_sizes(config, rank, dtype, with_vectors), page_bytes)[0]
 
 
 @dataclass

@@ -22,4 +22,6 @@ def test_paged_vs_slots_comparison_runs_tiny_on_the_cpu(tmp_path):
     rows = {row["family"]: row for row in result["results"]}
     assert set(rows) == {"lora", "dora", "ia3", "flora"}
     assert all(row["slots_us"] > 0 and row["paged_us"] > 0 for row in rows.values())
+    assert all(row["max_relative_difference"] < 1e-5 for row in rows.values())  # the same work
+    assert result["llama3_8b_pool_pages_per_adapter"]["paged_by_rank"] == {"8": 20, "16": 40, "64": 161}
     assert "ratio" in done.stdout
