@@ -436,14 +436,17 @@ def gather_pages(pool: torch.Tensor, pages: torch.Tensor, ranks: torch.Tensor, r
     """The dense rows that lora_paged.py's page tables name: pool [elements], pages [num_slots,
     num_slices, max_pages] int64 (rank page p of slice s: a [PAGE_RANK, row_lens[s]] block at
     pool[pages[slot, s, p]]), ranks [num_slots, num_slices] -> per slice [num_slots, max_rank,
-    row_lens[s]] in pool's dtype, zero past each slot's rank and on slot 0."""
-    table, slot_ranks = pages.tolist(), ranks.tolist()
-    out = [torch.zeros(len(table), max_rank, n, dtype=pool.dtype, device=pool.device) for n in row_lens]
-    for slot in range(1, len(table)):
-        for s, n in enumerate(row_lens):
-            for r in range(slot_ranks[slot][s]):
-                at = table[slot][s][r // PAGE_RANK] + (r % PAGE_RANK) * n
-                out[s][slot, r] = pool[at:at + n]
+    row_lens[s]] in pool's dtype, zero past each slot's rank and on slot 0 (their table entries
+    are never followed)."""
+    r = torch.arange(max_rank, device=pool.device)
+    ranks = ranks.long().clone()
+    ranks[0] = 0
+    out = []
+    for s, n in enumerate(row_lens):
+        live = (r[None, :] < ranks[:, s, None])[:, :, None]  # [num_slots, max_rank, 1]
+        rows = pages[:, s, r // PAGE_RANK] + (r % PAGE_RANK) * n  # [num_slots, max_rank]
+        at = torch.where(live, rows[:, :, None] + torch.arange(n, device=pool.device), 0)
+        out.append(torch.where(live, pool[at], 0).to(pool.dtype))
     return out
 
 
