@@ -19,8 +19,8 @@ an adapter that moves to other pages changes their values, never their addresses
 Each kernel is its slot twin with the row addresses gathered from the table (one int64 per
 PAGE_RANK rows, cached): the per-token shrink looks up its BLOCK_R rows, the expand its rank
 chunk's rows (B transposed: a rank row is `width_s` contiguous output features, so a chunk is
-loaded as [BLOCK_N, RANK_CHUNK] with the output features contiguous), FLoRA's stack one A row a
-program and its combine the rows of its token's components. Launch configs are lora.py's.
+loaded as [RANK_CHUNK, BLOCK_N], the K x N operand of the tile path's dot as it is), FLoRA's
+stack one A row a program and its combine the rows of its token's components. Launch configs are lora.py's.
 """
 
 from __future__ import annotations
@@ -173,14 +173,15 @@ def _expand_kernel(
                 r = r0 + tl.arange(0, RANK_CHUNK)
                 r_mask = r < rank
                 rows = _row_at(pages, r, r_mask, hi - lo, PAGE_RANK)  # [RANK_CHUNK]
-                bt = tl.load(pool_ptr + rows[None, :] + (cols - lo)[:, None],
-                             mask=c_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
+                bt = tl.load(pool_ptr + rows[:, None] + (cols - lo)[None, :],
+                             mask=r_mask[:, None] & c_mask[None, :],
+                             other=0.0).to(tl.float32)  # [RANK_CHUNK, BLOCK_N]: B's rows, transposed
                 st = tl.load(s_rows[:, None] + r[None, :], mask=run[:, None] & r_mask[None, :],
                              other=0.0)  # [BLOCK_M, RANK_CHUNK]
                 if BLOCK_M == 1:
-                    delta += tl.sum(bt * st, axis=1)[None, :]
+                    delta += tl.sum(bt * tl.trans(st), axis=0)[None, :]
                 else:
-                    delta += tl.dot(st, tl.trans(bt), input_precision="tf32x3")
+                    delta += tl.dot(st, bt, input_precision="tf32x3")
     if tl.max(has_adapter.to(tl.int32), axis=0) > 0:
         out = y.to(tl.float32) + delta.to(y_ptr.dtype.element_ty).to(tl.float32)
         if HAS_SCALE:
