@@ -229,7 +229,8 @@ def lora_shrink_paged(
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     num_tokens, in_features = x.shape
     _check_pool("pool", pool, (x.dtype,))
-    num_slots, num_slices = ranks.shape if ranks.dim() == 2 else (0, 0)
+    check_tensor("ranks", ranks, ndim=2, dtypes=(torch.int32,))
+    num_slices = ranks.shape[1]
     _check_pages("a_pages", a_pages, num_slices, max_rank)
     _check_slots(token_slots, ranks, num_tokens, a_pages.shape[0], num_slices)
     device = check_launchable(_shrink_rows_kernel, (x, pool, a_pages, token_slots, ranks))
