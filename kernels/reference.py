@@ -12,12 +12,25 @@ Layout conventions shared with the Triton kernels:
   with the scaling folded into B, and the true rank of each (slot, slice) in
   `ranks [num_slots, num_slices]`; slot 0 means "no adapter" and is never read. The output
   rows of B are the slices' outputs laid end to end (`slice_offsets`).
+- LoRA rank pages (kernels/lora_paged.py, adapter_families_paged.py): the same A, and B
+  transposed per slice, in pages of PAGE_RANK rank rows anywhere in the pool, found through
+  int64 page tables `[num_slots, num_slices, cdiv(max_rank, PAGE_RANK)]` of element offsets;
+  per-slot float32 vectors at int64 offsets (-1: none) into the pool viewed as float32.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+PAGE_RANK = 8
+"""Rank rows of one module a LoRA rank page holds (SGLang's paged LoRA pool uses 8 too): an
+adapter of rank r takes cdiv(r, 8) pages a module, so ranks 8, 16 and 64 take memory 1:2:8."""
+
+
+def num_rank_pages(rank: int) -> int:
+    """Rank pages a module of `rank` takes."""
+    return -(-max(int(rank), 0) // PAGE_RANK)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -416,6 +429,98 @@ def flora_combine(
             acc = acc + bias[lo:hi].float()
         y[:, lo:hi] = acc.to(y.dtype)
     return y
+
+
+def gather_pages(pool: torch.Tensor, pages: torch.Tensor, ranks: torch.Tensor, row_lens: list[int],
+                 max_rank: int) -> list[torch.Tensor]:
+    """The dense rows that lora_paged.py's page tables name: pool [elements], pages [num_slots,
+    num_slices, max_pages] int64 (rank page p of slice s: a [PAGE_RANK, row_lens[s]] block at
+    pool[pages[slot, s, p]]), ranks [num_slots, num_slices] -> per slice [num_slots, max_rank,
+    row_lens[s]] in pool's dtype, zero past each slot's rank and on slot 0 (their table entries
+    are never followed)."""
+    r = torch.arange(max_rank, device=pool.device)
+    ranks = ranks.long().clone()
+    ranks[0] = 0
+    out = []
+    for s, n in enumerate(row_lens):
+        live = (r[None, :] < ranks[:, s, None])[:, :, None]  # [num_slots, max_rank, 1]
+        rows = pages[:, s, r // PAGE_RANK] + (r % PAGE_RANK) * n  # [num_slots, max_rank]
+        at = torch.where(live, rows[:, :, None] + torch.arange(n, device=pool.device), 0)
+        out.append(torch.where(live, pool[at], 0).to(pool.dtype))
+    return out
+
+
+def gather_vectors(vectors: torch.Tensor, at: torch.Tensor, length: int, default: float) -> torch.Tensor:
+    """[num_slots, length] float32: vectors[at[slot]:][:length] per slot, `default` where at is -1."""
+    rows = [vectors[i:i + length] if i >= 0 else torch.full((length,), default, device=vectors.device)
+            for i in at.tolist()]
+    return torch.stack(rows).float()
+
+
+def paged_lora_a(pool: torch.Tensor, a_pages: torch.Tensor, ranks: torch.Tensor, in_features: int,
+                 max_rank: int) -> torch.Tensor:
+    """lora_a [num_slots, num_slices, max_rank, in] from rank pages (see gather_pages)."""
+    num_slices = a_pages.shape[1]
+    return torch.stack(gather_pages(pool, a_pages, ranks, [in_features] * num_slices, max_rank), dim=1)
+
+
+def paged_lora_bt(pool: torch.Tensor, b_pages: torch.Tensor, ranks: torch.Tensor,
+                  slice_offsets: tuple[int, ...], max_rank: int) -> torch.Tensor:
+    """B transposed [num_slots, max_rank, out] (flora_b's layout) from rank pages: slice s's
+    pages hold its [rank, width_s] rows."""
+    widths = [hi - lo for lo, hi in zip(slice_offsets, slice_offsets[1:])]
+    return torch.cat(gather_pages(pool, b_pages, ranks, widths, max_rank), dim=2)
+
+
+def lora_shrink_paged(x: torch.Tensor, pool: torch.Tensor, a_pages: torch.Tensor,
+                      token_slots: torch.Tensor, ranks: torch.Tensor, max_rank: int) -> torch.Tensor:
+    """lora_shrink with A in rank pages (kernels/lora_paged.py's layout)."""
+    return lora_shrink(x, paged_lora_a(pool, a_pages, ranks, x.shape[1], max_rank), token_slots, ranks)
+
+
+def lora_expand_paged(
+    y: torch.Tensor, shrunk: torch.Tensor, pool: torch.Tensor, b_pages: torch.Tensor,
+    token_slots: torch.Tensor, ranks: torch.Tensor, slice_offsets: tuple[int, ...],
+    vectors: torch.Tensor | None = None, scale_at: torch.Tensor | None = None,
+    shift_at: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """lora_expand with B (transposed) in rank pages and the epilogue's vectors at scale_at,
+    shift_at (-1: none) in vectors, the pool as float32 (kernels/lora_paged.py's layout)."""
+    lora_b = paged_lora_bt(pool, b_pages, ranks, slice_offsets, shrunk.shape[2]).transpose(1, 2)
+    scale = scaled = shift = None
+    if scale_at is not None:
+        out_features = slice_offsets[-1]
+        scale = gather_vectors(vectors, scale_at, out_features, 1.0)
+        scaled = (scale_at >= 0).to(torch.int32)
+        if shift_at is not None:
+            shift = gather_vectors(vectors, shift_at, out_features, 0.0)
+    return lora_expand(y, shrunk, lora_b, token_slots, ranks, slice_offsets, scale, scaled, shift)
+
+
+def scale_rows_paged(x: torch.Tensor, vectors: torch.Tensor, scale_at: torch.Tensor,
+                     token_slots: torch.Tensor) -> torch.Tensor:
+    """scale_rows with each slot's vector at scale_at[slot] in vectors (-1: all 1)."""
+    return scale_rows(x, gather_vectors(vectors, scale_at, x.shape[1], 1.0), token_slots)
+
+
+def flora_stack_paged(
+    x: torch.Tensor, pool: torch.Tensor, a_pages: torch.Tensor, flora_ranks: torch.Tensor,
+    row_tokens: torch.Tensor, row_slots: torch.Tensor, row_ranks: torch.Tensor, per_slice: bool,
+) -> torch.Tensor:
+    """flora_stack with FLoRA's A in rank pages."""
+    a = paged_lora_a(pool, a_pages, flora_ranks, x.shape[1], a_pages.shape[2] * PAGE_RANK)
+    return flora_stack(x, a, flora_ranks, row_tokens, row_slots, row_ranks, per_slice)
+
+
+def flora_combine_paged(
+    products: torch.Tensor, pool: torch.Tensor, b_pages: torch.Tensor, token_slots: torch.Tensor,
+    flora_ranks: torch.Tensor, bounds: torch.Tensor, slice_offsets: tuple[int, ...], num_rows: int,
+    per_slice: bool, bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """flora_combine with FLoRA's B (transposed, per slice) in rank pages."""
+    flora_b = paged_lora_bt(pool, b_pages, flora_ranks, slice_offsets, b_pages.shape[2] * PAGE_RANK)
+    return flora_combine(products, flora_b, token_slots, flora_ranks, bounds, slice_offsets, num_rows,
+                         per_slice, bias)
 
 
 def _rows_by_slot(token_slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:

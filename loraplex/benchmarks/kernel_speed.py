@@ -1,7 +1,7 @@
 """Benchmarks of the Triton kernels at Llama-3-8B shapes (GPU only).
 
     loraplex bench kernels [--sweep] [--only REGEX] [--lora-baseline FILE] [--tag TAG]
-                            [--out bench/results]
+                            [--paged [--tiny]] [--out bench/results]
 
 Each case is timed by replaying a CUDA graph of many calls (as the engine runs them), cycling
 over enough independent input sets that the inputs do not sit in L2 between calls; the figure
@@ -14,6 +14,9 @@ attention and LoRA (kernels-<gpu>-sweep.json).
 `--lora-baseline` also times another implementation of lora.py (a file with the same
 wrappers, e.g. `git show <commit>:kernels/lora.py > /tmp/lora_old.py`) on each LoRA case;
 `--tag` goes into the JSON's name (kernels-<gpu>-<tag>[-sweep].json).
+`--paged` instead compares a decode step's adapter work read through rank pages with today's
+slots, per family (loraplex/benchmarks/paged_kernels.py; kernels-paged-<device>.json; on the
+CPU, tiny, under TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -510,8 +513,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lora-baseline", type=Path, metavar="FILE",
                         help="another version of kernels/lora.py, timed beside it")
     parser.add_argument("--tag", help="suffix of the JSON file's name")
+    parser.add_argument("--paged", action="store_true",
+                        help="compare adapters read through pages with slots, per family")
+    parser.add_argument("--tiny", action="store_true", help="with --paged: a toy shape (as on the CPU)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.paged:
+        from loraplex.benchmarks.paged_kernels import run
+
+        run(args.out, args.tiny)
+        return
     meta = gpu_bench_meta("kernels", ceiling_flops=ceiling_flops())
     name = meta["device"]
     args.out.mkdir(parents=True, exist_ok=True)

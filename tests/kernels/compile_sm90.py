@@ -170,6 +170,7 @@ def _lora_cases() -> Iterator[tuple]:
                         EVEN_R=True, NUM_STAGES=e.num_stages, HAS_SCALE=True, HAS_SHIFT=True),
                    e.num_warps)
     yield from _family_cases()
+    yield from _paged_cases()
 
 
 def _family_cases() -> Iterator[tuple]:
@@ -194,6 +195,56 @@ def _family_cases() -> Iterator[tuple]:
                     stride_b_rank=6144, stride_fr_slot=3),
                dict(PER_SLICE=per_slice, HAS_BIAS=True, RANK_BLOCK=16,
                     BLOCK=fam.COMBINE_ELEMENTS // 16), 4)
+
+
+def _paged_cases() -> Iterator[tuple]:
+    """The paged twins (lora_paged.py, adapter_families_paged.py) with the configs the wrappers
+    pick at qkv shapes, rank 16: decode (64 tokens) and a 2048-token prefill chunk."""
+    from loraplex.kernels import adapter_families_paged as famp
+    from loraplex.kernels import lora_paged as paged
+
+    pages = dict(stride_p_slot=3 * 2, stride_p_slice=2)
+    shrink_args = dict(x_ptr=BF16, pool_ptr=BF16, a_pages_ptr=I64, token_slots_ptr=I32, ranks_ptr=I32,
+                       out_ptr=F32, in_features=4096, stride_x_tok=4096, stride_ranks_slot=3,
+                       stride_out_slice=64 * 16, stride_out_tok=16, **pages)
+    s = lora.shrink_config(64, 3, 4096, 16, _cpu())
+    yield (f"lora paged shrink {s}", paged._shrink_rows_kernel, dict(shrink_args, max_rank=16),
+           dict(PAGE_RANK=paged.PAGE_RANK, BLOCK_R=s.block_r, BLOCK_K=s.block_k, EVEN_K=True,
+                NUM_STAGES=s.num_stages), s.num_warps)
+    s = lora.shrink_config(2048, 3, 4096, 16, _cpu())
+    yield (f"lora paged shrink {s}", paged._shrink_tiles_kernel,
+           dict(shrink_args, num_tokens=2048, k_per_split=1024, stride_out_slice=2048 * 16),
+           dict(PAGE_RANK=paged.PAGE_RANK, BLOCK_M=s.block_m, BLOCK_R=16, BLOCK_K=s.block_k, ATOMIC=True,
+                UPCAST=False), s.num_warps, s.num_stages)
+    expand_args = dict(y_ptr=BF16, shrunk_ptr=F32, pool_ptr=BF16, b_pages_ptr=I64, token_slots_ptr=I32,
+                       ranks_ptr=I32, vectors_ptr=F32, scale_at_ptr=I64, shift_at_ptr=I64,
+                       out_features=6144, off0=0, off1=4096, off2=5120, off3=6144, off4=6144,
+                       stride_y_tok=6144, stride_s_slice=64 * 16, stride_s_tok=16, stride_ranks_slot=3,
+                       **pages)
+    for num_tokens in (64, 2048):
+        e = lora.expand_config(num_tokens, 16)
+        yield (f"lora paged expand {e}", paged._expand_kernel, dict(expand_args, num_tokens=num_tokens),
+               dict(PAGE_RANK=paged.PAGE_RANK, BLOCK_M=e.block_m, BLOCK_N=e.block_n,
+                    RANK_CHUNK=lora.RANK_CHUNK, NUM_STAGES=e.num_stages, HAS_SCALE=True, HAS_SHIFT=True),
+               e.num_warps)
+    yield ("scale rows paged", famp._scale_rows_kernel,
+           dict(x_ptr=BF16, vectors_ptr=F32, scale_at_ptr=I64, slots_ptr=I32, out_ptr=BF16,
+                in_features=14336, stride_x=14336, stride_o=14336), dict(BLOCK=famp.BLOCK), 4)
+    for per_slice in (False, True):
+        block_rows = 16 + 64 if per_slice else 16 + 3 * 64
+        yield (f"flora stack paged (per slice {per_slice})", famp._flora_stack_kernel,
+               dict(x_ptr=BF16, pool_ptr=BF16, a_pages_ptr=I64, flora_ranks_ptr=I32, row_tokens_ptr=I64,
+                    row_slots_ptr=I32, row_ranks_ptr=I64, out_ptr=BF16, num_tokens=16, num_rows=64,
+                    block_rows=block_rows, in_features=4096, stride_x=4096, stride_fr_slot=3,
+                    stride_o=4096, **pages),
+               dict(PAGE_RANK=paged.PAGE_RANK, PER_SLICE=per_slice, BLOCK=famp.BLOCK), 4)
+        yield (f"flora combine paged (per slice {per_slice})", famp._flora_combine_kernel,
+               dict(y_ptr=BF16, p_ptr=BF16, pool_ptr=BF16, b_pages_ptr=I64, slots_ptr=I32,
+                    flora_ranks_ptr=I32, bounds_ptr=I64, bias_ptr=BF16, num_tokens=16, num_rows=64,
+                    out_features=6144, off1=4096, off2=5120, off3=6144, stride_y=6144, stride_fr_slot=3,
+                    **pages),
+               dict(PAGE_RANK=paged.PAGE_RANK, PER_SLICE=per_slice, HAS_BIAS=True, RANK_BLOCK=16,
+                    BLOCK=famp.COMBINE_ELEMENTS // 16), 4)
 
 
 def _cpu():
