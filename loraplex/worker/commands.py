@@ -86,8 +86,18 @@ class RunStep:
 
 
 @dataclass(frozen=True)
+class TimeCollectives:
+    """Time, on the loaded shard's device and dtype, the collectives of one decode step at each
+    batch size: 2 x layers + 1 all-reduces of [batch, hidden] and the all-gather of the float32
+    logits, each over `iterations`. Rank 0 replies a row per batch size (benchmarks)."""
+
+    batch_sizes: tuple[int, ...]
+    iterations: int = 50
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Leave the process group and exit."""
 
 
-Command = LoadModel | MeasureMemory | LoadAdapter | RunStep | Shutdown
+Command = LoadModel | MeasureMemory | LoadAdapter | RunStep | TimeCollectives | Shutdown

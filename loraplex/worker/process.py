@@ -6,8 +6,10 @@ runner records; rank 0 returns the sampled tokens."""
 from __future__ import annotations
 
 import os
+import time
 import traceback
 from datetime import timedelta
+from functools import partial
 from multiprocessing.connection import Connection
 
 import torch
@@ -24,7 +26,15 @@ from loraplex.parallel.loader import load_model_shard
 from loraplex.parallel.model import ParallelLlamaForCausalLM
 from loraplex.parallel.sharding import ShardLayout
 from loraplex.worker.adapters import dora_row_scales, shard_host_adapter
-from loraplex.worker.commands import LoadAdapter, LoadModel, MeasureMemory, RunnerSpec, RunStep, Shutdown
+from loraplex.worker.commands import (
+    LoadAdapter,
+    LoadModel,
+    MeasureMemory,
+    RunnerSpec,
+    RunStep,
+    Shutdown,
+    TimeCollectives,
+)
 from loraplex.worker.replies import Done, Failed, MemoryReport, RunnerCounters, StepOutput
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -89,6 +99,8 @@ class Worker:
             return None
         if isinstance(command, RunStep):
             return self.run_step(command)
+        if isinstance(command, TimeCollectives):
+            return self.time_collectives(command)
         raise TypeError(f"unknown command {command!r}")
 
     def _load_shard(self, spec: RunnerSpec) -> ParallelLlamaForCausalLM:
@@ -188,6 +200,35 @@ class Worker:
         counters = RunnerCounters(inputs.num_relay_steps, inputs.num_relay_groups, inputs.num_relay_members,
                                   swapper.stats() if swapper is not None else None)
         return StepOutput(result, logits[0].cpu() if logits else None, counters)
+
+    def time_collectives(self, command: TimeCollectives) -> list[dict[str, float]] | None:
+        config, group, device = self.layout.config, self.group, self.device
+        dtype, rows = self.model.norm.dtype, []
+        num_reduces = 2 * config.num_layers + 1
+        for batch in command.batch_sizes:
+            hidden = torch.ones(batch, config.hidden_size, dtype=dtype, device=device)
+            logits = torch.ones(batch, self.layout.vocab_rows, dtype=torch.float32, device=device)
+            reduce_s = _time(partial(group.all_reduce, hidden), device, command.iterations)
+            gather_s = _time(partial(group.all_gather_columns, logits), device, command.iterations)
+            rows.append({"batch": batch, "all_reduce_us": round(reduce_s * 1e6, 2),
+                         "all_reduces_per_step": num_reduces,
+                         "logits_all_gather_us": round(gather_s * 1e6, 2),
+                         "step_ms": round((num_reduces * reduce_s + gather_s) * 1e3, 3)})
+        return rows if group.rank == 0 else None
+
+
+def _time(fn, device: torch.device, iterations: int) -> float:
+    """Seconds a call of `fn` takes, on average (after 5 unmeasured)."""
+    for _ in range(5):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for _ in range(iterations):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - started) / iterations
 
 
 @torch.no_grad()

@@ -27,7 +27,15 @@ from loraplex.engine.plan import StepPlan
 from loraplex.errors import ModelLoadError
 from loraplex.model.model_config import ModelConfig
 from loraplex.parallel.sharding import check_tensor_parallel
-from loraplex.worker.commands import LoadAdapter, LoadModel, MeasureMemory, RunnerSpec, RunStep, Shutdown
+from loraplex.worker.commands import (
+    LoadAdapter,
+    LoadModel,
+    MeasureMemory,
+    RunnerSpec,
+    RunStep,
+    Shutdown,
+    TimeCollectives,
+)
 from loraplex.worker.process import NO_MULTICAST_ENV, run_worker
 from loraplex.worker.replies import Done, Failed, MemoryReport, StepOutput
 
@@ -117,6 +125,10 @@ class TensorParallelWorkers:
         """Copy an adapter (laid out for the full model) into `slot` on every rank, each its
         shard."""
         self._call(LoadAdapter(slot, adapter))
+
+    def time_collectives(self, batch_sizes: tuple[int, ...], iterations: int = 50) -> list[dict[str, float]]:
+        """Rank 0's timings of a decode step's collectives at each batch size (TimeCollectives)."""
+        return self._call(TimeCollectives(tuple(batch_sizes), iterations))[0]
 
     def queue_adapter(self, slot: int, adapter: HostAdapter) -> None:
         """Send a slot load to every rank and return at once: the ranks run it after the steps
