@@ -29,12 +29,14 @@ def _tokens(model, adapters, size: int, dtype: str, **options) -> list[list[int]
                                                   adapters=NAMES)]
 
 
+@pytest.mark.parametrize("tiny", ["llama"], indirect=True)
 def test_tp2_on_two_gpus_matches_tp1_in_float32(tiny):
     _, model, adapters = tiny
     assert _tokens(model, adapters, 2, "float32", enforce_eager=True) == \
         _tokens(model, adapters, 1, "float32", enforce_eager=True)
 
 
+@pytest.mark.parametrize("tiny", ["llama"], indirect=True)
 def test_tp2_with_cuda_graphs_in_bfloat16(tiny):
     _, model, adapters = tiny
     want, got = _tokens(model, adapters, 1, "bfloat16"), _tokens(model, adapters, 2, "bfloat16")
