@@ -56,7 +56,7 @@ def _run_engine(args: argparse.Namespace, folder: str, model_config: ModelConfig
         folder, device=device.type, dtype=args.dtype, max_model_len=max_len, tensor_parallel_size=size,
         max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=max(2048, args.prompt_len),
         max_lora_rank=args.rank, enforce_eager=args.enforce_eager, enable_prefix_caching=False)
-    started = time.perf_counter()
+    started, model = time.perf_counter(), None
     if size == 1:
         ops = select_ops(device)
         model = synthetic.random_model(model_config, ops, dtype, device, max_len, seed=args.seed)
@@ -86,7 +86,7 @@ def _run_engine(args: argparse.Namespace, folder: str, model_config: ModelConfig
             print(json.dumps(collectives), flush=True)
     finally:
         engine.close()
-        del engine
+        del engine, model
         gc.collect()  # the TP=1 model and pool leave GPU 0 before the workers size their pools
         if device.type == "cuda":
             torch.cuda.empty_cache()
