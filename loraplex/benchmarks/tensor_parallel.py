@@ -3,7 +3,8 @@ Llama-3-8B-shaped model with random weights: the batch-1 decode step (issue 22's
 <= 0.6x the TP=1 step) and batch-64 decode with one rank-16 adapter per request (goal: >= 1.7x
 the TP=1 throughput), and the time that a step's collectives take on their own: two
 all-reduces of [batch, hidden] a layer and one for the embedding, and the all-gather of the
-float32 logits, timed apart by the same workers. On a CPU with gloo the same
+float32 logits, timed apart by the same workers (on CUDA in one graph, as a decode step
+replays them; `step_ms` is the same collectives launched one by one). On a CPU with gloo the same
 runs on a tiny model (`--model '{...}'`) as a smoke test."""
 
 from __future__ import annotations
@@ -129,8 +130,8 @@ def summarize(rows: list[dict[str, Any]], collectives: list[dict[str, Any]]) -> 
         if many and base_many:
             entry[f"batch{many['batch']}_throughput_ratio"] = round(
                 many["decode_tok_s"] / base_many["decode_tok_s"], 3)
-        entry["collective_ms_per_step"] = {c["batch"]: c["step_ms"] for c in collectives
-                                           if c["tensor_parallel_size"] == size}
+        entry["collective_ms_per_step"] = {c["batch"]: c.get("graph_step_ms", c["step_ms"])
+                                           for c in collectives if c["tensor_parallel_size"] == size}
         summary[f"tp{size}"] = entry
     return summary
 
