@@ -1,5 +1,6 @@
 """The engine with tensor_parallel_size=2 (two gloo worker processes on CPU, float32) against
-the same engine at 1: the same greedy tokens for tiny Llama, Qwen2 and Mistral models, with
+the same engine at 1, and against transformers + PEFT (each request alone, every family PEFT
+has): the same greedy tokens for tiny Llama, Qwen2 and Mistral models, with
 adapters of every family (LoRA, DoRA, IA3, FLoRA) beside the base model in one batch, shared
 prompt prefixes (prefix cache, relay decode) and requests preempted and swapped out and back;
 the TP=2 engine schedules asynchronously (each step launched before the one before it is
@@ -8,6 +9,7 @@ collected). Bad sizes are refused before any worker starts."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from loraplex import LLM, SamplingParams
 from loraplex.engine_config import ConfigError
@@ -42,10 +44,30 @@ def test_engine_tp2_matches_tp1(tiny, reuse_tp2_workers):
     want, _ = _run(model, adapters, 1)
     got, stats = _run(model, adapters, 2, async_scheduling=True)
     assert got == want, arch
+    _check_against_peft(model, adapters, got[2:2 + len(PROMPTS)])
     assert stats.num_relay_steps > 0  # some decode step read the shared prefix once
     assert stats.swap_bytes_out > 0 and stats.swap_bytes_in > 0
     assert stats.prefix_hit_tokens > 0
     assert stats.num_adapter_slot_loads >= len(adapters)
+
+
+def _check_against_peft(model, adapters, tokens_of_batch):
+    """The batch's requests whose adapters PEFT has (LoRA, DoRA, IA3, none), each against
+    transformers + PEFT run alone, greedy."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    for prompt, name, tokens in zip(PROMPTS, NAMES, tokens_of_batch):
+        if name == "flora":
+            continue
+        reference = AutoModelForCausalLM.from_pretrained(model).eval()  # PEFT mixes no families
+        if name is not None:
+            reference = PeftModel.from_pretrained(reference, adapters[name]).eval()
+        ids = list(prompt)
+        with torch.no_grad():  # greedy, eos allowed and not stopping (ignore_eos), unlike generate's
+            for _ in range(len(tokens)):
+                ids.append(int(reference(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert tokens == ids[len(prompt):], name
 
 
 def test_bad_sizes_are_refused_before_the_workers_start(tmp_path):
