@@ -222,7 +222,9 @@ class TensorParallelWorkers:
     def _died(self, rank: int) -> WorkerError:
         process = self._processes[rank]
         process.join(1)
-        return WorkerError(f"worker rank {rank} died (exit code {process.exitcode})")
+        hint = ("; a script that starts workers needs an `if __name__ == \"__main__\":` guard (they are "
+                "spawned, and import the script again)") if process.exitcode == 1 else ""
+        return WorkerError(f"worker rank {rank} died (exit code {process.exitcode}){hint}")
 
     def close(self, grace_s: float = STOP_GRACE_S) -> None:
         """Stop every worker (Shutdown; after `grace_s`, terminate; then kill); idempotent."""
