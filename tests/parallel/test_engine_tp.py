@@ -36,7 +36,10 @@ def _run(model, adapters, tensor_parallel_size: int, **options):
         second = llm.generate(prompt_token_ids=PROMPTS, sampling_params=longer, adapters=NAMES)
         # the prefix cache: the shared prompts again, now cached
         third = llm.generate(prompt_token_ids=PROMPTS[:3], sampling_params=greedy, adapters=NAMES[:3])
-        return [o.token_ids for o in first + second + third], llm.engine.stats()
+        # seeded sampling: every rank draws the same tokens from the same all-gathered logits
+        sampled = llm.generate(prompt_token_ids=PROMPTS[3:6], adapters=NAMES[3:6], sampling_params=[
+            SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=i) for i in range(3)])
+        return [o.token_ids for o in first + second + third + sampled], llm.engine.stats()
 
 
 def test_engine_tp2_matches_tp1(tiny, reuse_tp2_workers):
