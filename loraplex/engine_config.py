@@ -136,6 +136,11 @@ class EngineConfig:
     adapter and prompt start) once per group (RelayAttention): "auto" where measured to pay
     (prefix >= 2048 tokens and >= 4 requests, or >= 512 and >= 16); "always" for every group of
     two or more; "off" never."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (Megatron-style), one worker process each (vLLM's name):
+    on CUDA one GPU a rank over NCCL, on CPU gloo (for tests). The attention heads, the KV heads
+    (or, with fewer KV heads than ranks, the ranks by them) and the intermediate size must
+    divide; checked before the model loads."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -150,6 +155,8 @@ class EngineConfig:
                f"must be auto, triton or reference, not {self.kernels!r}")
         _check(self.relay_attention in ("auto", "always", "off"), "relay_attention",
                f"must be auto, always or off, not {self.relay_attention!r}")
+        _check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+               "tensor_parallel_size", f"must be an integer >= 1, not {self.tensor_parallel_size!r}")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:

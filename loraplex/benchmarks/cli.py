@@ -30,6 +30,8 @@ SCRIPTS = {
               "the serving workload, an H100 step-time model (CPU)"),
     "structured": ("structured", "structured outputs' cost on the decode step: 64 requests, half "
                    "constrained by 8 JSON schemas, against the same unconstrained"),
+    "tensor-parallel": ("tensor_parallel", "tensor_parallel_size 2 against 1 on a Llama-3-8B shape: the "
+                        "batch-1 decode step, batch-64 throughput with 64 adapters, the collectives' time"),
     "regression": ("regression", "the headline benchmarks at reduced size, each figure against the one "
                    "recorded for this device (one GPU pass, about 8 minutes: scripts/gpu-regress.sh)"),
 }

@@ -24,14 +24,27 @@ from loraplex.types import RequestOutput, SamplingParams
 class LLM:
     """Generate from a batch of prompts, each with its own adapter and tenant, all scheduled
     together. Keyword arguments are engine options (`max_loras`, `block_size`,
-    `max_num_batched_tokens`, ...: the fields of loraplex.engine_config, the same as
-    `loraplex serve`'s flags)."""
+    `max_num_batched_tokens`, `tensor_parallel_size`, ...: the fields of
+    loraplex.engine_config, the same as `loraplex serve`'s flags). With tensor_parallel_size > 1
+    the model runs in that many spawned worker processes: a script that makes one needs an
+    `if __name__ == "__main__":` guard."""
 
     def __init__(
         self, model: str | Path, *, device: str = "auto", dtype: str = "auto", **options: Any
     ) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(str(model), device=device, dtype=dtype, **options))
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's threads and, with tensor_parallel_size > 1, its worker processes
+        (they also stop when this process exits)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self) -> Any:

@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-import torch
-
 from loraplex.adapter_format import LoraAdapter
 from loraplex.engine.adapter_cache import AdapterCache, AdapterLoader
 from loraplex.engine.block_manager import BlockManager, HostBlockPool
@@ -39,7 +37,7 @@ from loraplex.engine.lora_weights import (
     make_host_adapter,
     pool_slot_bytes,
 )
-from loraplex.engine.model_runner import LaunchedStep, ModelRunner
+from loraplex.engine.model_runner import LaunchedStep, ModelRunner, measure_step_bytes
 from loraplex.engine.out_of_memory import (
     is_out_of_memory,
     largest_request,
@@ -50,7 +48,6 @@ from loraplex.engine.out_of_memory import (
 from loraplex.engine.plan import StepPlan, StepResult, TokenMasks
 from loraplex.engine.policy import FcfsPolicy, SchedulingPolicy, VtcPolicy
 from loraplex.engine.prefix_cache import block_hashes
-from loraplex.engine.prompt_logprobs import SLICE_BYTES
 from loraplex.engine.relay_groups import RelayRule
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.scheduler import Scheduler
@@ -66,7 +63,6 @@ from loraplex.engine.sizing import (
     resolve_max_model_len,
 )
 from loraplex.engine.stats import EngineStats
-from loraplex.engine.step_inputs import FLORA_ROW_BUCKETS
 from loraplex.engine.tenants import DEFAULT_TENANT, TenantTable
 from loraplex.engine_config import EngineConfig
 from loraplex.errors import InvalidRequestError, UnknownAdapterError
@@ -120,32 +116,50 @@ class PinnedPrompt:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: LlamaForCausalLM | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM | None = None,
+                 random_weights: bool = False) -> None:
         """Load the model folder `config.model`, or serve `model` (already on its device, e.g.
-        random weights for a benchmark; it must use the op set its device and config select)."""
+        random weights for a benchmark; it must use the op set its device and config select).
+        With `tensor_parallel_size` > 1 the model's shards live in worker processes
+        (loraplex/worker/executor.py), and `random_weights` fills them with random weights
+        (benchmarks: the folder needs config.json only)."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.executor = None
+        if model is not None and config.tensor_parallel_size > 1:
+            raise ValueError("a model object runs in this process: tensor_parallel_size must be 1")
         if model is None:
             self.model_config = ModelConfig.load(config.model)
-            self.tokenizer = load_tokenizer(config.model)
+            self.tokenizer = None if random_weights else load_tokenizer(config.model)
             self.max_model_len = resolve_max_model_len(config, self.model_config)
             ops = select_ops(self.device, config.kernels)
-            self.model = load_model(config.model, self.model_config, ops, self.dtype, self.device,
-                                    self.max_model_len)
         else:
             self.model_config, self.tokenizer, self.model, ops = model.config, None, model, model.ops
             self.max_model_len = min(config.max_model_len or model.max_positions, model.max_positions)
         use_graphs = not config.enforce_eager and self.device.type == "cuda"
-        self.memory = self._plan_memory(ops, use_graphs)
-        logger.info("memory: %s", self.memory.describe())
         max_rank = config.lora.max_lora_rank
         block_size = config.cache.block_size
-        self.pool = make_pool(self.memory, self.device)
-        self.lora = LoraSlotBuffers(self.model_config, self.memory.num_lora_slots, max_rank, self.dtype,
-                                    self.device, base_weights=self.model.group_weights, pool=self.pool,
-                                    slot_bytes=self.memory.lora_slot_bytes)
-        self.kv_cache = kv_cache_view(self.pool, self.model_config, block_size, self.dtype)
+        if config.tensor_parallel_size > 1:
+            from loraplex.worker.executor import TensorParallelExecutor  # the worker side imports the engine
+
+            self.model = None
+            self.executor = TensorParallelExecutor.start(config, self.model_config, self.dtype, self.device,
+                                                         self.max_model_len, random_weights)
+            self.memory, self.lora = self.executor.memory, self.executor.slots
+        else:
+            if model is None:
+                if random_weights:
+                    raise ValueError("random_weights is for tensor-parallel workers; pass a model")
+                self.model = load_model(config.model, self.model_config, ops, self.dtype, self.device,
+                                        self.max_model_len)
+            self.memory = self._plan_memory(ops, use_graphs)
+            self.pool = make_pool(self.memory, self.device)
+            self.lora = LoraSlotBuffers(self.model_config, self.memory.num_lora_slots, max_rank, self.dtype,
+                                        self.device, base_weights=self.model.group_weights, pool=self.pool,
+                                        slot_bytes=self.memory.lora_slot_bytes)
+            self.kv_cache = kv_cache_view(self.pool, self.model_config, block_size, self.dtype)
+        logger.info("memory: %s", self.memory.describe())
         self.max_model_len = min(self.max_model_len, self.memory.num_kv_blocks * block_size)
         self.blocks = BlockManager(self.memory.num_pool_blocks, block_size,
                                    enable_prefix_caching=config.cache.enable_prefix_caching,
@@ -156,7 +170,7 @@ class LLMEngine:
         self._external_loader = False
         max_adapter = adapter_bytes(self.model_config, max_rank, self.dtype)
         make_host = partial(make_host_adapter, config=self.model_config, dtype=self.dtype,
-                            pin=self.device.type == "cuda")
+                            pin=self.device.type == "cuda" and self.executor is None)
         self.adapters = AdapterCache(
             self.lora, self.local_adapters.load, make_host,
             max_host_bytes=self._max_host_adapters() * max_adapter, max_adapter_bytes=max_adapter,
@@ -164,17 +178,21 @@ class LLMEngine:
         self.tenants = TenantTable()
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.adapters, self._policy(),
                                    HostBlockPool(num_host_blocks) if num_host_blocks else None)
-        self.runner = ModelRunner(
-            self.model, self.kv_cache, self.lora, ops, config.scheduler.max_num_seqs,
-            config.scheduler.max_num_batched_tokens, self.max_model_len,
-            use_cuda_graphs=use_graphs, num_host_blocks=num_host_blocks,
-            flora_graphs=config.lora.flora_graphs, relay=RelayRule(config.relay_attention))
-        self.graphs: CaptureReport | None = self.runner.graphs.capture_all() if use_graphs else None
-        if self.device.type == "cuda":  # compiles kernels now, not on the first requests' time
-            started = time.perf_counter()
-            num_steps = self.runner.warm_up(config.scheduler.max_num_batched_tokens)
-            logger.info("warmed up %d prefill step shapes in %.1f s", num_steps,
-                        time.perf_counter() - started)
+        self.graphs: CaptureReport | None = None
+        if self.executor is not None:
+            self.runner = self.executor.runner
+        else:
+            self.runner = ModelRunner(
+                self.model, self.kv_cache, self.lora, ops, config.scheduler.max_num_seqs,
+                config.scheduler.max_num_batched_tokens, self.max_model_len,
+                use_cuda_graphs=use_graphs, num_host_blocks=num_host_blocks,
+                flora_graphs=config.lora.flora_graphs, relay=RelayRule(config.relay_attention))
+            self.graphs = self.runner.graphs.capture_all() if use_graphs else None
+            if self.device.type == "cuda":  # compiles kernels now, not on the first requests' time
+                started = time.perf_counter()
+                num_steps = self.runner.warm_up(config.scheduler.max_num_batched_tokens)
+                logger.info("warmed up %d prefill step shapes in %.1f s", num_steps,
+                            time.perf_counter() - started)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device.type == "cuda")
         self._in_flight: InFlight | None = None
@@ -224,23 +242,10 @@ class LLMEngine:
         if self.device.type != "cuda":
             return plan_memory(config, model, self.dtype, self.max_model_len, slot_bytes,
                                config.cache.cpu_kv_cache_bytes)
-        # Dummy steps on scratch buffers (one KV block, one slot) measure the activations.
-        scratch = ModelRunner(
-            self.model, torch.zeros((1, *self._kv_block_shape()), dtype=self.dtype, device=self.device),
-            LoraSlotBuffers(model, 1, config.lora.max_lora_rank, self.dtype, self.device), ops,
-            config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
-            self.max_model_len)
-        # The logits of a slice of scored prompt positions (prompt logprobs) come on top.
-        activations = scratch.measure_peak_bytes(1, config.scheduler.max_num_batched_tokens) + SLICE_BYTES
-        scratch.measure_peak_bytes(3, 17)  # compiles the kernels for uneven prompts too
-        graphs = 0
-        if use_graphs:
-            max_batch = config.scheduler.max_num_seqs
-            graphs = max(scratch.measure_peak_bytes(max_batch, 1),
-                         scratch.measure_peak_bytes(max_batch, 1, flora_rows=FLORA_ROW_BUCKETS[-1]))
-            graphs += max_batch * model.vocab_size * 4
-        del scratch
-        budget = cuda_budget(config, self.device, activations, graphs)
+        activations, graphs = measure_step_bytes(
+            self.model, ops, self._kv_block_shape(), config.lora.max_lora_rank, config.scheduler.max_num_seqs,
+            config.scheduler.max_num_batched_tokens, self.max_model_len, use_graphs)
+        budget = cuda_budget(config.cache.gpu_memory_utilization, self.device, activations, graphs)
         return plan_memory(config, model, self.dtype, self.max_model_len, slot_bytes, budget,
                            activations, graphs)
 
@@ -762,5 +767,7 @@ class LLMEngine:
                 for key, pin in self._pins.items()}
 
     def close(self) -> None:
-        """Stop the adapter loader's threads."""
+        """Stop the adapter loader's threads, and the tensor-parallel workers."""
         self.adapters.close()
+        if self.executor is not None:
+            self.executor.close()

@@ -33,7 +33,14 @@ from loraplex.engine.kv_swap import KvSwapper
 from loraplex.engine.lora_weights import LoraSlotBuffers
 from loraplex.engine.plan import StepPlan, StepResult, TokenMasks
 from loraplex.engine.relay_groups import RelayRule
-from loraplex.engine.step_inputs import PENDING, FilledStep, SlotFamilies, StepInputs, StepShape
+from loraplex.engine.step_inputs import (
+    FLORA_ROW_BUCKETS,
+    PENDING,
+    FilledStep,
+    SlotFamilies,
+    StepInputs,
+    StepShape,
+)
 from loraplex.kernels import Ops
 from loraplex.model.context import (
     AttentionMetadata,
@@ -354,6 +361,28 @@ class ModelRunner:
                 token_id=result.sampled_tokens[i], logprob=chosen[j],
                 top=dict(zip(indices[j][:k], values[j][:k])),
             )
+
+
+def measure_step_bytes(
+    model: LlamaForCausalLM, ops: Ops, kv_block_shape: tuple[int, ...], max_lora_rank: int,
+    max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, use_graphs: bool,
+) -> tuple[int, int]:
+    """(activation bytes, decode graph bytes) of `model` on CUDA, measured by dummy steps on
+    scratch buffers (one KV block of `kv_block_shape`, one adapter slot): the largest eager
+    step's peak, with the logits of a slice of scored prompt positions on top, and with
+    `use_graphs` the largest decode graph's with its static outputs."""
+    device, dtype = model.norm.device, model.norm.dtype
+    scratch = ModelRunner(model, torch.zeros((1, *kv_block_shape), dtype=dtype, device=device),
+                          LoraSlotBuffers(model.config, 1, max_lora_rank, dtype, device), ops,
+                          max_num_seqs, max_num_batched_tokens, max_model_len)
+    activations = scratch.measure_peak_bytes(1, max_num_batched_tokens) + prompt_logprobs.SLICE_BYTES
+    scratch.measure_peak_bytes(3, 17)  # compiles the kernels for uneven prompts too
+    graphs = 0
+    if use_graphs:
+        graphs = max(scratch.measure_peak_bytes(max_num_seqs, 1),
+                     scratch.measure_peak_bytes(max_num_seqs, 1, flora_rows=FLORA_ROW_BUCKETS[-1]))
+        graphs += max_num_seqs * model.config.vocab_size * 4
+    return activations, graphs
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -127,12 +127,13 @@ def plan_memory(
                       activation_bytes, graph_bytes, max_kv_blocks=kv_blocks)
 
 
-def cuda_budget(config: EngineConfig, device: torch.device, activation_bytes: int, graph_bytes: int) -> int:
+def cuda_budget(gpu_memory_utilization: float, device: torch.device, activation_bytes: int,
+                graph_bytes: int) -> int:
     """Bytes left for the pool (KV cache and adapter slots): the engine's share of the device, less what
     is in use now (weights, other processes) and the measured activations and graphs."""
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    allowed = int(total * config.cache.gpu_memory_utilization)
+    allowed = int(total * gpu_memory_utilization)
     return allowed - (total - free) - activation_bytes - graph_bytes
 
 

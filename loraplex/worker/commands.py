@@ -19,7 +19,9 @@ class RunnerSpec:
     dtype: str = "float32"
     """"float32", "bfloat16" or "float16"."""
     device: str = "cpu"
-    """"cpu" (gloo), or "cuda" (rank r on GPU r; not built yet)."""
+    """"cpu" (gloo), or "cuda" (NCCL, rank r on GPU r)."""
+    kernels: str = "auto"
+    """The op set (EngineConfig.kernels)."""
     max_model_len: int = 512
     num_kv_blocks: int = 64
     """KV blocks a rank's cache has: the driver's block id space, its pool's pages (the driver
@@ -34,6 +36,18 @@ class RunnerSpec:
     num_host_blocks: int = 0
     """The host pool that preempted requests' KV is swapped to (each rank swaps its shard of a
     block); 0: none, and a plan that swaps is refused."""
+    lora_slot_bytes: int = 0
+    """Bytes an adapter slot takes in the rank's pool (whole KV blocks of the rank's shard, as
+    the engine's memory plan of the shard config says): the rank's KV cache and slots then
+    share one pool, laid out as the single-process engine lays out its own, slot s on blocks
+    [s * slot_blocks, (s + 1) * slot_blocks). 0: the slots have memory of their own."""
+    use_cuda_graphs: bool = False
+    """Capture the decode steps as CUDA graphs on every rank, the collectives inside them."""
+    flora_graphs: bool = False
+    random_weights: bool = False
+    """Fill the shard with random weights (benchmarks): the folder needs config.json only."""
+    seed: int = 0
+    """Seed of the random weights (each rank draws its own shard)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +56,16 @@ class LoadModel:
     shapes (name -> shape)."""
 
     spec: RunnerSpec
+
+
+@dataclass(frozen=True)
+class MeasureMemory:
+    """Load the rank's shard (kept for the LoadModel that follows, when its model, dtype, device
+    and context length are the same) and measure what a step takes beside it. Replies a
+    MemoryReport; on CPU nothing is measured (None)."""
+
+    spec: RunnerSpec
+    gpu_memory_utilization: float = 0.9
 
 
 @dataclass(frozen=True)
@@ -62,8 +86,18 @@ class RunStep:
 
 
 @dataclass(frozen=True)
+class TimeCollectives:
+    """Time, on the loaded shard's device and dtype, the collectives of one decode step at each
+    batch size: 2 x layers + 1 all-reduces of [batch, hidden] and the all-gather of the float32
+    logits, each over `iterations`. Rank 0 replies a row per batch size (benchmarks)."""
+
+    batch_sizes: tuple[int, ...]
+    iterations: int = 50
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Leave the process group and exit."""
 
 
-Command = LoadModel | LoadAdapter | RunStep | Shutdown
+Command = LoadModel | MeasureMemory | LoadAdapter | RunStep | TimeCollectives | Shutdown

@@ -6,35 +6,57 @@ runner records; rank 0 returns the sampled tokens."""
 from __future__ import annotations
 
 import os
+import time
 import traceback
 from datetime import timedelta
+from functools import partial
 from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
 
 from loraplex.engine.lora_weights import HostAdapter, LoraSlotBuffers
-from loraplex.engine.model_runner import ModelRunner
+from loraplex.engine.model_runner import ModelRunner, measure_step_bytes
 from loraplex.engine.relay_groups import RelayRule
-from loraplex.engine.sizing import resolve_dtype
+from loraplex.engine.sizing import cuda_budget, kv_cache_view, resolve_dtype
 from loraplex.kernels import select_ops
 from loraplex.model.model_config import ModelConfig
 from loraplex.parallel.collectives import TensorParallelGroup
 from loraplex.parallel.loader import load_model_shard
+from loraplex.parallel.model import ParallelLlamaForCausalLM
 from loraplex.parallel.sharding import ShardLayout
 from loraplex.worker.adapters import dora_row_scales, shard_host_adapter
-from loraplex.worker.commands import LoadAdapter, LoadModel, RunnerSpec, RunStep, Shutdown
-from loraplex.worker.replies import Done, Failed, StepOutput
+from loraplex.worker.commands import (
+    LoadAdapter,
+    LoadModel,
+    MeasureMemory,
+    RunnerSpec,
+    RunStep,
+    Shutdown,
+    TimeCollectives,
+)
+from loraplex.worker.replies import Done, Failed, MemoryReport, RunnerCounters, StepOutput
+
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                    "NVSHMEM_DISABLE_NVLS": "1"}
+"""NVLink multicast off in NCCL, PyTorch's symmetric memory and NVSHMEM, in every worker: on
+the lent machines it can put a shared host's GPUs out of service (issue 22)."""
 
 
 def run_worker(rank: int, world_size: int, init_method: str, conn: Connection, timeout_s: float,
-               num_threads: int) -> None:
-    """The process's entry point (spawned by TensorParallelWorkers)."""
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (issue 22)
+               num_threads: int, backend: str = "gloo") -> None:
+    """The process's entry point (spawned by TensorParallelWorkers). With NCCL, rank r runs on
+    cuda:r."""
+    os.environ.update(NO_MULTICAST_ENV)
     torch.set_num_threads(num_threads)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
-    worker = Worker(TensorParallelGroup(rank, world_size))
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s),
+                            **({"device_id": device} if backend == "nccl" else {}))
+    worker = Worker(TensorParallelGroup(rank, world_size), device)
     try:
         while True:
             try:
@@ -56,14 +78,20 @@ def run_worker(rank: int, world_size: int, init_method: str, conn: Connection, t
 class Worker:
     """One rank's model shard, KV cache, adapter slots and runner."""
 
-    def __init__(self, group: TensorParallelGroup) -> None:
+    def __init__(self, group: TensorParallelGroup, device: torch.device | None = None) -> None:
         self.group = group
+        self.device = device or torch.device("cpu")
+        """The rank's device: cpu (gloo) or cuda:rank (NCCL)."""
         self.layout: ShardLayout | None = None
+        self.model: ParallelLlamaForCausalLM | None = None
+        self._model_key: tuple | None = None  # what the loaded shard was built from
         self.runner: ModelRunner | None = None
 
-    def handle(self, command: LoadModel | LoadAdapter | RunStep) -> object:
+    def handle(self, command: LoadModel | MeasureMemory | LoadAdapter | RunStep) -> object:
         if isinstance(command, LoadModel):
             return self.load_model(command.spec)
+        if isinstance(command, MeasureMemory):
+            return self.measure_memory(command.spec, command.gpu_memory_utilization)
         if self.runner is None:
             raise RuntimeError(f"{type(command).__name__} before LoadModel")
         if isinstance(command, LoadAdapter):
@@ -71,28 +99,74 @@ class Worker:
             return None
         if isinstance(command, RunStep):
             return self.run_step(command)
+        if isinstance(command, TimeCollectives):
+            return self.time_collectives(command)
         raise TypeError(f"unknown command {command!r}")
 
-    def load_model(self, spec: RunnerSpec) -> dict[str, tuple[int, ...]]:
-        """Build the rank's shard and its runner; returns the shard's parameter shapes."""
+    def _load_shard(self, spec: RunnerSpec) -> ParallelLlamaForCausalLM:
+        """The rank's model shard of `spec` (the one loaded already, if built from the same)."""
         device = torch.device(spec.device)
-        if device.type != "cpu":
-            raise NotImplementedError("tensor-parallel workers run on CPU (gloo) only so far")
-        dtype = resolve_dtype(spec.dtype, device)
-        config = ModelConfig.load(spec.model)
-        layout = ShardLayout(config, self.group.rank, self.group.world_size)
-        ops = select_ops(device)
-        self.runner = None  # the old shard's memory goes before the new one is read
-        model = load_model_shard(spec.model, layout, ops, dtype, device, spec.max_model_len, self.group)
-        shard = layout.shard_config
-        kv_cache = torch.zeros(spec.num_kv_blocks, shard.num_layers, 2, spec.block_size, shard.num_kv_heads,
-                               shard.head_dim, dtype=dtype, device=device)
-        lora = LoraSlotBuffers(shard, spec.num_lora_slots, spec.max_lora_rank, dtype, device,
-                               base_weights=model.group_weights)
-        self.layout = layout
-        self.runner = ModelRunner(model, kv_cache, lora, ops, spec.max_num_seqs, spec.max_num_batched_tokens,
-                                  spec.max_model_len, num_host_blocks=spec.num_host_blocks,
+        if device.type != self.device.type:
+            raise ValueError(f"a {spec.device} model on workers of device {self.device}")
+        key = (spec.model, spec.dtype, spec.kernels, spec.max_model_len, spec.random_weights, spec.seed)
+        if self.model is not None and self._model_key == key:
+            return self.model
+        self.runner, self.model = None, None  # the old shard's memory goes before the new one is read
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        dtype = resolve_dtype(spec.dtype, self.device)
+        layout = ShardLayout(ModelConfig.load(spec.model), self.group.rank, self.group.world_size)
+        ops = select_ops(self.device, spec.kernels)
+        if spec.random_weights:
+            self.model = random_shard(layout, ops, dtype, self.device, spec.max_model_len, self.group,
+                                      spec.seed)
+        else:
+            self.model = load_model_shard(spec.model, layout, ops, dtype, self.device, spec.max_model_len,
+                                          self.group)
+        self.layout, self._model_key = layout, key
+        return self.model
+
+    def measure_memory(self, spec: RunnerSpec, gpu_memory_utilization: float) -> MemoryReport | None:
+        """Load the shard and measure a step's activations (and decode graphs) beside it."""
+        model = self._load_shard(spec)
+        if self.device.type != "cuda":
+            return None
+        shard = self.layout.shard_config
+        block = (shard.num_layers, 2, spec.block_size, shard.num_kv_heads, shard.head_dim)
+        activations, graphs = measure_step_bytes(
+            model, model.ops, block, spec.max_lora_rank, spec.max_num_seqs, spec.max_num_batched_tokens,
+            spec.max_model_len, spec.use_cuda_graphs)
+        budget = cuda_budget(gpu_memory_utilization, self.device, activations, graphs)
+        return MemoryReport(budget, activations, graphs)
+
+    def load_model(self, spec: RunnerSpec) -> dict[str, tuple[int, ...]]:
+        """Build the rank's shard (or keep the one loaded) and its runner; returns the shard's
+        parameter shapes."""
+        self.runner = None  # its KV cache and slots go before new ones are made
+        model = self._load_shard(spec)
+        dtype, device, shard = model.norm.dtype, self.device, self.layout.shard_config
+        if spec.lora_slot_bytes:  # one pool: the KV blocks and the slots, as the engine's own
+            block_bytes = (shard.num_layers * 2 * spec.block_size * shard.num_kv_heads * shard.head_dim
+                           * torch.empty((), dtype=dtype).element_size())
+            pool = torch.zeros(spec.num_kv_blocks * block_bytes, dtype=torch.uint8, device=device)
+            kv_cache = kv_cache_view(pool, shard, spec.block_size, dtype)
+            lora = LoraSlotBuffers(shard, spec.num_lora_slots, spec.max_lora_rank, dtype, device,
+                                   base_weights=model.group_weights, pool=pool,
+                                   slot_bytes=spec.lora_slot_bytes)
+        else:
+            kv_cache = torch.zeros(spec.num_kv_blocks, shard.num_layers, 2, spec.block_size,
+                                   shard.num_kv_heads, shard.head_dim, dtype=dtype, device=device)
+            lora = LoraSlotBuffers(shard, spec.num_lora_slots, spec.max_lora_rank, dtype, device,
+                                   base_weights=model.group_weights)
+        self.runner = ModelRunner(model, kv_cache, lora, model.ops, spec.max_num_seqs,
+                                  spec.max_num_batched_tokens, spec.max_model_len,
+                                  use_cuda_graphs=spec.use_cuda_graphs,
+                                  num_host_blocks=spec.num_host_blocks, flora_graphs=spec.flora_graphs,
                                   relay=RelayRule(spec.relay_attention))
+        if self.runner.graphs is not None:  # every rank captures the same graphs in the same order
+            self.runner.graphs.capture_all()
+        if device.type == "cuda":
+            self.runner.warm_up(spec.max_num_batched_tokens)
         shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         shapes["kv_cache"] = tuple(kv_cache.shape)
         return shapes
@@ -122,4 +196,62 @@ class Worker:
         result = runner.collect(runner.launch(command.plan))
         if not is_driver_rank:
             return None
-        return StepOutput(result, logits[0] if logits else None)
+        inputs, swapper = runner.inputs, runner.swapper
+        counters = RunnerCounters(inputs.num_relay_steps, inputs.num_relay_groups, inputs.num_relay_members,
+                                  swapper.stats() if swapper is not None else None)
+        return StepOutput(result, logits[0].cpu() if logits else None, counters)
+
+    def time_collectives(self, command: TimeCollectives) -> list[dict[str, float]] | None:
+        config, group, device = self.layout.config, self.group, self.device
+        dtype, rows = self.model.norm.dtype, []
+        num_reduces = 2 * config.num_layers + 1
+        for batch in command.batch_sizes:
+            hidden = torch.ones(batch, config.hidden_size, dtype=dtype, device=device)
+            logits = torch.ones(batch, self.layout.vocab_rows, dtype=torch.float32, device=device)
+            reduce_s = _time(partial(group.all_reduce, hidden), device, command.iterations)
+            gather_s = _time(partial(group.all_gather_columns, logits), device, command.iterations)
+            row = {"batch": batch, "all_reduce_us": round(reduce_s * 1e6, 2),
+                   "all_reduces_per_step": num_reduces, "logits_all_gather_us": round(gather_s * 1e6, 2),
+                   "step_ms": round((num_reduces * reduce_s + gather_s) * 1e3, 3)}
+            if device.type == "cuda":  # as a decode step replays them: in one CUDA graph
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(num_reduces):
+                        group.all_reduce(hidden)
+                    group.all_gather_columns(logits)
+                row["graph_step_ms"] = round(_time(graph.replay, device, command.iterations) * 1e3, 3)
+            rows.append(row)
+        return rows if group.rank == 0 else None
+
+
+def _time(fn, device: torch.device, iterations: int) -> float:
+    """Seconds a call of `fn` takes, on average (after 5 unmeasured)."""
+    for _ in range(5):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for _ in range(iterations):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - started) / iterations
+
+
+@torch.no_grad()
+def random_shard(layout: ShardLayout, ops, dtype: torch.dtype, device: torch.device, max_positions: int,
+                 group: TensorParallelGroup, seed: int) -> ParallelLlamaForCausalLM:
+    """A shard of random weights, N(0, 0.02), norms 1 (benchmarks: a step costs the same whatever
+    the values)."""
+    with torch.device("meta"):
+        model = ParallelLlamaForCausalLM(layout, ops, max_positions, group)
+    model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed * 1009 + layout.rank)
+    for name, param in model.named_parameters():
+        param.data = param.data.to(dtype)
+        if name.endswith("norm"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=generator)
+    model.reset_rope()
+    return model.eval()

@@ -7,7 +7,19 @@ from typing import Any
 
 import torch
 
+from loraplex.engine.kv_swap import SwapStats
 from loraplex.engine.plan import StepResult
+
+
+@dataclass
+class RunnerCounters:
+    """Rank 0's runner statistics so far (the engine's stats read them)."""
+
+    num_relay_steps: int = 0
+    num_relay_groups: int = 0
+    num_relay_members: int = 0
+    swap: SwapStats | None = None
+    """KV copied to and from rank 0's host pool (None: it has none)."""
 
 
 @dataclass
@@ -17,6 +29,17 @@ class StepOutput:
     result: StepResult
     logits: torch.Tensor | None = None
     """[num_samples, vocab] float32, when asked for."""
+    counters: RunnerCounters | None = None
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """A rank's answer to MeasureMemory (CUDA): bytes, as the single-process engine plans them."""
+
+    budget_bytes: int
+    """Left for the rank's pool of KV blocks and adapter slots."""
+    activation_bytes: int
+    graph_bytes: int
 
 
 @dataclass

@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -26,9 +27,17 @@ from loraplex.engine.plan import StepPlan
 from loraplex.errors import ModelLoadError
 from loraplex.model.model_config import ModelConfig
 from loraplex.parallel.sharding import check_tensor_parallel
-from loraplex.worker.commands import LoadAdapter, LoadModel, RunnerSpec, RunStep, Shutdown
-from loraplex.worker.process import run_worker
-from loraplex.worker.replies import Done, Failed, StepOutput
+from loraplex.worker.commands import (
+    LoadAdapter,
+    LoadModel,
+    MeasureMemory,
+    RunnerSpec,
+    RunStep,
+    Shutdown,
+    TimeCollectives,
+)
+from loraplex.worker.process import NO_MULTICAST_ENV, run_worker
+from loraplex.worker.replies import Done, Failed, MemoryReport, StepOutput
 
 DEFAULT_TIMEOUT_S = 300.0
 """How long a command, and a collective inside a worker, may take before it counts as hung."""
@@ -36,30 +45,47 @@ STOP_GRACE_S = 10.0
 """How long closing waits for a worker to exit before it is terminated, then killed."""
 
 
+def check_workers(config: ModelConfig, world_size: int, device: torch.device) -> None:
+    """Raise ModelLoadError unless `config` splits over `world_size` ranks and, on CUDA, there
+    are that many GPUs (before any weight is read)."""
+    check_tensor_parallel(config, world_size)
+    if device.type == "cuda" and world_size > torch.cuda.device_count():
+        raise ModelLoadError(f"tensor_parallel_size {world_size} needs as many GPUs; "
+                             f"{torch.cuda.device_count()} present", param="tensor_parallel_size")
+
+
 class WorkerError(RuntimeError):
     """A worker failed, died or hung; the workers have been stopped."""
 
 
 class TensorParallelWorkers:
-    """`world_size` worker processes (spawned) in one gloo process group. Use as a context
-    manager, or call `close()`: the processes are stopped on every path out."""
+    """`world_size` worker processes (spawned) in one process group (gloo on CPU, NCCL on
+    GPUs: rank r on cuda:r). Use as a context manager, or call `close()`: the processes are
+    stopped on every path out."""
 
     def __init__(self, world_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 num_threads: int = 1) -> None:
-        """`num_threads`: torch's CPU threads in each worker."""
-        self.world_size, self.timeout_s = world_size, timeout_s
+                 num_threads: int = 1, backend: str = "gloo") -> None:
+        """`num_threads`: torch's CPU threads in each worker; `backend`: "gloo" or "nccl"."""
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be gloo or nccl, not {backend!r}")
+        self.world_size, self.timeout_s, self.backend = world_size, timeout_s, backend
         # The rendezvous is a file, not a port: nothing to choose, nothing to collide with.
         self._store_dir = tempfile.mkdtemp(prefix="loraplex-tp-")
         init_method = f"file://{os.path.join(self._store_dir, 'store')}"
         context = mp.get_context("spawn")
         self._conns: list[Connection] = []
         self._processes: list[Any] = []
-        self._num_launched = 0  # steps sent and not yet collected
+        # One entry a command sent and not yet answered, in order: True for a step that
+        # `collect` returns, False for a queued adapter load whose acknowledgements are only
+        # checked for failures.
+        self._pending: deque[bool] = deque()
+        os.environ.update(NO_MULTICAST_ENV)  # the spawned children inherit it; they set it again
         try:
             for rank in range(world_size):
                 parent, child = context.Pipe()
                 process = context.Process(target=run_worker, name=f"loraplex-tp-{rank}", daemon=True,
-                                          args=(rank, world_size, init_method, child, timeout_s, num_threads))
+                                          args=(rank, world_size, init_method, child, timeout_s, num_threads,
+                                                backend))
                 process.start()
                 child.close()  # the child's end lives in the child only: its death closes the pipe
                 self._conns.append(parent)
@@ -86,39 +112,72 @@ class TensorParallelWorkers:
         """Every rank builds its shard; returns each rank's parameter shapes. A model that does
         not split over the ranks, or more ranks than GPUs, is refused here, before any worker
         reads the model (ModelLoadError)."""
-        check_tensor_parallel(ModelConfig.load(spec.model), self.world_size)
-        if torch.device(spec.device).type == "cuda" and self.world_size > torch.cuda.device_count():
-            raise ModelLoadError(f"tensor_parallel_size {self.world_size} needs as many GPUs; "
-                                 f"{torch.cuda.device_count()} present", param="tensor_parallel_size")
+        check_workers(ModelConfig.load(spec.model), self.world_size, torch.device(spec.device))
         return self._call(LoadModel(spec))
+
+    def measure_memory(self, spec: RunnerSpec, gpu_memory_utilization: float) -> list[MemoryReport | None]:
+        """Every rank loads its shard (kept for `load_model` of the same model) and measures
+        the memory a step takes beside it (CUDA; None on CPU)."""
+        check_workers(ModelConfig.load(spec.model), self.world_size, torch.device(spec.device))
+        return self._call(MeasureMemory(spec, gpu_memory_utilization))
 
     def load_adapter(self, slot: int, adapter: HostAdapter) -> None:
         """Copy an adapter (laid out for the full model) into `slot` on every rank, each its
         shard."""
         self._call(LoadAdapter(slot, adapter))
 
+    def time_collectives(self, batch_sizes: tuple[int, ...], iterations: int = 50) -> list[dict[str, float]]:
+        """Rank 0's timings of a decode step's collectives at each batch size (TimeCollectives)."""
+        return self._call(TimeCollectives(tuple(batch_sizes), iterations))[0]
+
+    def queue_adapter(self, slot: int, adapter: HostAdapter) -> None:
+        """Send a slot load to every rank and return at once: the ranks run it after the steps
+        launched before it and before those launched after (their commands run in order); a
+        failure is raised by the next `collect`."""
+        self._guarded(self._send, LoadAdapter(slot, adapter))
+        self._pending.append(False)
+
     def execute(self, plan: StepPlan, return_logits: bool = False) -> StepOutput:
         """Run one step on every rank; rank 0's tokens (and logits, when asked)."""
         self.launch(plan, return_logits)
         return self.collect()
 
-    def launch(self, plan: StepPlan, return_logits: bool = False) -> None:
+    def launch(self, plan: StepPlan, return_logits: bool = False, *, want_reply: bool = True) -> None:
         """Queue a step on every rank and return at once: the driver may plan and launch the
-        next before it collects this one (the ranks run their commands in order)."""
+        next before it collects this one (the ranks run their commands in order). Without
+        `want_reply` (a plan that samples nothing) `collect` skips its output, raising only its
+        failure."""
         self._guarded(self._send, RunStep(plan, return_logits))
-        self._num_launched += 1
+        self._pending.append(want_reply)
 
     def collect(self) -> StepOutput:
-        """The oldest launched step's output (waits for it)."""
-        if not self._num_launched:
+        """The oldest launched step's output (waits for it, and for the adapter loads queued
+        before it)."""
+        if True not in self._pending:
             raise RuntimeError("no step launched")
-        self._num_launched -= 1
+        while not self._pending.popleft():
+            self._guarded(self._replies)
         return self._guarded(self._replies)[0]
+
+    def read_acknowledgements(self) -> None:
+        """Read the replies of the unread commands at the head of the queue that every rank has
+        answered already (never waits), so they do not pile up in the pipes."""
+        while self._pending and not self._pending[0] and all(conn.poll() for conn in self._conns):
+            self._pending.popleft()
+            self._guarded(self._replies)
+
+    @property
+    def num_launched(self) -> int:
+        """Steps launched and not yet collected."""
+        return sum(self._pending)
 
     def _call(self, command: Any) -> list[Any]:
         """Send `command` to every rank; their answers in rank order."""
-        if self._num_launched:
-            raise RuntimeError(f"collect the {self._num_launched} launched steps first")
+        if self.num_launched:
+            raise RuntimeError(f"collect the {self.num_launched} launched steps first")
+        while self._pending:  # queued adapter loads: their failures surface here
+            self._pending.popleft()
+            self._guarded(self._replies)
         self._guarded(self._send, command)
         return self._guarded(self._replies)
 
@@ -163,7 +222,9 @@ class TensorParallelWorkers:
     def _died(self, rank: int) -> WorkerError:
         process = self._processes[rank]
         process.join(1)
-        return WorkerError(f"worker rank {rank} died (exit code {process.exitcode})")
+        hint = ("; a script that starts workers needs an `if __name__ == \"__main__\":` guard (they are "
+                "spawned, and import the script again)") if process.exitcode == 1 else ""
+        return WorkerError(f"worker rank {rank} died (exit code {process.exitcode}){hint}")
 
     def close(self, grace_s: float = STOP_GRACE_S) -> None:
         """Stop every worker (Shutdown; after `grace_s`, terminate; then kill); idempotent."""
@@ -182,5 +243,6 @@ class TensorParallelWorkers:
                 process.join()
         for conn in self._conns:
             conn.close()
-        self._conns, self._processes, self._num_launched = [], [], 0
+        self._conns, self._processes = [], []
+        self._pending.clear()
         shutil.rmtree(self._store_dir, ignore_errors=True)

@@ -16,33 +16,7 @@ from loraplex.engine.lora_weights import HostAdapter
 from loraplex.errors import ModelLoadError
 from loraplex.worker.commands import RunnerSpec
 from loraplex.worker.workers import TensorParallelWorkers, WorkerError
-from tests.factories import ADAPTERS, make_adapter, make_dora_adapter, make_flora_adapter, make_ia3_adapter
-from tests.parallel.tp_support import make_tiny_model, one_torch_thread, record, replay, runner_spec
-
-ARCHS = {
-    "llama": {},  # 4 query heads, 2 KV heads: 2 and 1 a rank
-    "qwen2": {"vocab_size": 301},  # q/k/v biases, tied embeddings, a vocabulary padded to 302
-    "mistral": {"num_key_value_heads": 1},  # the one KV head replicated on both ranks
-}
-SYSTEM = list(range(40, 72))  # a shared prompt prefix of two blocks
-
-
-@pytest.fixture(scope="module", params=list(ARCHS))
-def tiny(request, tmp_path_factory):
-    """(arch, model folder, {adapter name: folder})."""
-    arch = request.param
-    folder = tmp_path_factory.mktemp(f"tp-{arch}")
-    with one_torch_thread():
-        hf = make_tiny_model(arch, folder / "model", **ARCHS[arch])
-        adapters = {spec.name: make_adapter(hf, spec, folder, seed=i)
-                    for i, spec in enumerate(ADAPTERS[1:4:2], 1)}  # all8 (all seven), pattern
-        adapters["dora"] = make_dora_adapter(hf, folder / "dora", ("q_proj", "v_proj", "o_proj", "down_proj"),
-                                             rank=4, alpha=8)
-        adapters["ia3"] = make_ia3_adapter(hf, folder / "ia3", ("k_proj", "v_proj", "o_proj", "down_proj"),
-                                           ("down_proj",))
-        adapters["flora"] = make_flora_adapter(hf, folder / "flora",
-                                               ("q_proj", "o_proj", "up_proj", "down_proj"), rank=2)
-    return arch, folder / "model", adapters
+from tests.parallel.tp_support import SYSTEM, make_tiny_model, record, replay, runner_spec
 
 
 def test_tp2_matches_one_process(tiny, tp2_workers):

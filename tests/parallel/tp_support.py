@@ -17,6 +17,13 @@ from loraplex.engine.plan import StepPlan, StepResult
 from loraplex.worker.commands import RunnerSpec
 from tests.factories import hf_config, save_byte_tokenizer
 
+ARCHS = {
+    "llama": {},  # 4 query heads, 2 KV heads: 2 and 1 a rank
+    "qwen2": {"vocab_size": 301},  # q/k/v biases, tied embeddings, a vocabulary padded to 302
+    "mistral": {"num_key_value_heads": 1},  # the one KV head replicated on both ranks
+}
+SYSTEM = list(range(40, 72))  # a shared prompt prefix of two blocks
+
 
 @contextmanager
 def one_torch_thread() -> Iterator[None]:

@@ -310,6 +310,8 @@ def test_a_bad_engine_option_is_refused_before_anything_loads(tmp_path: Path) ->
                            (["--gpu-memory-utilization", "1.5"],
                             "--gpu-memory-utilization must be in (0, 1]"),
                            (["--block-size", "12"], "--block-size must be a power of two"),
+                           (["--tensor-parallel-size", "0"],
+                            "--tensor-parallel-size must be an integer >= 1"),
                            (["--max-loras", "lots"], "argument --max-loras: invalid int value: 'lots'"),
                            (["--dtype", "float8"], "argument --dtype: invalid choice: 'float8'")):
         started = time.monotonic()

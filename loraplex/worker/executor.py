@@ -1,0 +1,191 @@
+"""The engine core's side of tensor parallelism: what `LLMEngine` holds in place of its own
+model, ModelRunner and slot buffers when `tensor_parallel_size` > 1 (vLLM V1's executor).
+
+The engine keeps everything that decides (scheduler, block manager and prefix cache, adapter
+cache, host pool); the workers hold the model's shards, each rank's KV cache (its own heads) and
+slots (its adapter shards) in one pool laid out as the engine would lay out its own, and run
+every step plan on every rank. So block and slot ids mean the same on the engine and on every
+rank, swaps move each rank's part of a block, and nothing but plans, adapter tensors and
+sampled tokens crosses the pipes.
+
+- `RemoteRunner` has ModelRunner's step interface (`begin`, `finish`, `collect`, `on_logits`,
+  the relay and swap counters): a step's plan goes to the workers at `finish`, once its token
+  masks are known; `collect` returns rank 0's tokens.
+- `RemoteSlots` has the slot buffers' interface that the adapter cache uses: `load` only queues
+  the adapter, and the next step sends it ahead of itself (the ranks run commands in order, so
+  the load lands after the steps launched before it, which may still read the slot's old
+  adapter, and before any step that reads the new one). The adapter cache's copy thread calls
+  `load`; only the engine thread writes to the pipes."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from loraplex.engine.kv_swap import KvSwapper, SwapStats
+from loraplex.engine.lora_weights import HostAdapter, pool_slot_bytes
+from loraplex.engine.plan import StepPlan, StepResult, TokenMasks
+from loraplex.engine.sizing import MemoryPlan, kv_block_bytes, plan_memory
+from loraplex.engine_config import EngineConfig
+from loraplex.model.model_config import ModelConfig
+from loraplex.parallel.sharding import ShardLayout
+from loraplex.worker.commands import RunnerSpec
+from loraplex.worker.replies import RunnerCounters
+from loraplex.worker.workers import TensorParallelWorkers, check_workers
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Started:
+    plan: StepPlan
+
+
+@dataclass
+class _Launched:
+    sampled_ids: list[str] = field(default_factory=list)
+    is_sent: bool = False
+
+
+class RemoteRunner:
+    """ModelRunner's step interface over the workers."""
+
+    def __init__(self, workers: TensorParallelWorkers, slots: RemoteSlots) -> None:
+        self.workers, self.slots = workers, slots
+        self.on_logits: Any = None
+        """Called at collect with the sampled ids and rank 0's logits (tests, benchmarks)."""
+        self.graphs = None  # the workers capture their own
+        self._counters = RunnerCounters()
+
+    def begin(self, plan: StepPlan) -> _Started | None:
+        """Send the adapter loads queued since the last step; a plan that computes nothing
+        (records to update, blocks to swap) goes to the workers at once, its reply unread."""
+        self.workers.read_acknowledgements()
+        self.slots.send_queued()
+        if plan.is_empty:
+            self.workers.launch(plan, want_reply=False)
+            return None
+        return _Started(plan)
+
+    def finish(self, started: _Started | None, masks: TokenMasks | None) -> _Launched:
+        if started is None:
+            return _Launched()
+        plan = started.plan
+        if masks is not plan.token_masks:
+            plan = dataclasses.replace(plan, token_masks=masks)
+        self.workers.launch(plan, return_logits=self.on_logits is not None)
+        return _Launched([r for r, s in zip(plan.request_ids, plan.samples) if s], is_sent=True)
+
+    def launch(self, plan: StepPlan) -> _Launched:
+        return self.finish(self.begin(plan), plan.token_masks)
+
+    def collect(self, launched: _Launched) -> StepResult:
+        """Rank 0's tokens of a launched step (steps are collected in launch order)."""
+        if not launched.is_sent:
+            return StepResult()
+        output = self.workers.collect()
+        if output.counters is not None:
+            self._counters = output.counters
+        if self.on_logits is not None and output.logits is not None:
+            self.on_logits(launched.sampled_ids, output.logits)
+        return output.result
+
+    @property
+    def inputs(self) -> RunnerCounters:
+        """Rank 0's relay counters (the attributes the engine's stats read of StepInputs)."""
+        return self._counters
+
+    @property
+    def swapper(self) -> _SwapCounters | None:
+        swap = self._counters.swap
+        return None if swap is None else _SwapCounters(swap)
+
+
+@dataclass(frozen=True)
+class _SwapCounters:
+    swap: SwapStats
+
+    def stats(self) -> SwapStats:
+        return self.swap
+
+
+class RemoteSlots:
+    """The adapter cache's slot buffers, on the workers."""
+
+    def __init__(self, workers: TensorParallelWorkers, num_slots: int, slot_bytes: int) -> None:
+        self.workers, self.num_slots, self.slot_bytes = workers, num_slots, slot_bytes
+        self.device = torch.device("cpu")  # the engine core copies nothing to a device itself
+        self._queued: list[tuple[int, HostAdapter]] = []
+        self._lock = threading.Lock()
+
+    def load(self, slot: int, adapter: HostAdapter) -> None:
+        """Queue `adapter` for `slot` (any thread); the next step sends it."""
+        with self._lock:
+            self._queued.append((slot, adapter))
+
+    def send_queued(self) -> None:
+        """Send the queued loads to the workers (the engine thread, before a step)."""
+        with self._lock:
+            queued, self._queued = self._queued, []
+        for slot, adapter in queued:
+            self.workers.queue_adapter(slot, adapter)
+
+
+@dataclass
+class TensorParallelExecutor:
+    """The workers of one engine, their memory plan, and the runner and slots in front of them."""
+
+    workers: TensorParallelWorkers
+    memory: MemoryPlan
+    runner: RemoteRunner
+    slots: RemoteSlots
+    num_host_blocks: int
+
+    @classmethod
+    def start(cls, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
+              max_model_len: int, random_weights: bool = False) -> TensorParallelExecutor:
+        """Check the split (before any process starts or weight is read), spawn the workers,
+        size the rank's pool (on CUDA from every rank's measured budget, the smallest), and
+        have every rank build its shard and runner."""
+        size = config.tensor_parallel_size
+        check_workers(model_config, size, device)
+        shard = ShardLayout(model_config, 0, size).shard_config  # every rank's sizes
+        workers = TensorParallelWorkers(size, backend="nccl" if device.type == "cuda" else "gloo",
+                                        num_threads=torch.get_num_threads() if device.type == "cuda" else 1)
+        try:
+            spec = RunnerSpec(
+                model=config.model, dtype=str(dtype).removeprefix("torch."), device=device.type,
+                kernels=config.kernels, max_model_len=max_model_len, block_size=config.cache.block_size,
+                max_lora_rank=config.lora.max_lora_rank, max_num_seqs=config.scheduler.max_num_seqs,
+                max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                relay_attention=config.relay_attention,
+                use_cuda_graphs=device.type == "cuda" and not config.enforce_eager,
+                flora_graphs=config.lora.flora_graphs, random_weights=random_weights, seed=config.seed)
+            budget, activations, graphs = config.cache.cpu_kv_cache_bytes, 0, 0
+            reports = [r for r in workers.measure_memory(spec, config.cache.gpu_memory_utilization) if r]
+            if reports:  # CUDA: the rank with the least room sizes every rank's pool
+                budget = min(r.budget_bytes for r in reports)
+                activations = max(r.activation_bytes for r in reports)
+                graphs = max(r.graph_bytes for r in reports)
+            page_bytes = kv_block_bytes(shard, config.cache.block_size, dtype)
+            slot_bytes = pool_slot_bytes(shard, config.lora.max_lora_rank, dtype, page_bytes)
+            memory = plan_memory(config, shard, dtype, max_model_len, slot_bytes, budget, activations, graphs)
+            num_host_blocks = KvSwapper.host_blocks_for(config.cache.swap_space, memory.kv_block_bytes)
+            workers.load_model(dataclasses.replace(
+                spec, num_kv_blocks=memory.num_pool_blocks, num_lora_slots=memory.num_lora_slots,
+                lora_slot_bytes=memory.lora_slot_bytes, num_host_blocks=num_host_blocks))
+        except BaseException:
+            workers.close()
+            raise
+        logger.info("tensor parallel over %d ranks (%s); each rank's %s", size, workers.backend,
+                    memory.describe())
+        slots = RemoteSlots(workers, memory.num_lora_slots, memory.lora_slot_bytes)
+        return cls(workers, memory, RemoteRunner(workers, slots), slots, num_host_blocks)
+
+    def close(self) -> None:
+        self.workers.close()
