@@ -153,7 +153,7 @@ class LLMEngine:
         if config.cache.sliding_window is not None:
             self.streaming_window = StreamingWindow(config.cache.sliding_window, config.cache.attention_sinks,
                                                     param="sliding_window")
-            if (problem := self._window_problem(self.streaming_window)) is not None:
+            if (problem := self.window_problem(self.streaming_window)) is not None:
                 raise ConfigError("sliding_window", problem)
         self.blocks = BlockManager(self.memory.num_pool_blocks, block_size,
                                    enable_prefix_caching=config.cache.enable_prefix_caching,
@@ -364,11 +364,11 @@ class LLMEngine:
     def _streaming_of(self, params: SamplingParams) -> StreamingWindow | None:
         """The request's attention sinks and window (its own, else the engine's), checked."""
         window = params.streaming_window or self.streaming_window
-        if window is not None and (problem := self._window_problem(window)) is not None:
+        if window is not None and (problem := self.window_problem(window)) is not None:
             raise InvalidRequestError(problem, param=window.param)
         return window
 
-    def _window_problem(self, window: StreamingWindow) -> str | None:
+    def window_problem(self, window: StreamingWindow) -> str | None:
         """Why the cache cannot hold `window`'s sinks and window, or None if it can."""
         bs = self.config.cache.block_size
         need = max_cached_tokens(window, bs)
