@@ -136,3 +136,19 @@ def test_windows_that_cannot_fit_are_refused(case):
         StreamingWindow(0)
     with pytest.raises(ConfigError, match="sliding_window"):
         _llm(model_dir, max_model_len=64, sliding_window=64)
+
+
+def test_the_triton_kernels_stream_as_the_reference_does(case):
+    """On CPU through the Triton interpreter (tests/conftest.py), on a GPU compiled."""
+    model_dir, _, prompt = case
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    params = SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True, logprobs=2,
+                            streaming_window=StreamingWindow(8, 4))  # 21 tokens through 16: 1 drop
+    results = {}
+    for kernels in ("reference", "triton"):
+        llm = LLM(model_dir, device=device, dtype="float32", kernels=kernels, block_size=BLOCK_SIZE,
+                  max_model_len=64, enforce_eager=True)
+        results[kernels] = llm.generate(prompt_token_ids=[prompt[:10]], sampling_params=params)[0]
+    ours, ref = results["triton"], results["reference"]
+    assert ours.token_ids == ref.token_ids
+    assert all(a.logprob == pytest.approx(b.logprob, abs=2e-3) for a, b in zip(ours.logprobs, ref.logprobs))
