@@ -118,7 +118,8 @@ def main() -> None:
         results[name] = {
             "attention_sinks": streaming.attention_sinks, "sliding_window": streaming.sliding_window,
             "perplexity": ppl, "ratio": [p / r for p, r in zip(ppl, reference)],
-            "max_ratio_past_context": max(p / r for p, r in list(zip(ppl, reference))[args.context // args.span:]),
+            "max_ratio_past_context": max(p / r for p, r in
+                                          list(zip(ppl, reference))[args.context // args.span:]),
             "blocks_held": {"max": max(held), "while_streaming_past_the_first_context":
                             sorted(set(held[len(held) // args.multiple:-1])), "after": held[-1]},
             "steps": len(held), "seconds": round(seconds, 1)}

@@ -389,7 +389,8 @@ class Scheduler:
         """Blocks the running requests would add if each ran to its length limit."""
         bs = self.blocks.block_size
         return sum(self.blocks.blocks_needed(
-            r.max_num_tokens if r.streaming is None else min(r.max_num_tokens, max_cached_tokens(r.streaming, bs)),
+            r.max_num_tokens if r.streaming is None else min(r.max_num_tokens,
+                                                             max_cached_tokens(r.streaming, bs)),
             len(r.block_ids)) for r in self.running)
 
     def _start(self, request: Request, slot: int, plan: StepPlan) -> None:

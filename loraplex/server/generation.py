@@ -120,7 +120,8 @@ def sampling_params(
         seed=None if body.seed is None else body.seed % 2**63, stop=body.stop or (),
         stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, ignore_eos=bool(body.ignore_eos),
-        structured=structured_output(body), streaming_window=None if body.streaming_window is None else streaming,
+        structured=structured_output(body),
+        streaming_window=None if body.streaming_window is None else streaming,
     )
 
 

@@ -39,10 +39,10 @@ def _greedy(max_tokens: int, window: StreamingWindow | None = None, logprobs: in
 
 
 def _streaming_reference(hf, prompt: list[int], num_tokens: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens, and their log-probabilities, of StreamingLLM on transformers: the prompt in one pass (it fits), then one
-    token at a time; before each, the window's blocks whose tokens are all more than WINDOW
-    behind are dropped from the cache and the keys after the sinks rotated back by the tokens
-    dropped; each new token takes its position within the cache."""
+    """Greedy tokens, and their log-probabilities, of StreamingLLM on transformers: the prompt in
+    one pass (it fits), then one token at a time; before each, the window's blocks whose tokens
+    are all more than WINDOW behind are dropped from the cache and the keys after the sinks
+    rotated back by the tokens dropped; each new token takes its position within the cache."""
     from transformers import DynamicCache
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -62,7 +62,8 @@ def _streaming_reference(hf, prompt: list[int], num_tokens: int) -> tuple[list[i
                 kept = torch.cat((layer.keys[:, :, :SINKS], layer.keys[:, :, SINKS + shift:]), dim=2)
                 window_keys, _ = apply_rotary_pos_emb(kept[:, :, SINKS:], kept[:, :, SINKS:], cos, -sin)
                 layer.keys = torch.cat((kept[:, :, :SINKS], window_keys), dim=2)
-                layer.values = torch.cat((layer.values[:, :, :SINKS], layer.values[:, :, SINKS + shift:]), dim=2)
+                values = layer.values
+                layer.values = torch.cat((values[:, :, :SINKS], values[:, :, SINKS + shift:]), dim=2)
             num_dropped += shift
         position = text_position - num_dropped
         with torch.no_grad():
