@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from loraplex.types import RequestOutput, SamplingParams
+from loraplex.types import RequestOutput, SamplingParams, StreamingWindow
 
 if TYPE_CHECKING:
     from loraplex.engine.llm import LLM
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamingWindow"]
 __version__ = "0.1.0"
 
 

@@ -41,6 +41,14 @@ class CacheConfig:
     """Find full prompt blocks again by content (chained over tokens, keyed by tenant and
     adapter): a request whose prompt starts with cached blocks shares them and prefills only
     the rest; blocks nobody holds stay cached until the free list runs dry (LRU)."""
+    sliding_window: int | None = None
+    """Attention sinks (StreamingLLM) for every request that sets no `streaming_window` of its
+    own: its KV keeps the first attention_sinks tokens and the last this many, so that a session
+    runs past the context in bounded memory (positions within the cache; window blocks that fall
+    behind go back to the pool). None: off, requests end at the context."""
+    attention_sinks: int = 4
+    """With sliding_window: the first tokens whose KV is always kept (kept in whole blocks: 4
+    keeps the first block); 0: a plain sliding window."""
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
@@ -49,6 +57,9 @@ class CacheConfig:
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
         _check(self.cpu_kv_cache_bytes > 0, "cpu_kv_cache_bytes", "must be positive")
         _check(0 <= self.swap_space <= 1 << 20, "swap_space", "must be a number of GiB >= 0")
+        _check(self.sliding_window is None or self.sliding_window > 0, "sliding_window",
+               "must be positive (leave it out for no window)")
+        _check(self.attention_sinks >= 0, "attention_sinks", "must be >= 0")
 
 
 @dataclass(frozen=True)

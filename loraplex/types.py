@@ -51,6 +51,26 @@ class StructuredOutput:
 
 
 @dataclass(frozen=True)
+class StreamingWindow:
+    """Attention sinks (StreamingLLM): the request's KV keeps its first `attention_sinks` tokens
+    and its last `sliding_window`, so that a session runs past the model's context with bounded
+    memory. Sinks are kept in whole KV blocks (4 sinks keep the first block: 16 tokens at the
+    default block size); window blocks are let go once all their tokens are more than
+    `sliding_window` back. Positions are those within the cache, as StreamingLLM assigns them."""
+
+    sliding_window: int
+    attention_sinks: int = 4
+    param: str = field(default="streaming_window", compare=False)
+    """The request field or option it came from: errors name it."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.sliding_window, int) and self.sliding_window > 0,
+                 "sliding_window must be an integer > 0", self.param)
+        _require(isinstance(self.attention_sinks, int) and self.attention_sinks >= 0,
+                 "attention_sinks must be an integer >= 0", self.param)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How one request samples its output. Invalid values raise InvalidRequestError naming the
     field. `temperature == 0` is greedy; `top_k <= 0` and `top_p == 1` disable those filters."""
@@ -74,6 +94,9 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     """Constrain the output to a JSON schema, a regex, a choice or a grammar (each sampled token
     is drawn from those the grammar allows next; the request stops when the grammar is done)."""
+    streaming_window: StreamingWindow | None = None
+    """Keep only the first tokens' KV (attention sinks) and a recent window, so that the request
+    may run past the context (None: the engine's default, `--sliding-window`)."""
 
     def __post_init__(self) -> None:
         # Accept lists and a single stop string, as the OpenAI API does; store tuples.

@@ -16,6 +16,9 @@ class InputBatch:
         self.tokens: list[list[int]] = [[] for _ in range(max_num_seqs)]
         self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_computed = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_dropped = np.zeros(max_num_seqs, dtype=np.int64)
+        """Tokens a sliding window dropped (attention sinks): a token's position in the cache is
+        its position in the text less these, once past the sinks."""
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int32)
         self.adapter_slot = np.zeros(max_num_seqs, dtype=np.int32)
@@ -36,6 +39,7 @@ class InputBatch:
         self.tokens[row] = list(seq.token_ids)
         self.num_prompt_tokens[row] = seq.num_prompt_tokens
         self.num_computed[row] = seq.num_computed_tokens
+        self.num_dropped[row] = seq.num_dropped_tokens
         self.num_blocks[row] = 0
         self.append_blocks(row, seq.block_ids)
         self.adapter_slot[row] = seq.adapter_slot
@@ -60,6 +64,16 @@ class InputBatch:
     def num_tokens_of(self, rows: np.ndarray) -> np.ndarray:
         """[len(rows)] int64: tokens each row holds (prompt, generated, pending)."""
         return np.fromiter((len(self.tokens[r]) for r in rows.tolist()), np.int64, len(rows))
+
+    def drop_blocks(self, row: int, first: int, count: int, block_size: int) -> np.ndarray:
+        """Drop `count` blocks from index `first` of a row's table (attention sinks); those after
+        move up. Returns the blocks that moved [num_blocks - first] (int32)."""
+        end = self.num_blocks[row]
+        table = self.block_table[row]
+        table[first:end - count] = table[first + count:end].copy()
+        self.num_blocks[row] = end - count
+        self.num_dropped[row] += count * block_size
+        return table[first:end - count].copy()
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         start = self.num_blocks[row]

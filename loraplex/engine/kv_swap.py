@@ -77,10 +77,8 @@ class KvSwapper:
             self._copy("in", swap_in, self.kv_cache, self.host)
             self._seconds["stalled"] += time.perf_counter() - started
             return
+        self.wait_for_swap_ins()
         main = torch.cuda.current_stream(self.kv_cache.device)
-        if self._swapped_in is not None:  # the previous step's swap-ins: this step reads them
-            self._wait(main, self._swapped_in)
-            self._swapped_in = None
         if not swap_out and not swap_in:
             return
         self._stream.wait_stream(main)
@@ -94,6 +92,12 @@ class KvSwapper:
             if swap_in:
                 self._swapped_in = torch.cuda.Event()
                 self._swapped_in.record()
+
+    def wait_for_swap_ins(self) -> None:
+        """Make the step stream wait for the previous step's swap-ins (this step reads them)."""
+        if self._swapped_in is not None:
+            self._wait(torch.cuda.current_stream(self.kv_cache.device), self._swapped_in)
+            self._swapped_in = None
 
     def _wait(self, main: torch.cuda.Stream, event: torch.cuda.Event) -> None:
         """Make the step stream wait for `event`, timing the wait on that stream."""

@@ -63,8 +63,9 @@ from loraplex.engine.sizing import (
     resolve_max_model_len,
 )
 from loraplex.engine.stats import EngineStats
+from loraplex.engine.streaming import max_cached_tokens, sink_blocks
 from loraplex.engine.tenants import DEFAULT_TENANT, TenantTable
-from loraplex.engine_config import EngineConfig
+from loraplex.engine_config import ConfigError, EngineConfig
 from loraplex.errors import InvalidRequestError, UnknownAdapterError
 from loraplex.json_limits import loads_bounded
 from loraplex.kernels import Ops, select_ops
@@ -72,7 +73,7 @@ from loraplex.model.llama import LlamaForCausalLM
 from loraplex.model.loader import load_model
 from loraplex.model.model_config import MAX_CONFIG_DEPTH, ModelConfig
 from loraplex.model.tokenizer import load_tokenizer
-from loraplex.types import FinishReason, RequestOutput, SamplingParams
+from loraplex.types import FinishReason, RequestOutput, SamplingParams, StreamingWindow
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +162,13 @@ class LLMEngine:
             self.kv_cache = kv_cache_view(self.pool, self.model_config, block_size, self.dtype)
         logger.info("memory: %s", self.memory.describe())
         self.max_model_len = min(self.max_model_len, self.memory.num_kv_blocks * block_size)
+        self.streaming_window: StreamingWindow | None = None
+        """Attention sinks for requests that set none of their own (`sliding_window`)."""
+        if config.cache.sliding_window is not None:
+            self.streaming_window = StreamingWindow(config.cache.sliding_window, config.cache.attention_sinks,
+                                                    param="sliding_window")
+            if (problem := self.window_problem(self.streaming_window)) is not None:
+                raise ConfigError("sliding_window", problem)
         self.blocks = BlockManager(self.memory.num_pool_blocks, block_size,
                                    enable_prefix_caching=config.cache.enable_prefix_caching,
                                    max_kv_blocks=self.memory.max_kv_blocks)
@@ -318,12 +326,14 @@ class LLMEngine:
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         params = params or SamplingParams()
-        token_ids = self.encode_prompt(prompt, prompt_token_ids)
+        streaming = self._streaming_of(params)
+        token_ids = self.encode_prompt(prompt, prompt_token_ids, past_context=streaming is not None)
         digest = self.adapter_digest(adapter) if adapter is not None else None
         tenant = tenant or DEFAULT_TENANT
+        # A window's blocks are rotated as it slides: they are never shared through the prefix cache.
         hashes = (block_hashes(token_ids, self.blocks.block_size, tenant, digest)
-                  if self.blocks.enable_prefix_caching else [])
-        room = self._room_beside_pins(hashes)
+                  if self.blocks.enable_prefix_caching and streaming is None else [])
+        room = self._room_beside_pins(hashes) if streaming is None else 2**62
         if len(token_ids) >= room:
             raise self._no_room_error(len(token_ids), room)
         request = Request(
@@ -331,8 +341,9 @@ class LLMEngine:
             seed=params.seed if params.seed is not None else self._seeds.getrandbits(62),
             arrival=self._arrivals, tenant=tenant, adapter=digest, adapter_name=adapter,
             max_num_tokens=min(len(token_ids) + params.max_tokens, room), block_hashes=hashes,
+            streaming=streaming,
         )
-        if sample_of is not None:
+        if sample_of is not None and streaming is None:
             request.prompt_donor = self._prompt_donor(request, sample_of)
         if params.structured is not None:
             if grammar is None or grammar.spec != params.structured:
@@ -355,8 +366,29 @@ class LLMEngine:
         # A sample that scores its prompt computes it all: its log-probabilities come from there.
         return None if request.params.prompt_logprobs is not None else donor
 
-    def encode_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
-        """The prompt's token ids, checked: from `prompt` (text) or `prompt_token_ids`, exactly one."""
+    def _streaming_of(self, params: SamplingParams) -> StreamingWindow | None:
+        """The request's attention sinks and window (its own, else the engine's), checked."""
+        window = params.streaming_window or self.streaming_window
+        if window is not None and (problem := self.window_problem(window)) is not None:
+            raise InvalidRequestError(problem, param=window.param)
+        return window
+
+    def window_problem(self, window: StreamingWindow) -> str | None:
+        """Why the cache cannot hold `window`'s sinks and window, or None if it can."""
+        bs = self.config.cache.block_size
+        need = max_cached_tokens(window, bs)
+        if need <= self.max_model_len:
+            return None
+        return (f"{window.attention_sinks} attention sinks (kept in whole blocks of {bs} tokens: "
+                f"{sink_blocks(window, bs) * bs}) and a sliding window of {window.sliding_window} tokens "
+                f"need {need} tokens of cache (a block more for the tokens being computed); this "
+                f"model's context is {self.max_model_len}: make the window at most "
+                f"{window.sliding_window - (need - self.max_model_len)}")
+
+    def encode_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None,
+                      past_context: bool = False) -> list[int]:
+        """The prompt's token ids, checked: from `prompt` (text) or `prompt_token_ids`, exactly one.
+        `past_context`: it may be longer than the context (attention sinks)."""
         if (prompt is None) == (prompt_token_ids is None):
             raise InvalidRequestError("give exactly one of prompt and prompt_token_ids", param="prompt")
         if prompt is not None:
@@ -370,7 +402,7 @@ class LLMEngine:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) >= self.max_model_len and not past_context:
             raise InvalidRequestError(
                 f"the prompt has {len(token_ids)} tokens; this model's context is {self.max_model_len}",
                 param="prompt")
@@ -473,7 +505,7 @@ class LLMEngine:
         shorter)."""
         failed = []
         for request in list(self._requests.values()):
-            if request.request_id in self._pin_by_request:
+            if request.request_id in self._pin_by_request or request.streaming is not None:
                 continue
             room = self._room_beside_pins(request.block_hashes)
             if request.num_tokens >= room:

@@ -41,6 +41,7 @@ from loraplex.engine.step_inputs import (
     StepInputs,
     StepShape,
 )
+from loraplex.engine.streaming import rotate_keys
 from loraplex.kernels import Ops
 from loraplex.model.context import (
     AttentionMetadata,
@@ -149,14 +150,29 @@ class ModelRunner:
         return self.dispatch(started.plan, started.filled, started.logits, tokens, started.prompt)
 
     def apply(self, plan: StepPlan) -> None:
-        """Bring the runner's records up to date with the plan."""
+        """Bring the runner's records up to date with the plan. Window blocks dropped (attention
+        sinks) go first: a request may be preempted (swapped out) in the plan that drops them."""
         batch = self.batch
+        if plan.dropped_blocks:
+            self._drop_blocks(plan.dropped_blocks)
         for request_id in plan.forgotten_ids:
             batch.remove(request_id)
         for seq in plan.new:
             batch.add(seq)
         for request_id, block_ids in plan.new_block_ids.items():
             batch.append_blocks(batch.row_of[request_id], block_ids)
+
+    def _drop_blocks(self, dropped: dict[str, tuple[int, int]]) -> None:
+        """Drop window blocks from the requests' tables and rotate the keys of the blocks that
+        move up back by the tokens dropped (loraplex/engine/streaming.py)."""
+        if self.swapper is not None:  # keys swapped in by the previous step are rotated too
+            self.swapper.wait_for_swap_ins()
+        block_size = self.kv_cache.shape[3]
+        for request_id, (first, count) in dropped.items():
+            moved = self.batch.drop_blocks(self.batch.row_of[request_id], first, count, block_size)
+            if len(moved):
+                blocks = torch.from_numpy(moved.astype(np.int64)).to(self.device)
+                rotate_keys(self.kv_cache, blocks, self.model.cos_sin[count * block_size])
 
     def prepare(self, plan: StepPlan) -> FilledStep:
         """Fill the step inputs from the plan (padded for a graph where one will run) and queue

@@ -26,6 +26,8 @@ class NewSequence:
     adapter_slot: int
     params: SamplingParams
     seed: int
+    num_dropped_tokens: int = 0
+    """Tokens its sliding window dropped (attention sinks): its blocks hold the rest."""
 
 
 @dataclass
@@ -51,6 +53,10 @@ class StepPlan:
     samples: list[bool] = field(default_factory=list)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     """Blocks appended since the previous step, for requests that are not new."""
+    dropped_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Attention sinks: request -> (index in its block list, count) of window blocks dropped
+    before this step; the blocks after them move up, their keys rotated back by the tokens
+    dropped (loraplex/engine/streaming.py). Applied before `new_block_ids`."""
     forgotten_ids: list[str] = field(default_factory=list)
     """Requests the runner must drop (finished, aborted or preempted since the last plan)."""
     num_preempted: int = 0

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.engine.tenants import DEFAULT_TENANT
-from loraplex.types import FinishReason, SamplingParams, TokenLogprob
+from loraplex.types import FinishReason, SamplingParams, StreamingWindow, TokenLogprob
 
 
 class RequestStatus(enum.Enum):
@@ -64,6 +64,11 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     """One entry per prompt token scored so far (None for the first), when asked."""
+    streaming: StreamingWindow | None = None
+    """Attention sinks and a sliding window (its own or the engine's): the KV keeps only those,
+    and the request may run past the context (see loraplex/engine/streaming.py)."""
+    num_dropped_tokens: int = 0
+    """With `streaming`: tokens of the window dropped from the cache (whole blocks)."""
     matcher: Any = None
     """With `params.structured`: its GrammarMatcher (loraplex.engine.grammar), advanced by each
     token committed. Never ahead of `token_ids`: a constrained request is planned only once its
@@ -96,6 +101,11 @@ class Request:
         if self.params.is_scoring_only:
             return self.num_computed_tokens < self.num_tokens
         return not self.will_end_by_length
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Computed tokens whose K/V its blocks hold (all of them but those a window dropped)."""
+        return self.num_computed_tokens - self.num_dropped_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -40,6 +40,7 @@ from loraplex.engine.policy import SchedulingPolicy
 from loraplex.engine.prefix_cache import block_hashes
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.stats import ADAPTER_WAIT_BUCKETS, Histogram
+from loraplex.engine.streaming import blocks_to_drop, max_cached_tokens, sink_blocks
 from loraplex.engine_config import SchedulerConfig
 from loraplex.types import FinishReason
 
@@ -276,6 +277,11 @@ class Scheduler:
         """Tokens `request` may compute this step: what it has left, within the step's budget,
         and for a prompt of a capped tenant within what the cap has left."""
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if request.streaming is not None:  # its blocks hold at most max_cached_tokens
+            window, bs = request.streaming, self.blocks.block_size
+            kept = request.num_cached_tokens - bs * blocks_to_drop(
+                window, bs, request.num_computed_tokens, request.num_dropped_tokens)
+            num_new = min(num_new, max_cached_tokens(window, bs) - kept)
         if num_new > 1 and request.tenant in self._capped:
             num_new = min(num_new, self._capped_left)
         return num_new
@@ -381,7 +387,11 @@ class Scheduler:
 
     def _kv_growth(self) -> int:
         """Blocks the running requests would add if each ran to its length limit."""
-        return sum(self.blocks.blocks_needed(r.max_num_tokens, len(r.block_ids)) for r in self.running)
+        bs = self.blocks.block_size
+        return sum(self.blocks.blocks_needed(
+            r.max_num_tokens if r.streaming is None else min(r.max_num_tokens,
+                                                             max_cached_tokens(r.streaming, bs)),
+            len(r.block_ids)) for r in self.running)
 
     def _start(self, request: Request, slot: int, plan: StepPlan) -> None:
         self.policy.remove(request)
@@ -392,12 +402,14 @@ class Scheduler:
             request_id=request.request_id, token_ids=list(request.token_ids),
             num_prompt_tokens=request.num_prompt_tokens, block_ids=list(request.block_ids),
             num_computed_tokens=request.num_computed_tokens, adapter_slot=slot,
-            params=request.params, seed=request.seed,
+            params=request.params, seed=request.seed, num_dropped_tokens=request.num_dropped_tokens,
         ))
         plan.new_block_ids.pop(request.request_id, None)
 
     def _reserve(self, request: Request, num_new: int, plan: StepPlan) -> bool:
-        needed = self.blocks.blocks_needed(request.num_computed_tokens + num_new, len(request.block_ids))
+        if request.streaming is not None and request.status is RequestStatus.RUNNING:
+            self._slide(request, plan)
+        needed = self.blocks.blocks_needed(request.num_cached_tokens + num_new, len(request.block_ids))
         if needed == 0:
             return True
         new_blocks = self.blocks.allocate(needed)
@@ -409,6 +421,23 @@ class Scheduler:
         request.block_ids.extend(new_blocks)
         plan.new_block_ids.setdefault(request.request_id, []).extend(new_blocks)
         return True
+
+    def _slide(self, request: Request, plan: StepPlan) -> None:
+        """Attention sinks: drop the window blocks that fell behind the window (back to the pool);
+        the runner rotates the keys of those after them back by the tokens dropped. Its host copy
+        no longer matches its blocks: dropped."""
+        window, bs = request.streaming, self.blocks.block_size
+        count = blocks_to_drop(window, bs, request.num_computed_tokens, request.num_dropped_tokens)
+        if count == 0:
+            return
+        first = sink_blocks(window, bs)
+        dropped = request.block_ids[first:first + count]
+        del request.block_ids[first:first + count]
+        self.blocks.free(dropped)
+        request.num_dropped_tokens += count * bs
+        self._drop_host_copy(request)
+        previous = plan.dropped_blocks.get(request.request_id)  # (only once a step: scheduled once)
+        plan.dropped_blocks[request.request_id] = (first, count + (previous[1] if previous else 0))
 
     def _fill(self, plan: StepPlan, scheduled: dict[str, int]) -> None:
         by_id = {r.request_id: r for r in self.running}
@@ -472,7 +501,7 @@ class Scheduler:
         """A waiting request drops its host copy (its swap-out may not have run) and computes
         its KV again when it resumes."""
         self._drop_host_copy(request)
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_dropped_tokens = 0
 
     def _preempt(self, request: Request, plan: StepPlan, cause: str) -> None:
         self.running.remove(request)
@@ -483,7 +512,7 @@ class Scheduler:
         plan.new_block_ids.pop(request.request_id, None)
         plan.num_preempted += 1
         if not swapped:
-            request.num_computed_tokens = 0
+            request.num_computed_tokens = request.num_dropped_tokens = 0
             self._drop_host_copy(request)
         self.preemptions[cause, "swap" if swapped else "recompute"] += 1
         request.status = RequestStatus.WAITING
@@ -506,7 +535,7 @@ class Scheduler:
         it would compute its whole prompt again (which cost light tenants 10x their p99 TTFT in
         the fairness benchmark). False (nothing queued) if the pool has no room."""
         bs = self.blocks.block_size
-        num_blocks = -(-request.num_computed_tokens // bs)
+        num_blocks = -(-request.num_cached_tokens // bs)
         if self.host_blocks is None or num_blocks == 0:
             return False
         if not request.num_host_tokens:
@@ -519,10 +548,10 @@ class Scheduler:
             if blocks is None:
                 return False
             request.host_block_ids += blocks
-        valid = max(prefix, min(request.num_host_tokens, request.num_computed_tokens) // bs)
+        valid = max(prefix, min(request.num_host_tokens, request.num_cached_tokens) // bs)
         plan.swap_out += zip(request.block_ids[valid:num_blocks], request.host_block_ids[valid - prefix:])
         self.num_blocks_swapped_out += num_blocks - valid
-        request.num_host_tokens = request.num_computed_tokens
+        request.num_host_tokens = request.num_cached_tokens
         request.prompt_donor = None  # its own blocks from now on
         return True
 

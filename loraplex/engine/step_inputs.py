@@ -230,14 +230,15 @@ class StepInputs:
         query_start = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(num_new, out=query_start[1:])
         num_tokens = int(query_start[-1])
-        start = batch.num_computed[rows]
+        start = batch.num_computed[rows]  # in the text; in the cache (attention sinks) less dropped:
+        cached = start - batch.num_dropped[rows]
         max_query_len = int(num_new.max())
         if max_query_len == 1:
-            token_rows, positions = rows, start
+            token_rows, positions = rows, cached
             input_ids = [batch.tokens[r][p] for r, p in zip(rows.tolist(), start.tolist())]
         else:
             token_rows = np.repeat(rows, num_new)
-            positions = np.repeat(start - query_start[:-1], num_new) + np.arange(num_tokens)
+            positions = np.repeat(cached - query_start[:-1], num_new) + np.arange(num_tokens)
             input_ids = [t for r, s, k in zip(rows.tolist(), start.tolist(), num_new.tolist())
                          for t in batch.tokens[r][s:s + k]]
         decode = pad_to is not None
@@ -248,7 +249,7 @@ class StepInputs:
         token_slots = batch.adapter_slot[token_rows]
         blocks = batch.block_table[token_rows, positions // bs].astype(np.int64)
         tables = batch.block_table[rows]  # (a copy: read once, for the groups and the device)
-        groups = find_groups(tables, start + num_new, bs, self.relay if max_query_len == 1 else NO_RELAY)
+        groups = find_groups(tables, cached + num_new, bs, self.relay if max_query_len == 1 else NO_RELAY)
         if groups.num_groups:
             self.num_relay_steps += 1
             self.num_relay_groups += groups.num_groups
@@ -256,7 +257,7 @@ class StepInputs:
         values = {
             "input_ids": input_ids, "positions": positions, "token_rows": token_rows,
             "slot_mapping": blocks * bs + positions % bs,
-            "token_slots": token_slots, "seq_lens": start + num_new, "query_start_loc": query_start,
+            "token_slots": token_slots, "seq_lens": cached + num_new, "query_start_loc": query_start,
             "logits_indices": query_start[1:][sample_of] - 1, "sample_rows": sample_rows,
             "temperature": batch.temperature[sample_rows], "top_k": batch.top_k[sample_rows],
             "top_p": batch.top_p[sample_rows], "seeds": batch.seed[sample_rows],

@@ -25,7 +25,7 @@ from loraplex.server.schemas.openai import PromptLogprob, PromptLogprobs, Sampli
 from loraplex.server.services import Services
 from loraplex.server.streaming import ClientDisconnected, EventStreamResponse, until_disconnect
 from loraplex.server.structured_outputs import structured_output
-from loraplex.types import RequestOutput, SamplingParams, TokenLogprob
+from loraplex.types import RequestOutput, SamplingParams, StreamingWindow, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -92,13 +92,16 @@ def sampling_params(
     if body.prompt_logprobs is not None and body.stream:
         raise InvalidValueError("prompt_logprobs cannot be streamed", param="prompt_logprobs")
     context, cap = services.llm.max_model_len, services.config.max_tokens_limit
-    if num_prompt_tokens > services.max_prompt_tokens:
+    streaming = streaming_window(services, body)
+    if num_prompt_tokens > services.max_prompt_tokens:  # (past the context only with the engine's sinks)
         raise ContextLengthError(
             f"This model's maximum context length is {context} tokens; the prompt has "
             f"{num_prompt_tokens} tokens (at most {services.max_prompt_tokens} are accepted).",
             param=prompt_param)
     room = context - num_prompt_tokens  # the context left after the prompt
-    if max_tokens is not None and max_tokens > room:
+    if streaming is not None:  # attention sinks: max_tokens may run past the context (by default
+        room = max(room, context)  # a context's worth), only the server's cap bounds it
+    if max_tokens is not None and max_tokens > room and streaming is None:
         raise ContextLengthError(
             f"max_tokens is {max_tokens}, but only {room} tokens are left in this model's context "
             f"of {context} tokens after the prompt's {num_prompt_tokens}.", param="max_tokens")
@@ -118,7 +121,18 @@ def sampling_params(
         stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, ignore_eos=bool(body.ignore_eos),
         structured=structured_output(body),
+        streaming_window=None if body.streaming_window is None else streaming,
     )
+
+
+def streaming_window(services: Services, body: SamplingFields) -> StreamingWindow | None:
+    """The request's attention sinks (its own, else the engine's), checked against the cache."""
+    window = services.llm.streaming_window
+    if body.streaming_window is not None:
+        window = StreamingWindow(body.streaming_window.sliding_window, body.streaming_window.attention_sinks)
+    if window is not None and (problem := services.llm.window_problem(window)) is not None:
+        raise InvalidValueError(problem, param=window.param)
+    return window
 
 
 async def compile_constraint(services: Services, params: SamplingParams) -> CompiledGrammar | None:

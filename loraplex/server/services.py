@@ -100,7 +100,16 @@ class Services:
         self.grammars.close()
 
 
+STREAMING_PROMPT_CONTEXTS = 8
+"""With the engine's attention sinks on (`--sliding-window`), the longest prompt accepted by
+default, in contexts."""
+
+
 def max_prompt_tokens(config: ServerConfig, llm: LLMEngine) -> int:
-    """The longest prompt accepted: the context less one token, or the configured limit."""
+    """The longest prompt accepted: the context less one token, or the configured limit. With
+    the engine's attention sinks on, prompts may run past the context: the configured limit, by
+    default STREAMING_PROMPT_CONTEXTS contexts."""
+    if llm.streaming_window is not None:
+        return config.max_prompt_tokens or STREAMING_PROMPT_CONTEXTS * llm.max_model_len
     context = llm.max_model_len - 1
     return context if config.max_prompt_tokens is None else min(config.max_prompt_tokens, context)

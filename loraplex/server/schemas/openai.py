@@ -91,6 +91,14 @@ class StructuredOutputs(Request):
     json_object: bool | None = None
 
 
+class StreamingWindowBody(Request):
+    """Attention sinks (StreamingLLM) for this request."""
+
+    sliding_window: int = Field(ge=1, description="Recent tokens whose KV is kept.")
+    attention_sinks: int = Field(4, ge=0, description="First tokens whose KV is always kept (in whole "
+                                 "KV blocks); 0: a plain sliding window.")
+
+
 class SamplingFields(Request):
     """What completions and chat share. Features loraplex lacks are refused unless they are
     given their neutral value (penalties 0, an empty logit_bias, ...)."""
@@ -149,6 +157,11 @@ class SamplingFields(Request):
     guided_choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = Field(
         None, description="vLLM extension (older name).")
     guided_grammar: str | None = Field(None, min_length=1, description="vLLM extension (older name).")
+    streaming_window: StreamingWindowBody | None = Field(
+        None, description="loraplex extension: attention sinks (StreamingLLM): the request's KV keeps "
+        "its first `attention_sinks` tokens and its last `sliding_window`, so it may run past the "
+        "context (keys at their positions within the cache). Default: the server's `--sliding-window`, "
+        "if set.")
     frequency_penalty: Literal[0] | None = unsupported()
     presence_penalty: Literal[0] | None = unsupported()
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = unsupported()
