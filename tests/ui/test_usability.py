@@ -11,7 +11,7 @@ from playwright.sync_api import expect
 from tests.ui.ui_support import NARROW, LiveServer, go_to, screenshot, sign_in
 
 PAGES = {"adapters": "Adapters", "tenants": "Tenants", "keys": "API keys", "prompts": "System prompts",
-         "usage": "Usage", "engine": "Engine"}
+         "documents": "Documents", "usage": "Usage", "engine": "Engine"}
 
 # Controls with no accessible name, aria-describedby pointing nowhere, and repeated ids.
 FIND_PROBLEMS = """() => {
