@@ -1,7 +1,7 @@
 """Registered documents blended into prompts (CacheBlend, loraplex.engine.blending), on CPU in
 float32 on a tiny random Llama: with 100% recompute the greedy tokens and log-probs are full
 prefill's; a document's KV is computed once and reused by requests that place it elsewhere and
-in another order; a partial share reuses the rest and still answers."""
+in another order; a partial share reuses the rest; the Triton kernels blend as the reference."""
 
 from __future__ import annotations
 
@@ -18,12 +18,17 @@ MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory) -> LLM:
+def model_dir(tmp_path_factory):
     """Four layers (with two, layers 0 and 1 are all there is: every share is exact), weights
     large enough that greedy choices are not near-ties."""
     folder = tmp_path_factory.mktemp("blend") / "model"
     make_hf_model("llama", folder, config={"num_hidden_layers": 4, "initializer_range": 0.15})
-    return LLM(folder, device="cpu", dtype="float32", block_size=BLOCK_SIZE, max_num_batched_tokens=64)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir) -> LLM:
+    return LLM(model_dir, device="cpu", dtype="float32", block_size=BLOCK_SIZE, max_num_batched_tokens=64)
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -92,3 +97,29 @@ def test_bad_spans_are_refused(llm: LLM) -> None:
         llm.engine.add_request("bad", prompt_token_ids=tokens, documents=DocumentBlend(((3, 999),)))
     with pytest.raises(InvalidRequestError, match="recompute_share"):
         llm.engine.add_request("bad", prompt_token_ids=tokens, documents=DocumentBlend(((3, 9),), 1.5))
+
+
+def test_triton_kernels_blend_as_the_reference_does(model_dir) -> None:
+    """The blend through the Triton kernels (on CPU under the interpreter, tests/conftest.py; on
+    a GPU compiled): the tokens and log-probs of the torch reference's blend at a partial share,
+    and of its full prefill at 100%."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    head, docs, question = _tokens(6, 3), [_tokens(7, 10), _tokens(8, 9)], _tokens(9, 4)
+    tokens = head + docs[0] + docs[1] + question
+    spans = ((3, 13), (13, 22))
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=0)
+    results = {}
+    for kernels, shares in (("reference", (None, 0.5)), ("triton", (0.5, 1.0))):
+        llm = LLM(model_dir, device=device, dtype="float32", kernels=kernels, block_size=BLOCK_SIZE,
+                  max_num_batched_tokens=32, enforce_eager=True)
+        for share in shares:
+            documents = None if share is None else DocumentBlend(spans, share)
+            llm.engine.add_request(f"{share}", prompt_token_ids=tokens, params=params, documents=documents)
+            while llm.engine.has_unfinished_requests():
+                for output in llm.engine.step():
+                    results[kernels, share] = (output.token_ids, [e.logprob for e in output.logprobs])
+        assert llm.engine.num_blended_prompts == sum(share is not None for share in shares)
+    for ours, reference in ((("triton", 0.5), ("reference", 0.5)), (("triton", 1.0), ("reference", None))):
+        assert results[ours][0] == results[reference][0]
+        assert results[ours][1] == pytest.approx(results[reference][1], abs=2e-3)
+    assert results["reference", 0.5][1] != pytest.approx(results["reference", None][1], abs=1e-3)
