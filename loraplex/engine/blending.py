@@ -58,7 +58,8 @@ class DocumentBlend:
             end = stop
 
 
-def document_hashes(token_ids: list[int], block_size: int, tenant: str, adapter: str | None) -> list[bytes]:
+def document_hashes(token_ids: list[int], block_size: int, tenant: str,
+                    adapter: str | None) -> list[bytes]:
     """Prefix-cache hashes of a document's full blocks computed alone: seeded apart from every
     prompt's (a prompt that starts with the document's tokens has the same KV, but a document's
     blocks must not be taken for a prompt's when its seed is not the tenant's)."""
@@ -100,7 +101,8 @@ def _metadata(slots: torch.Tensor, table: torch.Tensor, positions: torch.Tensor,
     if is_prefix:
         return AttentionMetadata(slot_mapping=slots, block_tables=table,
                                  query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
-                                 seq_lens=torch.tensor([n], dtype=torch.int32, device=device), max_query_len=n)
+                                 seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+                                 max_query_len=n)
     return AttentionMetadata(slot_mapping=slots, block_tables=table.expand(n, -1).contiguous(),
                              query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
                              seq_lens=(positions + 1).to(torch.int32), max_query_len=1)

@@ -46,7 +46,8 @@ def documents_text(records: tuple[DocumentRecord, ...]) -> str:
     return "".join(record.text + SEPARATOR for record in records)
 
 
-def with_documents(messages: list[dict[str, Any]], records: tuple[DocumentRecord, ...]) -> list[dict[str, Any]]:
+def with_documents(messages: list[dict[str, Any]],
+                   records: tuple[DocumentRecord, ...]) -> list[dict[str, Any]]:
     """The messages with the documents at the start of the last user message."""
     last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "user"), None)
     if last is None:

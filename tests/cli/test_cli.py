@@ -264,7 +264,8 @@ def test_documents(cli, tmp_path: Path) -> None:
     text.write_text("Returns are accepted within 30 days.\n")
     assert cli("document", "add", "acme", "faq", str(text))[:2] == (
         0, "added document faq for tenant acme: 37 characters\n")
-    _fails_with(cli("document", "add", "acme", "faq", str(text)), "tenant 'acme' already has a document named 'faq'")
+    _fails_with(cli("document", "add", "acme", "faq", str(text)),
+                "tenant 'acme' already has a document named 'faq'")
     _fails_with(cli("document", "add", "nobody", "faq", str(text)), "tenant 'nobody'")
     _fails_with(cli("document", "add", "acme", "bad/name", str(text)), "invalid document name 'bad/name'")
     empty = tmp_path / "empty.txt"

@@ -63,7 +63,7 @@ VALID: dict[tuple[str, str], dict[str, Any]] = {
     ("GET", "/admin/api/prompts/{tenant}/{name}"): {"path": {"tenant": "acme", "name": "fuzzed"}},
     ("DELETE", "/admin/api/prompts/{tenant}/{name}"): {"path": {"tenant": "acme", "name": "nothing"}},
     ("GET", "/admin/api/documents"): {"query": {"tenant": "acme"}},
-    ("POST", "/admin/api/documents"): {"body": {"tenant": "acme", "name": "fuzzed", "text": "Returns: 30 days."}},
+    ("POST", "/admin/api/documents"): {"body": {"tenant": "acme", "name": "fuzzed", "text": "30 days."}},
     ("GET", "/admin/api/documents/{tenant}/{name}"): {"path": {"tenant": "acme", "name": "fuzzed"}},
     ("DELETE", "/admin/api/documents/{tenant}/{name}"): {"path": {"tenant": "acme", "name": "nothing"}},
     ("GET", "/admin/api/usage"): {"query": {"tenant": "acme", "adapter": "style",

@@ -23,7 +23,8 @@ async def _document(services: Services, record: DocumentRecord) -> Document:
 
 @router.get("", response_model=list[Document], summary="List documents",
             responses=error_responses(401, 403, 404))
-async def list_documents(admin: AdminDep, services: ServicesDep, tenant: TenantFilter = None) -> list[Document]:
+async def list_documents(admin: AdminDep, services: ServicesDep,
+                         tenant: TenantFilter = None) -> list[Document]:
     records = await run_in_threadpool(services.registry.documents.list, tenant)
     return [await _document(services, record) for record in records]
 
@@ -39,13 +40,15 @@ async def add_document(body: DocumentCreate, admin: AdminDep, services: Services
 
 @router.get("/{tenant}/{name}", response_model=Document, summary="Get a document",
             responses=error_responses(401, 403, 404))
-async def get_document(tenant: NameParam, name: NameParam, admin: AdminDep, services: ServicesDep) -> Document:
+async def get_document(tenant: NameParam, name: NameParam, admin: AdminDep,
+                       services: ServicesDep) -> Document:
     return await _document(services, await run_in_threadpool(services.registry.documents.get, tenant, name))
 
 
 @router.delete("/{tenant}/{name}", status_code=status.HTTP_204_NO_CONTENT, response_class=Response,
                summary="Delete a document", responses=error_responses(401, 403, 404))
-async def delete_document(tenant: NameParam, name: NameParam, admin: AdminDep, services: ServicesDep) -> Response:
+async def delete_document(tenant: NameParam, name: NameParam, admin: AdminDep,
+                          services: ServicesDep) -> Response:
     """Its cached KV blocks are left to the prefix cache, which evicts them as it needs room."""
     await run_in_threadpool(lambda: services.registry.documents.delete(tenant, name, actor=admin.key_id))
     return Response(status_code=status.HTTP_204_NO_CONTENT)
