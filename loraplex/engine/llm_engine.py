@@ -329,7 +329,7 @@ class LLMEngine:
         if len(token_ids) >= room:
             raise self._no_room_error(len(token_ids), room)
         if documents is not None:
-            hashes = self._blend(token_ids, documents, tenant, digest) or hashes
+            hashes = self._blend(token_ids, documents, tenant, digest, params) or hashes
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, params=params,
             seed=params.seed if params.seed is not None else self._seeds.getrandbits(62),
@@ -351,15 +351,16 @@ class LLMEngine:
         return request
 
     def _blend(self, token_ids: list[int], documents: DocumentBlend, tenant: str,
-               digest: str | None) -> list[bytes] | None:
+               digest: str | None, params: SamplingParams) -> list[bytes] | None:
         """Blend the prompt's KV from its documents' (computed once each) into cached blocks
         that only this request's hashes (returned) name. None: nothing blended (the prefix
-        cache is off, an adapter is named: not blended yet, or no room), a full prefill."""
+        cache is off, an adapter is named: not blended yet, the prompt is scored: its
+        log-probs need every position computed, or no room), a full prefill."""
         try:
             documents.check(len(token_ids))
         except ValueError as error:
             raise InvalidRequestError(str(error), param="documents") from None
-        if not self.blocks.enable_prefix_caching or digest is not None:
+        if not self.blocks.enable_prefix_caching or digest is not None or params.prompt_logprobs is not None:
             return None
         salt = f"{tenant}\x00blend-{self._arrivals}"
         report = prefill_with_documents(self.model, self.kv_cache, self.blocks, token_ids, documents,
