@@ -191,6 +191,7 @@ class LLMEngine:
         """Registered documents whose KV was computed alone (once per tenant, adapter and text
         while the prefix cache keeps it)."""
         self.num_blended_prompts = self.num_blend_reused_tokens = 0
+        self._num_blends = 0
         self._pins: dict[str, PinnedPrompt] = {}
         self._pin_by_request: dict[str, str] = {}  # warm-up request id -> pin key
         self._grammars: GrammarCompiler | None = None
@@ -362,7 +363,8 @@ class LLMEngine:
             raise InvalidRequestError(str(error), param="documents") from None
         if not self.blocks.enable_prefix_caching or digest is not None or params.prompt_logprobs is not None:
             return None
-        salt = f"{tenant}\x00blend-{self._arrivals}"
+        salt = f"{tenant}\x00blend-{self._num_blends}"  # this blend's alone, even if the request then fails
+        self._num_blends += 1
         report = prefill_with_documents(self.model, self.kv_cache, self.blocks, token_ids, documents,
                                         tenant, digest, salt)
         if report is None:
