@@ -18,6 +18,15 @@ tokens, ROUGE-L (longest common subsequence of tokens), and the first answer tok
 A share of 1.0 must equal full prefill (the check of the machinery).
 
     python studies/cacheblend_share.py [--model DIR] [--questions 20] [--doc-tokens 512]
+
+With `--engine`, the same prompts go through the engine's own blending path
+(loraplex.engine.blending, `add_request(documents=...)`, the torch reference ops) instead of this
+file's loop: each document's KV computed once and found again in the prefix cache, every
+question in a fresh order, each share's answer set against the engine's full prefill (greedy
+agreement, ROUGE-L, the log-prob error of each answer token while the answers agree) and the
+time to first token on this CPU (results/cacheblend-engine-cpu.json).
+
+    python studies/cacheblend_share.py --engine [--model DIR] [--questions 6] [--doc-tokens 384]
 """
 
 from __future__ import annotations
@@ -193,6 +202,101 @@ def agreement(candidate: list[int], reference: list[int]) -> float:
     return sum(a == b for a, b in zip(candidate, reference)) / len(reference)
 
 
+ENGINE_SHARES = (0.0, 0.2, 1.0)
+
+
+def run_engine_request(llm, request_id: str, tokens: list[int], documents, max_tokens: int
+                       ) -> tuple[list[int], list[float], float]:
+    """(answer tokens, their log-probs, seconds to the first token) of one greedy request."""
+    from loraplex import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0)
+    started = time.perf_counter()
+    llm.engine.add_request(request_id, prompt_token_ids=tokens, params=params, documents=documents)
+    first, output = None, None
+    while llm.engine.has_unfinished_requests():
+        for output in llm.engine.step():
+            if first is None and output.token_ids:
+                first = time.perf_counter() - started
+    return list(output.token_ids), [entry.logprob for entry in output.logprobs], first
+
+
+def logprob_errors(answer: list[int], logprobs: list[float], reference: list[int],
+                   reference_logprobs: list[float]) -> list[float]:
+    """|log-prob difference| of each answer token while the answers agree (and at the first
+    token where they part: the same position, another choice's probability)."""
+    errors = []
+    for token, logprob, ref_token, ref_logprob in zip(answer, logprobs, reference, reference_logprobs):
+        errors.append(abs(logprob - ref_logprob))
+        if token != ref_token:
+            break
+    return errors
+
+
+def engine_study(args, folder: Path, tokenizer, encode, documents: dict[str, list[int]],
+                 topics: list[str]) -> dict:
+    """The prompts of `main` through the engine's blending path."""
+    from loraplex import LLM
+    from loraplex.engine.blending import DocumentBlend
+
+    llm = LLM(folder, device="cpu", dtype="float32", block_size=16, max_num_batched_tokens=4096,
+              max_model_len=4096, num_kv_blocks=2048)
+    rng = random.Random(1)
+    head = encode(SYSTEM + "<|im_start|>user\nRead these documents.\n\n")
+    rows, started = [], time.perf_counter()
+    for q in range(args.questions):
+        names = rng.sample(topics[:args.topics], 4)
+        asked = rng.choice(names)
+        tokens, spans = list(head), []
+        for name in names:
+            spans.append((len(tokens), len(tokens) + len(documents[name])))
+            tokens += documents[name]
+        tokens += encode(f"In one sentence, what does the document about '{asked}' explain?<|im_end|>\n"
+                         "<|im_start|>assistant\n")
+        reference, reference_logprobs, full_ttft = run_engine_request(
+            llm, f"q{q}-full", tokens, None, args.answer_tokens)
+        row = {"question": q, "documents": names, "asked": asked, "prompt_tokens": len(tokens),
+               "reference": tokenizer.decode(reference), "full_prefill_ttft_s": round(full_ttft, 3),
+               "shares": {}}
+        for share in ENGINE_SHARES:
+            computed, reused = llm.engine.num_document_prefills, llm.engine.num_blend_reused_tokens
+            blend = DocumentBlend(tuple(spans), share)
+            answer, logprobs, ttft = run_engine_request(llm, f"q{q}-{share}", tokens, blend,
+                                                        args.answer_tokens)
+            errors = logprob_errors(answer, logprobs, reference, reference_logprobs)
+            row["shares"][str(share)] = {
+                "agreement": round(agreement(answer, reference), 4),
+                "rouge_l": round(rouge_l(answer, reference), 4),
+                "first_logprob_error": round(errors[0], 5) if errors else None,
+                "mean_logprob_error": round(sum(errors) / len(errors), 5) if errors else None,
+                "documents_computed": llm.engine.num_document_prefills - computed,
+                "reused_tokens": llm.engine.num_blend_reused_tokens - reused,
+                "ttft_s": round(ttft, 3), "answer": tokenizer.decode(answer)}
+        rows.append(row)
+        scores = {share: (c["agreement"], c["rouge_l"], c["ttft_s"]) for share, c in row["shares"].items()}
+        print(json.dumps({"question": q, "full_ttft_s": row["full_prefill_ttft_s"], **scores}), flush=True)
+    summary = {}
+    for share in ENGINE_SHARES:
+        cells = [row["shares"][str(share)] for row in rows]
+        warm = [c for c in cells if c["documents_computed"] == 0]  # every document found cached
+        summary[str(share)] = {
+            "mean_agreement": round(sum(c["agreement"] for c in cells) / len(cells), 4),
+            "mean_rouge_l": round(sum(c["rouge_l"] for c in cells) / len(cells), 4),
+            "exact_answers": sum(c["agreement"] == 1.0 and c["rouge_l"] == 1.0 for c in cells),
+            "mean_first_logprob_error": round(sum(c["first_logprob_error"] for c in cells) / len(cells), 5),
+            "mean_logprob_error": round(sum(c["mean_logprob_error"] for c in cells) / len(cells), 5),
+            "mean_ttft_s_documents_cached": round(sum(c["ttft_s"] for c in warm) / len(warm), 3)
+            if warm else None,
+            "mean_reused_tokens": round(sum(c["reused_tokens"] for c in cells) / len(cells), 1)}
+    full_ttft = sum(r["full_prefill_ttft_s"] for r in rows) / len(rows)
+    summary["full_prefill"] = {"mean_ttft_s": round(full_ttft, 3)}
+    return {"study": "cacheblend-engine", "model": str(folder.name), "dtype": "float32", "device": "cpu",
+            "kernels": "reference", "questions": args.questions, "topics": args.topics,
+            "doc_tokens": args.doc_tokens, "answer_tokens": args.answer_tokens,
+            "documents_computed": llm.engine.num_document_prefills,
+            "seconds": round(time.perf_counter() - started, 1), "summary": summary, "rows": rows}
+
+
 def main() -> None:
     import pydoc_data.topics
 
@@ -202,8 +306,16 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=20)
     parser.add_argument("--doc-tokens", type=int, default=512)
     parser.add_argument("--answer-tokens", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=Path("studies/results/cacheblend-share-cpu.json"))
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: studies/results/cacheblend-share-cpu.json "
+                        "(--engine: cacheblend-engine-cpu.json)")
+    parser.add_argument("--engine", action="store_true", help="through the engine's blending path")
+    parser.add_argument("--topics", type=int, default=8,
+                        help="--engine: documents drawn from the first this many topics (so that they recur)")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = Path("studies/results") / ("cacheblend-engine-cpu.json" if args.engine
+                                              else "cacheblend-share-cpu.json")
     folder = args.model
     if folder is None:
         from loraplex.quickstart import ensure_quickstart
@@ -211,11 +323,18 @@ def main() -> None:
         folder = ensure_quickstart(Path.home() / ".loraplex").model_dir
     torch.manual_seed(0)
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    blender = Blender(AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32))
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
     topics = sorted(name for name, text in pydoc_data.topics.topics.items() if len(text) > 3000)
     documents = {name: encode(f"Document ({name}):\n" + pydoc_data.topics.topics[name])[:args.doc_tokens]
                  + encode("\n\n") for name in topics}
+    if args.engine:
+        result = engine_study(args, folder, tokenizer, encode, documents, topics)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps(result["summary"], indent=1))
+        print(f"wrote {args.out}")
+        return
+    blender = Blender(AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32))
     alone = {}  # each document's KV computed once, on its own
     rng = random.Random(0)
     head = encode(SYSTEM + "<|im_start|>user\nRead these documents.\n\n")

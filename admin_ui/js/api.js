@@ -140,6 +140,11 @@ export const api = {
     create: (body) => request("POST", "prompts", { body }),
     remove: (tenant, name) => request("DELETE", `prompts/${enc(tenant)}/${enc(name)}`),
   },
+  documents: {
+    list: (tenant) => request("GET", "documents", { query: { tenant } }),
+    create: (body) => request("POST", "documents", { body }),
+    remove: (tenant, name) => request("DELETE", `documents/${enc(tenant)}/${enc(name)}`),
+  },
   usage: (query) => request("GET", "usage", { query }),
   engine: () => request("GET", "engine"),
 };

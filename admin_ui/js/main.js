@@ -3,6 +3,7 @@
 import { api, clearKey, getKey, UNAUTHORIZED_EVENT } from "./api.js";
 import { toast } from "./components/toast.js";
 import * as adapters from "./pages/adapters.js";
+import * as documents from "./pages/documents.js";
 import * as engine from "./pages/engine.js";
 import * as keys from "./pages/keys.js";
 import * as prompts from "./pages/prompts.js";
@@ -11,7 +12,7 @@ import * as tenants from "./pages/tenants.js";
 import * as usage from "./pages/usage.js";
 import { createRouter } from "./router.js";
 
-const ROUTES = { adapters, tenants, keys, prompts, usage, engine };
+const ROUTES = { adapters, tenants, keys, prompts, documents, usage, engine };
 const NARROW = window.matchMedia("(max-width: 760px)");
 
 const main = document.getElementById("main");

@@ -11,11 +11,11 @@ import traceback
 from sqlalchemy.exc import SQLAlchemyError
 
 from loraplex.benchmarks.cli import parse_args
-from loraplex.cli import adapter, bench, db, key, model, prompt, serve, tenant
+from loraplex.cli import adapter, bench, db, document, key, model, prompt, serve, tenant
 from loraplex.cli.common import ArgumentParser, add_registry_options
 from loraplex.errors import LoraplexError
 
-COMMANDS = (serve, model, db, tenant, key, adapter, prompt, bench)
+COMMANDS = (serve, model, db, tenant, key, adapter, prompt, document, bench)
 DEBUG_ENV = "LORAPLEX_DEBUG"
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from loraplex.adapter_format import LoraAdapter
+from loraplex.engine.blending import DocumentBlend
 from loraplex.engine.grammar import CompiledGrammar
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.types import RequestOutput, SamplingParams
@@ -92,7 +93,7 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, *, prompt_token_ids: list[int], params: SamplingParams,
         adapter: str | None = None, tenant: str | None = None, sample_of: str | None = None,
-        grammar: CompiledGrammar | None = None,
+        grammar: CompiledGrammar | None = None, documents: DocumentBlend | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes. Invalid requests raise before the
         first output. Leaving the loop early (or being cancelled) aborts the request. Outputs
@@ -103,7 +104,7 @@ class AsyncEngine:
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(request_id, params=params, adapter=adapter, prompt_token_ids=prompt_token_ids,
-                               tenant=tenant, sample_of=sample_of, grammar=grammar)
+                               tenant=tenant, sample_of=sample_of, grammar=grammar, documents=documents)
             self._streams[request_id] = (loop, stream)
 
         await self.call(add)

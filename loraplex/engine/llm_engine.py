@@ -24,6 +24,7 @@ from pathlib import Path
 
 from loraplex.adapter_format import LoraAdapter
 from loraplex.engine.adapter_cache import AdapterCache, AdapterLoader
+from loraplex.engine.blending import DocumentBlend, prefill_with_documents
 from loraplex.engine.block_manager import BlockManager, HostBlockPool
 from loraplex.engine.cuda_graphs import CaptureReport
 from loraplex.engine.detokenizer import Detokenizer
@@ -212,6 +213,11 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self.num_document_prefills = 0
+        """Registered documents whose KV was computed alone (once per tenant, adapter and text
+        while the prefix cache keeps it)."""
+        self.num_blended_prompts = self.num_blend_reused_tokens = 0
+        self._num_blends = 0
         self._pins: dict[str, PinnedPrompt] = {}
         self._pin_by_request: dict[str, str] = {}  # warm-up request id -> pin key
         self._grammars: GrammarCompiler | None = None
@@ -314,7 +320,7 @@ class LLMEngine:
         self, request_id: str, prompt: str | None = None, params: SamplingParams | None = None,
         adapter: str | None = None, prompt_token_ids: list[int] | None = None,
         tenant: str | None = None, sample_of: str | None = None,
-        grammar: CompiledGrammar | None = None,
+        grammar: CompiledGrammar | None = None, documents: DocumentBlend | None = None,
     ) -> Request:
         """Queue a request. Exactly one of `prompt` (text) and `prompt_token_ids` is given;
         `adapter` names an added adapter (or, with an adapter loader, gives a digest) or is None
@@ -322,7 +328,9 @@ class LLMEngine:
         request of the same prompt and adapter that this one is another sample of: it shares
         that request's prompt KV blocks rather than computing them again. With
         `params.structured`, `grammar` is its compiled grammar (compiled here when not given:
-        the server compiles beforehand, off the engine thread)."""
+        the server compiles beforehand, off the engine thread). `documents` marks where
+        registered documents lie in the prompt: their KV is reused and blended (CacheBlend, see
+        loraplex.engine.blending) before the request is queued."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         params = params or SamplingParams()
@@ -336,6 +344,8 @@ class LLMEngine:
         room = self._room_beside_pins(hashes) if streaming is None else 2**62
         if len(token_ids) >= room:
             raise self._no_room_error(len(token_ids), room)
+        if documents is not None:
+            hashes = self._blend(token_ids, documents, tenant, digest, params) or hashes
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, params=params,
             seed=params.seed if params.seed is not None else self._seeds.getrandbits(62),
@@ -356,6 +366,29 @@ class LLMEngine:
             self._detokenizers[request_id] = Detokenizer(self.tokenizer, token_ids, params.stop)
         self.scheduler.add(request)
         return request
+
+    def _blend(self, token_ids: list[int], documents: DocumentBlend, tenant: str,
+               digest: str | None, params: SamplingParams) -> list[bytes] | None:
+        """Blend the prompt's KV from its documents' (computed once each) into cached blocks
+        that only this request's hashes (returned) name. None: nothing blended (the prefix
+        cache is off, an adapter is named: not blended yet, the prompt is scored: its
+        log-probs need every position computed, or no room), a full prefill."""
+        try:
+            documents.check(len(token_ids))
+        except ValueError as error:
+            raise InvalidRequestError(str(error), param="documents") from None
+        if not self.blocks.enable_prefix_caching or digest is not None or params.prompt_logprobs is not None:
+            return None
+        salt = f"{tenant}\x00blend-{self._num_blends}"  # this blend's alone, even if the request then fails
+        self._num_blends += 1
+        report = prefill_with_documents(self.model, self.kv_cache, self.blocks, token_ids, documents,
+                                        tenant, digest, salt)
+        if report is None:
+            return None
+        self.num_document_prefills += report.num_documents_computed
+        self.num_blended_prompts += 1
+        self.num_blend_reused_tokens += report.num_reused_tokens
+        return block_hashes(token_ids, self.blocks.block_size, salt, digest)
 
     def _prompt_donor(self, request: Request, sample_of: str) -> Request | None:
         donor = self._requests.get(sample_of)

@@ -101,6 +101,15 @@ class SystemPromptRecord:
 
 
 @dataclass(frozen=True)
+class DocumentRecord:
+    id: int
+    tenant: str
+    name: str
+    text: str
+    created_at: datetime
+
+
+@dataclass(frozen=True)
 class UsageRecord:
     tenant: str
     adapter: str | None

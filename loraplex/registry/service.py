@@ -16,6 +16,7 @@ from loraplex.registry.adapter_service import AdapterService
 from loraplex.registry.audit import AuditService
 from loraplex.registry.blobs import BlobStore
 from loraplex.registry.database import Database, display_url, make_engine
+from loraplex.registry.document_service import DocumentService
 from loraplex.registry.gc import reconcile
 from loraplex.registry.key_service import KeyService
 from loraplex.registry.migrate import current_revision, ensure_schema, head_revision
@@ -42,6 +43,7 @@ class Registry:
         self.keys = KeyService(db)
         self.adapters = AdapterService(db, blobs, self.models, config.max_upload_bytes)
         self.prompts = PromptService(db)
+        self.documents = DocumentService(db)
         self.usage = UsageService(db)
         self.audit = AuditService(db)
         self.rate_windows = RateWindowService(db)

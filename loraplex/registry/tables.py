@@ -143,6 +143,20 @@ class SystemPrompt(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class Document(Base):
+    """A tenant's registered document: requests name it to include its text, and the engine
+    reuses its KV wherever it lands in a prompt (CacheBlend)."""
+
+    __tablename__ = "documents"
+    __table_args__ = (UniqueConstraint("tenant_id", "name"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(NAME_LENGTH))
+    text: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class Usage(Base):
     """Counters per tenant, adapter ('' for the base model) and UTC hour, only ever
     incremented (INSERT ... ON CONFLICT DO UPDATE)."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from fastapi import Request, Response
 
+from loraplex.engine.blending import DocumentBlend
 from loraplex.engine.grammar import CompiledGrammar
 from loraplex.errors import ContextLengthError, DeviceOutOfMemoryError, InvalidRequestError, LoraplexError
 from loraplex.registry.names import NAME_PATTERN
@@ -57,6 +58,8 @@ class Job:
     """Choices (samples) of the prompt: engine requests that share the prompt's KV blocks."""
     grammar: CompiledGrammar | None = None
     """With `params.structured`: the compiled constraint (each choice gets its own matcher)."""
+    documents: DocumentBlend | None = None
+    """Where registered documents lie in the prompt, for the engine to blend their KV."""
 
 
 async def resolve_model(services: Services, tenant: str, model: str) -> AdapterRecord | None:
@@ -219,7 +222,8 @@ async def _choices(services: Services, job: Job) -> AsyncIterator[Choice]:
         request_id = job.request_id if index == 0 else f"{job.request_id}.{index}"
         return services.engine.generate(
             request_id, prompt_token_ids=job.prompt_token_ids, params=sample_params(job.params, index),
-            adapter=adapter, tenant=job.tenant, sample_of=sample_of, grammar=job.grammar)
+            adapter=adapter, tenant=job.tenant, sample_of=sample_of, grammar=job.grammar,
+            documents=job.documents if sample_of is None else None)
 
     if job.n == 1:
         async with aclosing(stream(0)) as outputs:

@@ -54,7 +54,7 @@ def test_db_upgrade_is_idempotent(cli) -> None:
     for _ in range(2):
         code, out, err = cli("db", "upgrade")
         assert (code, err) == (0, "")
-        assert out.startswith("registry schema at revision 0004 (")
+        assert out.startswith("registry schema at revision 0005 (")
 
 
 def test_tenants(cli) -> None:
@@ -254,3 +254,37 @@ def test_serve_help_lists_every_engine_option(capsys: pytest.CaptureFixture[str]
     text = capsys.readouterr().out
     for name in _option_fields():
         assert flag(name) in text
+
+
+def test_documents(cli, tmp_path: Path) -> None:
+    """`document add/list/remove`; bad files and names are refused with the problem named, and
+    what is stored stays as it was."""
+    cli("tenant", "create", "acme")
+    text = tmp_path / "faq.txt"
+    text.write_text("Returns are accepted within 30 days.\n")
+    assert cli("document", "add", "acme", "faq", str(text))[:2] == (
+        0, "added document faq for tenant acme: 37 characters\n")
+    _fails_with(cli("document", "add", "acme", "faq", str(text)),
+                "tenant 'acme' already has a document named 'faq'")
+    _fails_with(cli("document", "add", "nobody", "faq", str(text)), "tenant 'nobody'")
+    _fails_with(cli("document", "add", "acme", "bad/name", str(text)), "invalid document name 'bad/name'")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    _fails_with(cli("document", "add", "acme", "empty", str(empty)), "the document is empty")
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    _fails_with(cli("document", "add", "acme", "blob", str(binary)), "is not UTF-8 text")
+    nul = tmp_path / "nul.txt"
+    nul.write_bytes(b"a\x00b")
+    _fails_with(cli("document", "add", "acme", "nul", str(nul)), "holds a NUL character")
+    large = tmp_path / "large.txt"
+    large.write_text("x" * 200_001)
+    _fails_with(cli("document", "add", "acme", "large", str(large)), "at most 200000 are allowed")
+    _fails_with(cli("document", "add", "acme", "gone", str(tmp_path / "missing.txt")), "cannot read")
+    code, out, _ = cli("document", "list")
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split()[:3] == ["TENANT", "NAME", "CHARACTERS"]
+    assert [line.split()[:3] for line in lines[1:]] == [["acme", "faq", "37"]]
+    assert cli("document", "remove", "acme", "faq")[:2] == (0, "removed document faq of tenant acme\n")
+    _fails_with(cli("document", "remove", "acme", "faq"), "tenant 'acme' has no document named 'faq'")
+    assert cli("document", "list", "--tenant", "acme")[1].splitlines()[1:] == []

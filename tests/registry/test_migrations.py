@@ -18,7 +18,7 @@ from loraplex.registry.registry_errors import RegistryError
 from loraplex.registry.tables import Base
 
 TABLES = {"tenants", "api_keys", "adapters", "system_prompts", "usage", "audit_log",
-          "served_model", "rate_windows", "usage_writes"}
+          "served_model", "rate_windows", "usage_writes", "documents"}
 
 
 def _tables(url: str) -> set[str]:

@@ -11,7 +11,7 @@ from playwright.sync_api import expect
 from tests.ui.ui_support import NARROW, LiveServer, go_to, screenshot, sign_in
 
 PAGES = {"adapters": "Adapters", "tenants": "Tenants", "keys": "API keys", "prompts": "System prompts",
-         "usage": "Usage", "engine": "Engine"}
+         "documents": "Documents", "usage": "Usage", "engine": "Engine"}
 
 # Controls with no accessible name, aria-describedby pointing nowhere, and repeated ids.
 FIND_PROBLEMS = """() => {
@@ -63,7 +63,7 @@ def test_keyboard_skip_link_tab_order_and_visible_focus(admin_page):
     box = page.get_by_role("link", name="Skip to main content").bounding_box()
     assert box is not None and box["y"] >= 0  # shown when focused
     order = []
-    for _ in range(9):
+    for _ in range(len(PAGES) + 3):
         page.keyboard.press("Tab")
         order.append(_focused(page))
     assert order == ["loraplex admin", "Sign out", *PAGES.values(), "Tenant"]

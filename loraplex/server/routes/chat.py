@@ -12,6 +12,7 @@ from loraplex.errors import InvalidRequestError
 from loraplex.server.admission import AdmissionDep
 from loraplex.server.auth import TenantDep
 from loraplex.server.deps import ServicesDep
+from loraplex.server.documents import document_blend, requested_documents, with_documents
 from loraplex.server.generation import (
     Choice,
     Job,
@@ -68,6 +69,9 @@ async def create_chat_completion(body: ChatCompletionRequest, principal: TenantD
     adapter = await resolve_model(services, principal.tenant, body.model)
     tools = tool_mode(body)
     messages, tool_list = chat_messages(body, template_takes_tools(services.codec.chat_template))
+    documents = await requested_documents(services, principal.tenant, body)
+    if documents:
+        messages = with_documents(messages, documents)
     if body.system_prompt is not None:
         record = await find_system_prompt(services, principal.tenant, body.system_prompt, adapter)
         reject_own_system_message(["system" if m.role == "developer" else m.role for m in body.messages])
@@ -87,7 +91,8 @@ async def create_chat_completion(body: ChatCompletionRequest, principal: TenantD
                                   f"{params.structured.param}: give one", param="tool_choice")
         params = replace(params, structured=calls)
     job = Job(request_id_of(request.scope), principal.tenant, body.model, adapter, prompt_ids, params,
-              arrival, admission, n=body.n or 1, grammar=await compile_constraint(services, params))
+              arrival, admission, n=body.n or 1, grammar=await compile_constraint(services, params),
+              documents=await document_blend(services, principal.tenant, body, prompt_ids, documents))
     outputs = await run_job(request, services, job, stream=bool(body.stream),
                             events=lambda first, rest: _events(services, job, body, tools, first, rest))
     if isinstance(outputs, Response):

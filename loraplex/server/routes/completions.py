@@ -13,6 +13,7 @@ from loraplex.errors import InvalidRequestError
 from loraplex.server.admission import AdmissionDep
 from loraplex.server.auth import TenantDep
 from loraplex.server.deps import ServicesDep
+from loraplex.server.documents import document_blend, documents_text, requested_documents
 from loraplex.server.generation import (
     Choice,
     Job,
@@ -66,6 +67,11 @@ async def create_completion(body: CompletionRequest, principal: TenantDep, servi
     arrival = time.monotonic()
     adapter = await resolve_model(services, principal.tenant, body.model)
     prompt = body.prompt
+    documents = await requested_documents(services, principal.tenant, body)
+    if documents:
+        if not isinstance(prompt, str):
+            raise InvalidRequestError("documents go before a text prompt, not token ids", param="documents")
+        prompt = documents_text(documents) + prompt
     if body.system_prompt is not None:
         record = await find_system_prompt(services, principal.tenant, body.system_prompt, adapter)
         if not isinstance(prompt, str):
@@ -83,7 +89,8 @@ async def create_completion(body: CompletionRequest, principal: TenantDep, servi
                              prompt_param="prompt", prompt_logprobs=max(asked, default=None),
                              scores_prompt=bool(body.echo))
     job = Job(request_id_of(request.scope), principal.tenant, body.model, adapter, prompt_ids, params,
-              arrival, admission, n=body.n or 1, grammar=await compile_constraint(services, params))
+              arrival, admission, n=body.n or 1, grammar=await compile_constraint(services, params),
+              documents=await document_blend(services, principal.tenant, body, prompt_ids, documents))
     outputs = await run_job(request, services, job, stream=bool(body.stream),
                             events=lambda first, rest: _events(services, job, body, first, rest))
     if isinstance(outputs, Response):

@@ -12,6 +12,7 @@ from loraplex.engine.tenants import MAX_WEIGHT, MIN_WEIGHT
 from loraplex.registry.records import (
     AdapterRecord,
     AuditRecord,
+    DocumentRecord,
     KeyRecord,
     SystemPromptRecord,
     TenantRecord,
@@ -160,6 +161,28 @@ class SystemPrompt(BaseModel):
         return cls(tenant=record.tenant, name=record.name, adapter=record.adapter, text=record.text,
                    num_tokens=num_tokens, created_at=record.created_at, cached_blocks=cached_blocks,
                    num_requests_using=num_requests_using)
+
+
+# Documents -------------------------------------------------------------------------------------
+class DocumentCreate(Body):
+    tenant: Name
+    name: Name
+    text: str = Field(min_length=1, max_length=200_000, pattern=r"^[^\x00]*$",
+                      description="The document (UTF-8 text, no NUL characters).")
+
+
+class Document(BaseModel):
+    tenant: str
+    name: str
+    text: str
+    num_chars: int
+    num_tokens: int = Field(description="Tokens under the base model's tokenizer.")
+    created_at: datetime
+
+    @classmethod
+    def of(cls, record: DocumentRecord, num_tokens: int) -> Document:
+        return cls(tenant=record.tenant, name=record.name, text=record.text, num_chars=len(record.text),
+                   num_tokens=num_tokens, created_at=record.created_at)
 
 
 # Usage -----------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from loraplex.types import MAX_LOGPROBS, MAX_STOP_SEQUENCES
 MAX_STOP_LENGTH = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_N = 16
+MAX_DOCUMENTS = 16
 """Most choices (`n`) one request may ask for."""
 
 Ignored = Annotated[Any, Field(default=None, description="Accepted and ignored.")]
@@ -145,6 +146,17 @@ class SamplingFields(Request):
         "registered system prompts, put first (chat: as the system message; completions: before the "
         "prompt). Its KV cache is computed once and shared. A prompt bound to an adapter serves only "
         "with that adapter as `model`.")
+    documents: Annotated[list[Annotated[str, Field(min_length=1, max_length=64)]],
+                         Field(min_length=1, max_length=MAX_DOCUMENTS)] | None = Field(
+        None, description=f"loraplex extension: up to {MAX_DOCUMENTS} of your registered documents, by "
+        "name, included in this order, each followed by a blank line: chat puts them at the start of "
+        "the last user message, completions before the prompt. Each document's KV is computed once "
+        "and reused wherever it lands (CacheBlend: a share of its tokens is computed again).")
+    documents_blend: bool | None = Field(None, description="loraplex extension: false computes the "
+                                         "documents' KV in full, as any prompt's (default true).")
+    documents_recompute_share: float | None = Field(
+        None, ge=0, le=1, description="loraplex extension: the share of reused document tokens whose KV "
+        "is computed again, those that deviate most (default 0.2; 1 is a full prefill).")
     response_format: ResponseFormat | None = Field(
         None, description="`text`; `json_object` (the output is a JSON object); `json_schema` (it "
         "follows `json_schema.schema`). On completions too, as vLLM takes it.")

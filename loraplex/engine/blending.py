@@ -1,0 +1,227 @@
+"""CacheBlend (issue 25): a prompt's KV from documents' KV computed once each, alone, and reused
+wherever the documents land, with a share of their tokens computed again.
+
+A document's KV computed alone (positions from 0) differs from a full prefill's in two ways: its
+keys sit at the wrong positions, and it never attended to what precedes it. The first is exact to
+fix: a rotary rotation composes with another, so rotating the keys on by the document's offset
+puts them where the prompt has them. The second is what the recompute is for. As CacheBlend
+does: layers 0 and 1 run every token (a layer-0 key depends on its token and position only, so
+layer 0 costs little and is exact); layer 1's fresh KV is set against the reused one, and the
+`share` of document tokens that deviate most, with every token that is no document's (the
+template, the question), go through the remaining layers, their KV replacing the reused one
+and attending to the blended cache. A share of 1.0 is a full prefill.
+
+Documents' KV lives in the prefix cache's pool under hashes of their own (`document_hashes`):
+evictable like any cached block, and found again by the next request that names the document
+under the same tenant and adapter. Only a document's full blocks are reused; the tokens of its
+last, partial block are computed as the prompt's own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.prefix_cache import block_hashes
+from loraplex.model.context import AttentionMetadata, ForwardContext, forward_context
+from loraplex.model.llama import LlamaForCausalLM
+
+DEFAULT_RECOMPUTE_SHARE = 0.2
+"""Share of reused document tokens computed again. studies/results/cacheblend-share-cpu.json
+(SmolLM2-135M-Instruct, float32, 8 questions over 4 documents of 384 tokens): the first answer
+token's log-prob error against full prefill is 0.38 reused as is, 0.16 at 5%, 0.10 at 15%, 0.09
+at 20%, 0.07 at 30%; the answers' ROUGE-L stays 0.50-0.53 from 5% to 30%."""
+CHUNK_TOKENS = 64
+"""Selected tokens attended at once past layer 1 (a sequence for each run of consecutive
+positions): bounds the CPU reference's gathered keys to CHUNK_TOKENS x prompt length."""
+
+
+@dataclass(frozen=True)
+class DocumentBlend:
+    """Where a prompt's documents lie and how to blend them."""
+
+    spans: tuple[tuple[int, int], ...]
+    """[start, end) of each document's tokens in the prompt, in order, not overlapping."""
+    recompute_share: float = DEFAULT_RECOMPUTE_SHARE
+    """Share of the reused document tokens whose KV is computed again (0 to 1)."""
+
+    def check(self, num_prompt_tokens: int) -> None:
+        if not 0.0 <= self.recompute_share <= 1.0:
+            raise ValueError(f"recompute_share must be in [0, 1], not {self.recompute_share}")
+        end = 0
+        for start, stop in self.spans:
+            if not end <= start < stop <= num_prompt_tokens:
+                raise ValueError(f"document span [{start}, {stop}) is out of order or outside the "
+                                 f"prompt of {num_prompt_tokens} tokens")
+            end = stop
+
+
+def document_hashes(token_ids: list[int], block_size: int, tenant: str,
+                    adapter: str | None) -> list[bytes]:
+    """Prefix-cache hashes of a document's full blocks computed alone: seeded apart from every
+    prompt's (a prompt that starts with the document's tokens has the same KV, but a document's
+    blocks must not be taken for a prompt's when its seed is not the tenant's)."""
+    return block_hashes(token_ids, block_size, f"{tenant}\x00document", adapter)
+
+
+def shift_keys(keys: torch.Tensor, offset: int, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Keys [..., head_dim] rotated on by `offset` positions (rotate-half layout; cos_sin
+    [max_positions, head_dim] as the model's rope table), in float32, back to keys' dtype."""
+    cos, sin = cos_sin[offset].float().chunk(2, dim=-1)
+    x1, x2 = keys.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(keys.dtype)
+
+
+def copy_document_kv(kv_cache: torch.Tensor, source_blocks: list[int], target_blocks: list[int],
+                     start: int, num_tokens: int, cos_sin: torch.Tensor) -> None:
+    """Copy a document's first `num_tokens` KV (all layers) from its blocks into a prompt's
+    blocks at positions start.., keys rotated on by `start`. kv_cache [num_blocks, num_layers,
+    2, block_size, kv_heads, head_dim]."""
+    block_size = kv_cache.shape[3]
+    device = kv_cache.device
+    source = torch.tensor(source_blocks, device=device)
+    kv = kv_cache[source].transpose(0, 1).transpose(1, 2)  # [layers, 2, blocks, block_size, kv_heads, d]
+    kv = kv.flatten(2, 3)[:, :, :num_tokens]  # [layers, 2, tokens, kv_heads, d]
+    keys = shift_keys(kv[:, 0], start, cos_sin)
+    positions = torch.arange(start, start + num_tokens, device=device)
+    blocks = torch.tensor(target_blocks, device=device)[positions // block_size]
+    offsets = positions % block_size
+    kv_cache[blocks, :, 0, offsets] = keys.transpose(0, 1)
+    kv_cache[blocks, :, 1, offsets] = kv[:, 1].transpose(0, 1)
+
+
+def _metadata(slots: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> AttentionMetadata:
+    """Attention over one prompt's blocks `table` [1, max_blocks] for tokens at `positions`
+    (ascending): each run of consecutive positions is one sequence ending at its last token, so
+    every token attends to the cache up to its own position (the prompt's first tokens in order
+    make one sequence, a prefill's)."""
+    device, host = positions.device, positions.cpu()
+    ends = torch.cat([(host[1:] != host[:-1] + 1).nonzero().flatten() + 1, torch.tensor([len(host)])])
+    starts = torch.cat([torch.zeros(1, dtype=ends.dtype), ends[:-1]])
+    return AttentionMetadata(
+        slot_mapping=slots, block_tables=table.expand(len(ends), -1).contiguous(),
+        query_start_loc=torch.cat([torch.zeros(1, dtype=ends.dtype), ends]).to(device, torch.int32),
+        seq_lens=(host[ends - 1] + 1).to(device, torch.int32), max_query_len=int((ends - starts).max()))
+
+
+@torch.inference_mode()
+def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, block_ids: list[int],
+                  token_ids: list[int], reused: torch.Tensor | None, share: float) -> int:
+    """Compute the KV of `token_ids` (a prompt's first tokens, every one in `block_ids`) into
+    the cache, where `reused` [num_tokens] bool marks tokens whose KV the cache holds already
+    (re-positioned documents): all of them go through layers 0 and 1, then every token not
+    reused and the `share` of reused ones whose layer-1 KV deviates most from the reused.
+    `reused` None: a full prefill. Returns how many tokens went through every layer."""
+    device, n = kv_cache.device, len(token_ids)
+    block_size = kv_cache.shape[3]
+    table = torch.tensor([block_ids], dtype=torch.int32, device=device)
+    positions = torch.arange(n, device=device)
+    slots = table[0].long()[positions // block_size] * block_size + positions % block_size
+    hidden = F.embedding(torch.tensor(token_ids, device=device), model.embed_tokens)
+    residual = None
+    selected = positions
+    for index, layer in enumerate(model.layers):
+        if index == 1 and reused is not None and bool(reused.any()):
+            before = kv_cache[table[0].long(), 1].clone()  # [blocks, 2, block_size, kv_heads, d]
+        if index <= 1 or len(selected) == n:
+            meta = _metadata(slots, table, positions)
+            with forward_context(ForwardContext(kv_cache, meta, None)):
+                hidden, residual = layer(positions, hidden, residual, model.cos_sin)
+        else:
+            outputs = [_layer_chunk(layer, model, kv_cache, table, slots, selected, hidden, residual, lo)
+                       for lo in range(0, len(selected), CHUNK_TOKENS)]
+            hidden = torch.cat([h for h, _ in outputs])
+            residual = torch.cat([r for _, r in outputs])
+        if index == 1 and reused is not None and bool(reused.any()):
+            selected = _select(kv_cache[table[0].long(), 1], before, reused, share)
+            hidden, residual = hidden[selected], residual[selected]
+    return len(selected)
+
+
+def _layer_chunk(layer: torch.nn.Module, model: LlamaForCausalLM, kv_cache: torch.Tensor,
+                 table: torch.Tensor, slots: torch.Tensor, selected: torch.Tensor, hidden: torch.Tensor,
+                 residual: torch.Tensor, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer on selected tokens lo..lo + CHUNK_TOKENS (those before them are in the cache)."""
+    rows = slice(lo, lo + CHUNK_TOKENS)
+    chosen = selected[rows]
+    meta = _metadata(slots[chosen], table, chosen)
+    with forward_context(ForwardContext(kv_cache, meta, None)):
+        return layer(chosen, hidden[rows], residual[rows], model.cos_sin)
+
+
+def _select(after: torch.Tensor, before: torch.Tensor, reused: torch.Tensor, share: float) -> torch.Tensor:
+    """Token indices (ascending) to carry past layer 1: every token not reused, and the `share`
+    of reused ones whose layer-1 KV moved most. after, before [blocks, 2, block_size, kv_heads, d]."""
+    n = len(reused)
+    moved = (after.float() - before.float()).pow(2).sum((1, 3, 4)).flatten()[:n]  # [tokens]
+    rows = reused.nonzero().flatten()
+    count = round(share * len(rows))
+    chosen = rows[moved[rows].topk(count).indices] if count else rows[:0]
+    return torch.cat([(~reused).nonzero().flatten(), chosen]).sort().values
+
+
+@dataclass
+class BlendReport:
+    """What one blended prompt took."""
+
+    prompt_hashes: list[bytes]
+    """The prefix-cache hashes its blended blocks are cached under (the request's own)."""
+    num_documents_computed: int
+    """Documents whose KV was not cached and was computed alone for it."""
+    num_reused_tokens: int
+    num_recomputed_tokens: int
+    """Tokens that went through every layer (the prompt's own and the recomputed share)."""
+
+
+def prefill_with_documents(model: LlamaForCausalLM, kv_cache: torch.Tensor, blocks: BlockManager,
+                           token_ids: list[int], documents: DocumentBlend, tenant: str,
+                           adapter: str | None, salt: str) -> BlendReport | None:
+    """Blend the KV of a prompt's full blocks but the last (the engine computes the rest and
+    samples) into fresh blocks, cached under hashes seeded by `salt` (unique to the request)
+    and left for the scheduler to find. Each document's full blocks come from the prefix cache
+    or are computed alone first. None when nothing is blended (no full block, or no room: the
+    request then runs a full prefill)."""
+    block_size = blocks.block_size
+    num_blocks = (len(token_ids) - 1) // block_size
+    if num_blocks == 0:
+        return None
+    held: list[int] = []
+    try:
+        sources, computed = [], 0
+        for start, end in documents.spans:
+            doc = token_ids[start:end]
+            hashes = document_hashes(doc, block_size, tenant, adapter)
+            found = blocks.match(hashes, len(hashes))
+            if len(found) < len(hashes):  # (evicted in part: computed again whole)
+                blocks.free(found)
+                found = blocks.allocate(len(hashes))
+                if found is None:
+                    return None
+                blend_prefill(model, kv_cache, found, doc[:len(hashes) * block_size], None, 1.0)
+                blocks.register(found, hashes)
+                blocks.mark_computed(found)
+                computed += 1
+            held += found
+            sources.append((start, found))
+        prompt = blocks.allocate(num_blocks)
+        if prompt is None:
+            return None
+        held += prompt
+        limit = num_blocks * block_size
+        reused = torch.zeros(limit, dtype=torch.bool, device=kv_cache.device)
+        for start, found in sources:
+            count = min(len(found) * block_size, limit - start)
+            if count > 0:
+                copy_document_kv(kv_cache, found, prompt, start, count, model.cos_sin)
+                reused[start:start + count] = True
+        num_computed = blend_prefill(model, kv_cache, prompt, token_ids[:limit], reused,
+                                     documents.recompute_share)
+        hashes = block_hashes(token_ids, block_size, salt, adapter, num_blocks)
+        blocks.register(prompt, hashes)
+        blocks.mark_computed(prompt)
+        return BlendReport(hashes, computed, int(reused.sum()) - (num_computed - int((~reused).sum())),
+                           num_computed)
+    finally:
+        blocks.free(held)

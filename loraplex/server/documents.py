@@ -1,0 +1,89 @@
+"""Registered documents named in a request (`documents`, through the openai client's
+`extra_body`): the tenant's own only (another tenant's name is unknown: 400). Chat puts their
+texts, in order and each followed by a blank line, at the start of the last user message;
+completions before the prompt. The engine is told where their tokens lie in the prompt
+(`DocumentBlend`), found by their own tokens: a document whose tokens the template or a
+neighbour merged with others is computed as the prompt's own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from loraplex.engine.blending import DEFAULT_RECOMPUTE_SHARE, DocumentBlend
+from loraplex.errors import InvalidRequestError
+from loraplex.registry.records import DocumentRecord
+from loraplex.registry.registry_errors import NotFoundError
+from loraplex.server.schemas.openai import SamplingFields
+from loraplex.server.services import Services
+
+SEPARATOR = "\n\n"
+
+
+async def requested_documents(services: Services, tenant: str, body: SamplingFields
+                              ) -> tuple[DocumentRecord, ...]:
+    """The tenant's documents the request names, in order (400 for one named twice or unknown,
+    or for documents options without documents)."""
+    if body.documents is None:
+        for option in ("documents_blend", "documents_recompute_share"):
+            if getattr(body, option) is not None:
+                raise InvalidRequestError(f"{option} applies to documents, and the request names none",
+                                          param=option)
+        return ()
+    names, seen = body.documents, set()
+    for name in names:
+        if name in seen:
+            raise InvalidRequestError(f"document {name!r} is named twice in documents", param="documents")
+        seen.add(name)
+    try:
+        return await run_in_threadpool(services.registry.documents.get_many, tenant, names)
+    except NotFoundError as error:
+        raise InvalidRequestError(str(error), param="documents") from None
+
+
+def documents_text(records: tuple[DocumentRecord, ...]) -> str:
+    return "".join(record.text + SEPARATOR for record in records)
+
+
+def with_documents(messages: list[dict[str, Any]],
+                   records: tuple[DocumentRecord, ...]) -> list[dict[str, Any]]:
+    """The messages with the documents at the start of the last user message."""
+    last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "user"), None)
+    if last is None:
+        raise InvalidRequestError("documents go at the start of the last user message, and the request has "
+                                  "no user message", param="documents")
+    content = messages[last]["content"]
+    if not isinstance(content, str):
+        raise InvalidRequestError("documents go before the last user message's text: give its content as "
+                                  "a string", param="documents")
+    return [*messages[:last], {**messages[last], "content": documents_text(records) + content},
+            *messages[last + 1:]]
+
+
+async def document_blend(services: Services, tenant: str, body: SamplingFields, prompt_ids: list[int],
+                         records: tuple[DocumentRecord, ...]) -> DocumentBlend | None:
+    """Where the documents' tokens lie in the prompt, for the engine to blend (None: a full
+    prefill, as `documents_blend: false` asks)."""
+    if body.documents_blend is False:
+        return None
+    spans, start = [], 0
+    for record in records:
+        tokens = await services.codec.encode(record.text, tenant, param="documents", add_special_tokens=False)
+        found = find_run(prompt_ids, tokens, start)
+        if found is not None:
+            spans.append((found, found + len(tokens)))
+            start = found + len(tokens)
+    share = body.documents_recompute_share
+    return DocumentBlend(tuple(spans), DEFAULT_RECOMPUTE_SHARE if share is None else share) if spans else None
+
+
+def find_run(token_ids: list[int], run: list[int], start: int) -> int | None:
+    """Where `run` first occurs in token_ids at or after `start` (None: nowhere)."""
+    if not run:
+        return None
+    first, size = run[0], len(run)
+    for i in range(start, len(token_ids) - size + 1):
+        if token_ids[i] == first and token_ids[i:i + size] == run:
+            return i
+    return None

@@ -1,0 +1,125 @@
+"""Registered documents blended into prompts (CacheBlend, loraplex.engine.blending), on CPU in
+float32 on a tiny random Llama: with 100% recompute the greedy tokens and log-probs are full
+prefill's; a document's KV is computed once and reused by requests that place it elsewhere and
+in another order; a partial share reuses the rest; the Triton kernels blend as the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex import LLM, SamplingParams
+from loraplex.engine.blending import DocumentBlend
+from loraplex.errors import InvalidRequestError
+from tests.factories import make_hf_model
+
+BLOCK_SIZE = 4
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """Four layers (with two, layers 0 and 1 are all there is: every share is exact), weights
+    large enough that greedy choices are not near-ties."""
+    folder = tmp_path_factory.mktemp("blend") / "model"
+    make_hf_model("llama", folder, config={"num_hidden_layers": 4, "initializer_range": 0.15})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir) -> LLM:
+    return LLM(model_dir, device="cpu", dtype="float32", block_size=BLOCK_SIZE, max_num_batched_tokens=64)
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+DOCS = {"a": _tokens(1, 23), "b": _tokens(2, 18), "c": _tokens(3, 9)}
+HEAD, QUESTION = _tokens(4, 5), _tokens(5, 7)
+
+
+def _prompt(order: str) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+    tokens, spans = list(HEAD), []
+    for name in order:
+        spans.append((len(tokens), len(tokens) + len(DOCS[name])))
+        tokens += DOCS[name]
+    return tokens + QUESTION, tuple(spans)
+
+
+def _run(llm: LLM, request_id: str, order: str, share: float | None) -> tuple[list[int], list[float]]:
+    tokens, spans = _prompt(order)
+    documents = None if share is None else DocumentBlend(spans, share)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    llm.engine.add_request(request_id, prompt_token_ids=tokens, params=params, documents=documents)
+    ids, logprobs = [], []
+    while llm.engine.has_unfinished_requests():
+        for output in llm.engine.step():
+            ids, logprobs = output.token_ids, [entry.logprob for entry in output.logprobs or []]
+    return list(ids), logprobs
+
+
+def test_full_recompute_is_full_prefill_and_documents_are_computed_once(llm: LLM) -> None:
+    engine = llm.engine
+    engine.blocks.reset_prefix_cache()
+    for i, order in enumerate(("abc", "cab", "ba")):
+        reference, reference_logprobs = _run(llm, f"full-{i}", order, None)
+        computed = engine.num_document_prefills
+        blended, logprobs = _run(llm, f"blend-{i}", order, 1.0)
+        assert blended == reference, order
+        assert logprobs == pytest.approx(reference_logprobs, abs=1e-4), order
+        if i == 0:
+            assert engine.num_document_prefills == computed + 3  # each computed alone, once
+        else:  # found in the prefix cache's pool, wherever the prompt puts them
+            assert engine.num_document_prefills == computed
+    assert engine.num_blended_prompts >= 3
+
+
+def test_partial_share_reuses_documents(llm: LLM) -> None:
+    engine = llm.engine
+    _run(llm, "warm", "abc", 0.5)
+    reused, computed = engine.num_blend_reused_tokens, engine.num_document_prefills
+    ids, _ = _run(llm, "half", "bca", 0.5)
+    # a (20 of 23 tokens in full blocks), b (16), c (8): half of 44 reused tokens kept as they are.
+    assert engine.num_blend_reused_tokens - reused == 22
+    assert engine.num_document_prefills == computed
+    assert len(ids) == MAX_TOKENS
+    # Reused as they are (no recompute), the documents' KV misses what precedes them: the
+    # log-probs move (the reuse is real), while 100% recompute keeps them.
+    reference, reference_logprobs = _run(llm, "full", "bca", None)
+    _, reused_logprobs = _run(llm, "none", "bca", 0.0)
+    assert max(abs(a - b) for a, b in zip(reused_logprobs, reference_logprobs)) > 1e-2
+
+
+def test_bad_spans_are_refused(llm: LLM) -> None:
+    tokens, _ = _prompt("ab")
+    with pytest.raises(InvalidRequestError, match="outside the prompt"):
+        llm.engine.add_request("bad", prompt_token_ids=tokens, documents=DocumentBlend(((3, 999),)))
+    with pytest.raises(InvalidRequestError, match="recompute_share"):
+        llm.engine.add_request("bad", prompt_token_ids=tokens, documents=DocumentBlend(((3, 9),), 1.5))
+
+
+def test_triton_kernels_blend_as_the_reference_does(model_dir) -> None:
+    """The blend through the Triton kernels (on CPU under the interpreter, tests/conftest.py; on
+    a GPU compiled): the tokens and log-probs of the torch reference's blend at a partial share,
+    and of its full prefill at 100%."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    head, docs, question = _tokens(6, 3), [_tokens(7, 10), _tokens(8, 9)], _tokens(9, 4)
+    tokens = head + docs[0] + docs[1] + question
+    spans = ((3, 13), (13, 22))
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=0)
+    results = {}
+    for kernels, shares in (("reference", (None, 0.5)), ("triton", (0.5, 1.0))):
+        llm = LLM(model_dir, device=device, dtype="float32", kernels=kernels, block_size=BLOCK_SIZE,
+                  max_num_batched_tokens=32, enforce_eager=True)
+        for share in shares:
+            documents = None if share is None else DocumentBlend(spans, share)
+            llm.engine.add_request(f"{share}", prompt_token_ids=tokens, params=params, documents=documents)
+            while llm.engine.has_unfinished_requests():
+                for output in llm.engine.step():
+                    results[kernels, share] = (output.token_ids, [e.logprob for e in output.logprobs])
+        assert llm.engine.num_blended_prompts == sum(share is not None for share in shares)
+    for ours, reference in ((("triton", 0.5), ("reference", 0.5)), (("triton", 1.0), ("reference", None))):
+        assert results[ours][0] == results[reference][0]
+        assert results[ours][1] == pytest.approx(results[reference][1], abs=2e-3)
+    assert results["reference", 0.5][1] != pytest.approx(results["reference", None][1], abs=1e-3)
