@@ -60,7 +60,8 @@ def _tokens(seed: int, n: int) -> list[int]:
     return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-DOCS = {"a": _tokens(1, 23), "b": _tokens(2, 18), "c": _tokens(3, 9)}
+DOCS = {"a": _tokens(1, 23), "b": _tokens(2, 18), "c": _tokens(3, 9),
+        "d": _tokens(10, 12), "e": _tokens(11, 13)}  # d, e: only in test_documents_kv_is_each_adapters_own
 HEAD, QUESTION = _tokens(4, 5), _tokens(5, 7)
 
 
@@ -120,6 +121,20 @@ def test_full_recompute_under_an_adapter_is_its_full_prefill(llm: LLM, family: s
     assert engine.num_document_prefills == computed + 3  # the adapter's own, not the base model's
     _run(llm, f"again-{family}", "bca", 0.5, family)
     assert engine.num_document_prefills == computed + 3
+
+
+def test_documents_kv_is_each_adapters_own(llm: LLM) -> None:
+    """A document computed under one adapter is not reused for another: each computes its own
+    once, and finds it again after the other's."""
+    engine = llm.engine
+    computed = engine.num_document_prefills
+    _run(llm, "own-lora", "de", 1.0, "lora")
+    assert engine.num_document_prefills == computed + 2
+    _run(llm, "own-dora", "de", 1.0, "dora")
+    assert engine.num_document_prefills == computed + 4
+    for adapter in ("lora", "dora"):
+        _run(llm, f"own-{adapter}-again", "ed", 1.0, adapter)
+    assert engine.num_document_prefills == computed + 4
 
 
 def test_partial_share_reuses_documents(llm: LLM) -> None:
