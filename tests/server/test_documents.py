@@ -115,6 +115,29 @@ def test_a_prompt_holding_a_documents_text_reuses_its_kv(sqlite_server: Server, 
     assert engine.num_blended_prompts == blended + 2
 
 
+def test_documents_blend_under_the_requests_adapter(sqlite_server: Server, engine) -> None:
+    """Under an adapter the documents, named or found, are computed once under it (not taken
+    from the base model's) and the answer is that adapter's full prefill's."""
+    server = sqlite_server
+    text = "Warranty claims need the serial number printed under the battery cover, and a receipt. " * 2
+    server.registry.documents.add("acme", "warranty", text)
+    client = server.openai("acme")
+
+    def ask(model: str, **extra) -> str:
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": text + "\n\nWhat do I need?"}],
+            extra_body=extra, **GREEDY)
+        return reply.choices[0].message.content
+
+    base = ask(MODEL_ID)
+    blended, computed = engine.num_blended_prompts, engine.num_document_prefills
+    styled = ask("style", documents_recompute_share=1.0)
+    assert (engine.num_blended_prompts, engine.num_document_prefills) == (blended + 1, computed + 1)
+    assert styled == ask("style", documents_blend=False) != base
+    ask("style")
+    assert (engine.num_blended_prompts, engine.num_document_prefills) == (blended + 2, computed + 1)
+
+
 def test_another_tenants_document_is_unknown(sqlite_server: Server) -> None:
     sqlite_server.registry.documents.add("acme", "faq", FAQ)
     with pytest.raises(openai.BadRequestError) as refused:
