@@ -347,7 +347,7 @@ class LLMEngine:
         if len(token_ids) >= room:
             raise self._no_room_error(len(token_ids), room)
         if documents is not None:
-            documents = self._checked(documents, len(token_ids), params)
+            documents = self._checked(documents, len(token_ids), params, streaming)
         if documents is not None and digest is None:
             hashes = self._blend(token_ids, documents, tenant, None, None) or hashes
         request = Request(
@@ -373,17 +373,18 @@ class LLMEngine:
             self._to_blend.append(request)
         return request
 
-    def _checked(self, documents: DocumentBlend, num_tokens: int, params: SamplingParams
-                 ) -> DocumentBlend | None:
+    def _checked(self, documents: DocumentBlend, num_tokens: int, params: SamplingParams,
+                 streaming: StreamingWindow | None) -> DocumentBlend | None:
         """The documents to blend, checked (a 400 if out of place), or None for a full prefill:
-        the prefix cache is off, the model runs in tensor-parallel workers, or the prompt is
-        scored (its log-probs need every position computed)."""
+        the prefix cache is off, the model runs in tensor-parallel workers, the prompt is
+        scored (its log-probs need every position computed), or the request keeps a sliding
+        window (its blocks are never shared through the prefix cache)."""
         try:
             documents.check(num_tokens)
         except ValueError as error:
             raise InvalidRequestError(str(error), param="documents") from None
         if (not self.blocks.enable_prefix_caching or self.executor is not None
-                or params.prompt_logprobs is not None):
+                or params.prompt_logprobs is not None or streaming is not None):
             return None
         return documents
 

@@ -12,6 +12,7 @@ import torch
 from loraplex import LLM, SamplingParams
 from loraplex.engine.blending import DocumentBlend
 from loraplex.errors import InvalidRequestError
+from loraplex.types import StreamingWindow
 from tests.factories import (
     ALL_SEVEN,
     ATTENTION,
@@ -151,6 +152,18 @@ def test_partial_share_reuses_documents(llm: LLM) -> None:
     reference, reference_logprobs = _run(llm, "full", "bca", None)
     _, reused_logprobs = _run(llm, "none", "bca", 0.0)
     assert max(abs(a - b) for a, b in zip(reused_logprobs, reference_logprobs)) > 1e-2
+
+
+def test_a_sliding_window_request_is_not_blended(llm: LLM) -> None:
+    """Its blocks are never shared through the prefix cache: its documents are computed in full."""
+    engine = llm.engine
+    tokens, spans = _prompt("ab")
+    blended = engine.num_blended_prompts
+    params = SamplingParams(max_tokens=2, ignore_eos=True, streaming_window=StreamingWindow(32, 4))
+    engine.add_request("window", prompt_token_ids=tokens, params=params, documents=DocumentBlend(spans, 1.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.num_blended_prompts == blended
 
 
 def test_bad_spans_are_refused(llm: LLM) -> None:
