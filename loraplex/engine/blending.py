@@ -14,18 +14,31 @@ and attending to the blended cache. A share of 1.0 is a full prefill.
 Documents' KV lives in the prefix cache's pool under hashes of their own (`document_hashes`):
 evictable like any cached block, and found again by the next request that names the document
 under the same tenant and adapter. Only a document's full blocks are reused; the tokens of its
-last, partial block are computed as the prompt's own."""
+last, partial block are computed as the prompt's own.
+
+Under an adapter (every family: LoRA, DoRA, IA3, FLoRA) every forward pass of the blend, the
+documents' own included, carries the request's adapter slot (`AdapterSlot`) as a step's tokens
+do, and the documents' KV is kept under the adapter's digest: another adapter computes its own."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.lora_weights import LoraSlotBuffers
 from loraplex.engine.prefix_cache import block_hashes
-from loraplex.model.context import AttentionMetadata, ForwardContext, forward_context
+from loraplex.engine.step_inputs import flora_row_arrays
+from loraplex.model.context import (
+    AttentionMetadata,
+    FloraRows,
+    ForwardContext,
+    LoraMetadata,
+    forward_context,
+)
 from loraplex.model.llama import LlamaForCausalLM
 
 DEFAULT_RECOMPUTE_SHARE = 0.2
@@ -56,6 +69,33 @@ class DocumentBlend:
                 raise ValueError(f"document span [{start}, {stop}) is out of order or outside the "
                                  f"prompt of {num_prompt_tokens} tokens")
             end = stop
+
+
+@dataclass(frozen=True)
+class AdapterSlot:
+    """The request's adapter in its device slot (held for the blend), for the blend's passes."""
+
+    slot: int
+    buffers: LoraSlotBuffers
+
+    def metadata(self, num_tokens: int, device: torch.device) -> LoraMetadata:
+        """LoRA metadata of `num_tokens` tokens all in this slot, as a step's (StepInputs.fill)."""
+        buffers, slot = self.buffers, self.slot
+        has_input_scale = bool(buffers.slot_input_scaled[slot])
+        flora = None
+        rank = int(buffers.slot_flora_rank[slot])
+        if rank:
+            slots = np.full(num_tokens, slot, dtype=np.int32)
+            arrays = flora_row_arrays(slots, np.full(num_tokens, rank, dtype=np.int64), num_tokens)
+            flora = FloraRows(*(torch.from_numpy(a).to(device) for a in arrays))
+        return LoraMetadata(torch.full((num_tokens,), slot, dtype=torch.int32, device=device), buffers,
+                            has_input_scale=has_input_scale,
+                            has_expand=has_input_scale or bool(buffers.slot_needs_expand[slot]), flora=flora)
+
+
+def _context(kv_cache: torch.Tensor, meta: AttentionMetadata, lora: AdapterSlot | None) -> ForwardContext:
+    adapter = None if lora is None else lora.metadata(len(meta.slot_mapping), kv_cache.device)
+    return ForwardContext(kv_cache, meta, adapter)
 
 
 def document_hashes(token_ids: list[int], block_size: int, tenant: str,
@@ -108,12 +148,14 @@ def _metadata(slots: torch.Tensor, table: torch.Tensor, positions: torch.Tensor)
 
 @torch.inference_mode()
 def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, block_ids: list[int],
-                  token_ids: list[int], reused: torch.Tensor | None, share: float) -> int:
+                  token_ids: list[int], reused: torch.Tensor | None, share: float,
+                  lora: AdapterSlot | None = None) -> int:
     """Compute the KV of `token_ids` (a prompt's first tokens, every one in `block_ids`) into
     the cache, where `reused` [num_tokens] bool marks tokens whose KV the cache holds already
     (re-positioned documents): all of them go through layers 0 and 1, then every token not
     reused and the `share` of reused ones whose layer-1 KV deviates most from the reused.
-    `reused` None: a full prefill. Returns how many tokens went through every layer."""
+    `reused` None: a full prefill. `lora`: the request's adapter. Returns how many tokens went
+    through every layer."""
     device, n = kv_cache.device, len(token_ids)
     block_size = kv_cache.shape[3]
     table = torch.tensor([block_ids], dtype=torch.int32, device=device)
@@ -127,11 +169,11 @@ def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, block_ids: li
             before = kv_cache[table[0].long(), 1].clone()  # [blocks, 2, block_size, kv_heads, d]
         if index <= 1 or len(selected) == n:
             meta = _metadata(slots, table, positions)
-            with forward_context(ForwardContext(kv_cache, meta, None)):
+            with forward_context(_context(kv_cache, meta, lora)):
                 hidden, residual = layer(positions, hidden, residual, model.cos_sin)
         else:
-            outputs = [_layer_chunk(layer, model, kv_cache, table, slots, selected, hidden, residual, lo)
-                       for lo in range(0, len(selected), CHUNK_TOKENS)]
+            outputs = [_layer_chunk(layer, model, kv_cache, table, slots, selected, hidden, residual, lo,
+                                    lora) for lo in range(0, len(selected), CHUNK_TOKENS)]
             hidden = torch.cat([h for h, _ in outputs])
             residual = torch.cat([r for _, r in outputs])
         if index == 1 and reused is not None and bool(reused.any()):
@@ -142,12 +184,13 @@ def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, block_ids: li
 
 def _layer_chunk(layer: torch.nn.Module, model: LlamaForCausalLM, kv_cache: torch.Tensor,
                  table: torch.Tensor, slots: torch.Tensor, selected: torch.Tensor, hidden: torch.Tensor,
-                 residual: torch.Tensor, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 residual: torch.Tensor, lo: int, lora: AdapterSlot | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer on selected tokens lo..lo + CHUNK_TOKENS (those before them are in the cache)."""
     rows = slice(lo, lo + CHUNK_TOKENS)
     chosen = selected[rows]
     meta = _metadata(slots[chosen], table, chosen)
-    with forward_context(ForwardContext(kv_cache, meta, None)):
+    with forward_context(_context(kv_cache, meta, lora)):
         return layer(chosen, hidden[rows], residual[rows], model.cos_sin)
 
 
@@ -177,11 +220,13 @@ class BlendReport:
 
 def prefill_with_documents(model: LlamaForCausalLM, kv_cache: torch.Tensor, blocks: BlockManager,
                            token_ids: list[int], documents: DocumentBlend, tenant: str,
-                           adapter: str | None, salt: str) -> BlendReport | None:
+                           adapter: str | None, salt: str, lora: AdapterSlot | None = None
+                           ) -> BlendReport | None:
     """Blend the KV of a prompt's full blocks but the last (the engine computes the rest and
     samples) into fresh blocks, cached under hashes seeded by `salt` (unique to the request)
     and left for the scheduler to find. Each document's full blocks come from the prefix cache
-    or are computed alone first. None when nothing is blended (no full block, or no room: the
+    or are computed alone first. `adapter`: the request's adapter digest, held in `lora`'s slot
+    (None: the base model). None when nothing is blended (no full block, or no room: the
     request then runs a full prefill)."""
     block_size = blocks.block_size
     num_blocks = (len(token_ids) - 1) // block_size
@@ -199,7 +244,7 @@ def prefill_with_documents(model: LlamaForCausalLM, kv_cache: torch.Tensor, bloc
                 found = blocks.allocate(len(hashes))
                 if found is None:
                     return None
-                blend_prefill(model, kv_cache, found, doc[:len(hashes) * block_size], None, 1.0)
+                blend_prefill(model, kv_cache, found, doc[:len(hashes) * block_size], None, 1.0, lora)
                 blocks.register(found, hashes)
                 blocks.mark_computed(found)
                 computed += 1
@@ -217,7 +262,7 @@ def prefill_with_documents(model: LlamaForCausalLM, kv_cache: torch.Tensor, bloc
                 copy_document_kv(kv_cache, found, prompt, start, count, model.cos_sin)
                 reused[start:start + count] = True
         num_computed = blend_prefill(model, kv_cache, prompt, token_ids[:limit], reused,
-                                     documents.recompute_share)
+                                     documents.recompute_share, lora)
         hashes = block_hashes(token_ids, block_size, salt, adapter, num_blocks)
         blocks.register(prompt, hashes)
         blocks.mark_computed(prompt)

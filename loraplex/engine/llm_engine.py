@@ -23,8 +23,8 @@ from functools import partial
 from pathlib import Path
 
 from loraplex.adapter_format import LoraAdapter
-from loraplex.engine.adapter_cache import AdapterCache, AdapterLoader
-from loraplex.engine.blending import DocumentBlend, prefill_with_documents
+from loraplex.engine.adapter_cache import AdapterCache, AdapterLoader, Wait
+from loraplex.engine.blending import AdapterSlot, DocumentBlend, prefill_with_documents
 from loraplex.engine.block_manager import BlockManager, HostBlockPool
 from loraplex.engine.cuda_graphs import CaptureReport
 from loraplex.engine.detokenizer import Detokenizer
@@ -218,6 +218,8 @@ class LLMEngine:
         while the prefix cache keeps it)."""
         self.num_blended_prompts = self.num_blend_reused_tokens = 0
         self._num_blends = 0
+        self._to_blend: list[Request] = []
+        """Requests whose documents are blended under their adapter once it is in a slot."""
         self._pins: dict[str, PinnedPrompt] = {}
         self._pin_by_request: dict[str, str] = {}  # warm-up request id -> pin key
         self._grammars: GrammarCompiler | None = None
@@ -345,13 +347,15 @@ class LLMEngine:
         if len(token_ids) >= room:
             raise self._no_room_error(len(token_ids), room)
         if documents is not None:
-            hashes = self._blend(token_ids, documents, tenant, digest, params) or hashes
+            documents = self._checked(documents, len(token_ids), params, streaming)
+        if documents is not None and digest is None:
+            hashes = self._blend(token_ids, documents, tenant, None, None) or hashes
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, params=params,
             seed=params.seed if params.seed is not None else self._seeds.getrandbits(62),
             arrival=self._arrivals, tenant=tenant, adapter=digest, adapter_name=adapter,
             max_num_tokens=min(len(token_ids) + params.max_tokens, room), block_hashes=hashes,
-            streaming=streaming,
+            streaming=streaming, documents=documents if digest is not None else None,
         )
         if sample_of is not None and streaming is None:
             request.prompt_donor = self._prompt_donor(request, sample_of)
@@ -365,24 +369,59 @@ class LLMEngine:
         if self.tokenizer is not None:
             self._detokenizers[request_id] = Detokenizer(self.tokenizer, token_ids, params.stop)
         self.scheduler.add(request)
+        if request.documents is not None:
+            self._to_blend.append(request)
         return request
 
-    def _blend(self, token_ids: list[int], documents: DocumentBlend, tenant: str,
-               digest: str | None, params: SamplingParams) -> list[bytes] | None:
-        """Blend the prompt's KV from its documents' (computed once each) into cached blocks
-        that only this request's hashes (returned) name. None: nothing blended (the prefix
-        cache is off, an adapter is named: not blended yet, the prompt is scored: its
-        log-probs need every position computed, or no room), a full prefill."""
+    def _checked(self, documents: DocumentBlend, num_tokens: int, params: SamplingParams,
+                 streaming: StreamingWindow | None) -> DocumentBlend | None:
+        """The documents to blend, checked (a 400 if out of place), or None for a full prefill:
+        the prefix cache is off, the model runs in tensor-parallel workers, the prompt is
+        scored (its log-probs need every position computed), or the request keeps a sliding
+        window (its blocks are never shared through the prefix cache)."""
         try:
-            documents.check(len(token_ids))
+            documents.check(num_tokens)
         except ValueError as error:
             raise InvalidRequestError(str(error), param="documents") from None
-        if not self.blocks.enable_prefix_caching or digest is not None or params.prompt_logprobs is not None:
+        if (not self.blocks.enable_prefix_caching or self.executor is not None
+                or params.prompt_logprobs is not None or streaming is not None):
             return None
+        return documents
+
+    def _blend_under_adapters(self) -> None:
+        """Blend the documents of requests waiting for their adapter's slot whose adapter is in
+        one now (a hold on it for the blend; the scheduler takes its own). One that cannot get a
+        slot (every slot held, no host room) runs a full prefill; a load under way: next step."""
+        waiting = []
+        for request in self._to_blend:
+            if request.is_finished:
+                continue
+            acquired = self.adapters.acquire(request.adapter)
+            if acquired is Wait.LOADING:
+                waiting.append(request)
+                continue
+            documents, request.documents = request.documents, None
+            if isinstance(acquired, Wait):
+                continue
+            try:
+                hashes = self._blend(request.prompt_token_ids, documents, request.tenant, request.adapter,
+                                     AdapterSlot(acquired, self.lora))
+            finally:
+                self.adapters.release(request.adapter)
+            if hashes is not None:
+                request.block_hashes = hashes
+        self._to_blend = waiting
+
+    def _blend(self, token_ids: list[int], documents: DocumentBlend, tenant: str,
+               digest: str | None, lora: AdapterSlot | None) -> list[bytes] | None:
+        """Blend the prompt's KV from its documents' (computed once each per tenant and adapter)
+        into cached blocks that only this request's hashes (returned) name, under `digest`'s
+        adapter held in `lora`'s slot (None: the base model). None: nothing blended (no full
+        block, or no room), a full prefill."""
         salt = f"{tenant}\x00blend-{self._num_blends}"  # this blend's alone, even if the request then fails
         self._num_blends += 1
         report = prefill_with_documents(self.model, self.kv_cache, self.blocks, token_ids, documents,
-                                        tenant, digest, salt)
+                                        tenant, digest, salt, lora)
         if report is None:
             return None
         self.num_document_prefills += report.num_documents_computed
@@ -560,6 +599,9 @@ class LLMEngine:
         """Run one step and return the requests that advanced or finished: this step's, or
         with async scheduling the previous step's, while this one runs on the device."""
         outputs = self._fail_adapter_loads()
+        if self._to_blend:
+            self.adapters.poll()
+            self._blend_under_adapters()
         launched = self.launch(self.scheduler.schedule(), outputs)  # may collect the step in flight
         if self._in_flight is not None:
             outputs += self.collect(self._in_flight)

@@ -69,6 +69,9 @@ class Request:
     and the request may run past the context (see loraplex/engine/streaming.py)."""
     num_dropped_tokens: int = 0
     """With `streaming`: tokens of the window dropped from the cache (whole blocks)."""
+    documents: Any = None
+    """A DocumentBlend (loraplex.engine.blending) still to run under the request's adapter,
+    once the adapter is in a device slot: the scheduler leaves the request waiting until then."""
     matcher: Any = None
     """With `params.structured`: its GrammarMatcher (loraplex.engine.grammar), advanced by each
     token committed. Never ahead of `token_ids`: a constrained request is planned only once its

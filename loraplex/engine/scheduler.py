@@ -206,6 +206,8 @@ class Scheduler:
                 return budget, request if full else None
             if request.num_pending or request.request_id in skip:  # a token in flight, or just preempted
                 continue
+            if request.documents is not None:  # the engine blends its documents first
+                continue
             if not self._share_prompt(request):  # its donor has not computed the shared blocks yet
                 continue
             if self._waits_for_prefix(request):  # another request is computing its next block

@@ -151,6 +151,21 @@ class SlotFamilies:
     """bool: the adapter needs the LoRA shrink and expand."""
 
 
+def flora_row_arrays(token_slots: np.ndarray, ranks: np.ndarray, num_tokens: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """FloraRows' arrays (row_tokens, row_slots, row_ranks, bounds) of tokens in slots
+    `token_slots` with FLoRA ranks `ranks` [num_real_tokens], in a step of `num_tokens` tokens
+    (padding included): each FLoRA token's rank components in turn."""
+    num_rows = int(ranks.sum())
+    row_tokens = np.repeat(np.arange(len(ranks)), ranks)
+    row_slots = token_slots[row_tokens].astype(np.int32)
+    row_ranks = np.arange(num_rows) - np.repeat(np.cumsum(ranks) - ranks, ranks)
+    bounds = np.full(num_tokens + 1, num_rows, dtype=np.int64)
+    bounds[0] = 0
+    np.cumsum(ranks, out=bounds[1:len(ranks) + 1])
+    return row_tokens, row_slots, row_ranks, bounds
+
+
 class StepInputs:
     def __init__(self, max_tokens: int, max_seqs: int, max_seq_tokens: int, block_size: int,
                  device: torch.device, families: SlotFamilies | None = None,
@@ -306,13 +321,8 @@ class StepInputs:
         tokens (padding included); returns the number of rows. A decode step's rows go into the
         flora_* buffers, padded to their graph's count; other steps' (and a decode step past the
         largest count: it runs eagerly) are tensors of their own."""
-        num_rows = int(ranks.sum())
-        row_tokens = np.repeat(np.arange(len(ranks)), ranks)
-        row_slots = token_slots[row_tokens].astype(np.int32)
-        row_ranks = np.arange(num_rows) - np.repeat(np.cumsum(ranks) - ranks, ranks)
-        bounds = np.full(num_tokens + 1, num_rows, dtype=np.int64)
-        bounds[0] = 0
-        np.cumsum(ranks, out=bounds[1:len(ranks) + 1])
+        row_tokens, row_slots, row_ranks, bounds = flora_row_arrays(token_slots, ranks, num_tokens)
+        num_rows = len(row_tokens)
         bucket = flora_bucket(num_rows) if decode else None
         if bucket is None:
             arrays = (row_tokens, row_slots, row_ranks, bounds)

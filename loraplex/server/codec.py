@@ -98,9 +98,14 @@ class TextCodec:
 
     async def count(self, text: str) -> int:
         """Tokens in `text` without special tokens (0 when the model has no tokenizer)."""
+        return len(await self.tokens(text))
+
+    async def tokens(self, text: str) -> list[int]:
+        """`text`'s token ids without special tokens and without the prompt's length check (a
+        registered text; [] when the model has no tokenizer)."""
         if self._tokenizer is None:
-            return 0
-        return await self._pool.run(SERVER_WORK, lambda t: len(t.encode(text, add_special_tokens=False)))
+            return []
+        return await self._pool.run(SERVER_WORK, lambda t: list(t.encode(text, add_special_tokens=False)))
 
     async def token_texts(self, token_ids: list[int]) -> list[str]:
         """Each token decoded on its own (for logprobs)."""

@@ -3,7 +3,9 @@
 texts, in order and each followed by a blank line, at the start of the last user message;
 completions before the prompt. The engine is told where their tokens lie in the prompt
 (`DocumentBlend`), found by their own tokens: a document whose tokens the template or a
-neighbour merged with others is computed as the prompt's own."""
+neighbour merged with others is computed as the prompt's own. A request that names none has
+the tenant's documents found in its prompt instead (loraplex/server/found_documents.py);
+`documents_blend: false` turns both off, `documents_recompute_share` applies to both."""
 
 from __future__ import annotations
 
@@ -23,13 +25,8 @@ SEPARATOR = "\n\n"
 
 async def requested_documents(services: Services, tenant: str, body: SamplingFields
                               ) -> tuple[DocumentRecord, ...]:
-    """The tenant's documents the request names, in order (400 for one named twice or unknown,
-    or for documents options without documents)."""
+    """The tenant's documents the request names, in order (400 for one named twice or unknown)."""
     if body.documents is None:
-        for option in ("documents_blend", "documents_recompute_share"):
-            if getattr(body, option) is not None:
-                raise InvalidRequestError(f"{option} applies to documents, and the request names none",
-                                          param=option)
         return ()
     names, seen = body.documents, set()
     for name in names:
@@ -63,10 +60,16 @@ def with_documents(messages: list[dict[str, Any]],
 
 async def document_blend(services: Services, tenant: str, body: SamplingFields, prompt_ids: list[int],
                          records: tuple[DocumentRecord, ...]) -> DocumentBlend | None:
-    """Where the documents' tokens lie in the prompt, for the engine to blend (None: a full
-    prefill, as `documents_blend: false` asks)."""
+    """Where the named documents' tokens lie in the prompt (with none named, where the tenant's
+    documents are found in it), for the engine to blend (None: a full prefill, as
+    `documents_blend: false` asks, or nothing to blend)."""
     if body.documents_blend is False:
         return None
+    share = body.documents_recompute_share
+    share = DEFAULT_RECOMPUTE_SHARE if share is None else share
+    if not records:
+        found = await services.documents.find(tenant, prompt_ids)
+        return DocumentBlend(found, share) if found else None
     spans, start = [], 0
     for record in records:
         tokens = await services.codec.encode(record.text, tenant, param="documents", add_special_tokens=False)
@@ -74,8 +77,7 @@ async def document_blend(services: Services, tenant: str, body: SamplingFields, 
         if found is not None:
             spans.append((found, found + len(tokens)))
             start = found + len(tokens)
-    share = body.documents_recompute_share
-    return DocumentBlend(tuple(spans), DEFAULT_RECOMPUTE_SHARE if share is None else share) if spans else None
+    return DocumentBlend(tuple(spans), share) if spans else None
 
 
 def find_run(token_ids: list[int], run: list[int], start: int) -> int | None:

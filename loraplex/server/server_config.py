@@ -62,6 +62,10 @@ class ServerConfig:
     max_grammar_compile_s: float = 10.0
     """A constraint that takes longer to compile is refused (400; its compile finishes in the
     background and is cached)."""
+    min_found_document_tokens: int = 64
+    """Registered documents of at least this many tokens are looked for in prompts that do not
+    name them, and blended where found whole (loraplex/server/found_documents.py); 0: never.
+    A document shorter than a few KV blocks has little KV to reuse."""
     admin_ui_dir: Path | None = None
     """Folder served at /admin when it holds an index.html (the admin web UI)."""
 
@@ -71,6 +75,8 @@ class ServerConfig:
                      "grammar_threads", "max_connections", "min_body_bytes_per_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
+        if self.min_found_document_tokens < 0:
+            raise ValueError("min_found_document_tokens must be >= 0")
         for name in ("max_tokens_limit", "max_prompt_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")

@@ -14,6 +14,7 @@ from loraplex.engine.llm_engine import LLMEngine
 from loraplex.registry import Registry
 from loraplex.server.adapter_names import AdapterNames
 from loraplex.server.codec import TextCodec
+from loraplex.server.found_documents import DocumentIndex
 from loraplex.server.limits import WINDOW_S, Limiter
 from loraplex.server.metrics import Metrics
 from loraplex.server.monitor import EngineMonitor
@@ -44,6 +45,8 @@ class Services:
     tenant_weights: TenantWeights
     grammars: GrammarPool
     """Compiles requests' output constraints off the event loop and the engine thread."""
+    documents: DocumentIndex
+    """Tenants' registered documents, to find in prompts that do not name them."""
     started_at: float = field(default_factory=time.time)
     is_stopping: bool = False
     is_draining: bool = False
@@ -64,16 +67,19 @@ class Services:
         shared = None if registry.db.is_sqlite else SharedLimits(
             registry.rate_windows.exchange, config.limits_sync_interval_s, WINDOW_S)
         limiter = Limiter(config.max_requests_in_flight, config.retry_after_s, shared=shared)
+        codec = TextCodec(llm.tokenizer, max_prompt_tokens(config, llm), config.tokenizer_threads)
         services = cls(
             config=config, registry=registry, llm=llm, engine=engine,
             principals=Principals(registry, config.registry_cache_ttl_s, config.registry_max_stale_s),
-            codec=TextCodec(llm.tokenizer, max_prompt_tokens(config, llm), config.tokenizer_threads),
+            codec=codec,
             adapters=adapters,
             limiter=limiter, usage=UsageRecorder(registry), monitor=monitor,
             metrics=Metrics(config.model_id, monitor, lambda: limiter.num_in_flight, adapters.names_of),
             upload_slots=asyncio.Semaphore(config.max_concurrent_uploads),
             tenant_weights=TenantWeights(engine),
             grammars=GrammarPool(lambda: llm.grammars, config.grammar_threads, config.max_grammar_compile_s),
+            documents=DocumentIndex(registry, codec, config.min_found_document_tokens,
+                                    config.registry_cache_ttl_s, config.registry_max_stale_s),
         )
         for tenant in registry.tenants.list():
             services.tenant_weights.sync(tenant)

@@ -1,7 +1,8 @@
 """Registered documents blended into prompts (CacheBlend, loraplex.engine.blending), on CPU in
 float32 on a tiny random Llama: with 100% recompute the greedy tokens and log-probs are full
-prefill's; a document's KV is computed once and reused by requests that place it elsewhere and
-in another order; a partial share reuses the rest; the Triton kernels blend as the reference."""
+prefill's, under an adapter of each family too; a document's KV is computed once (per adapter)
+and reused by requests that place it elsewhere and in another order; a partial share reuses the
+rest; the Triton kernels blend as the reference."""
 
 from __future__ import annotations
 
@@ -11,31 +12,57 @@ import torch
 from loraplex import LLM, SamplingParams
 from loraplex.engine.blending import DocumentBlend
 from loraplex.errors import InvalidRequestError
-from tests.factories import make_hf_model
+from loraplex.types import StreamingWindow
+from tests.factories import (
+    ALL_SEVEN,
+    ATTENTION,
+    AdapterSpec,
+    make_adapter,
+    make_dora_adapter,
+    make_flora_adapter,
+    make_hf_model,
+    make_ia3_adapter,
+)
 
 BLOCK_SIZE = 4
 MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def base(tmp_path_factory):
     """Four layers (with two, layers 0 and 1 are all there is: every share is exact), weights
-    large enough that greedy choices are not near-ties."""
-    folder = tmp_path_factory.mktemp("blend") / "model"
-    make_hf_model("llama", folder, config={"num_hidden_layers": 4, "initializer_range": 0.15})
-    return folder
+    large enough that greedy choices are not near-ties. (folder, the transformers model)"""
+    folder = tmp_path_factory.mktemp("blend")
+    hf = make_hf_model("llama", folder / "model", config={"num_hidden_layers": 4, "initializer_range": 0.15})
+    return folder, hf
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir) -> LLM:
-    return LLM(model_dir, device="cpu", dtype="float32", block_size=BLOCK_SIZE, max_num_batched_tokens=64)
+def model_dir(base):
+    return base[0] / "model"
+
+
+@pytest.fixture(scope="module")
+def llm(base, model_dir) -> LLM:
+    llm = LLM(model_dir, device="cpu", dtype="float32", block_size=BLOCK_SIZE, max_num_batched_tokens=64)
+    folder, hf = base
+    adapters = {
+        "lora": make_adapter(hf, AdapterSpec("lora", ALL_SEVEN, rank=8, alpha=16), folder, seed=1),
+        "dora": make_dora_adapter(hf, folder / "dora", ATTENTION, rank=4, alpha=8, seed=2),
+        "ia3": make_ia3_adapter(hf, folder / "ia3", ALL_SEVEN, feedforward=("down_proj",), seed=3),
+        "flora": make_flora_adapter(hf, folder / "flora", ALL_SEVEN, rank=2, seed=4),
+    }
+    for name, path in adapters.items():
+        llm.add_adapter(name, path)
+    return llm
 
 
 def _tokens(seed: int, n: int) -> list[int]:
     return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-DOCS = {"a": _tokens(1, 23), "b": _tokens(2, 18), "c": _tokens(3, 9)}
+DOCS = {"a": _tokens(1, 23), "b": _tokens(2, 18), "c": _tokens(3, 9),
+        "d": _tokens(10, 12), "e": _tokens(11, 13)}  # d, e: only in test_documents_kv_is_each_adapters_own
 HEAD, QUESTION = _tokens(4, 5), _tokens(5, 7)
 
 
@@ -47,11 +74,13 @@ def _prompt(order: str) -> tuple[list[int], tuple[tuple[int, int], ...]]:
     return tokens + QUESTION, tuple(spans)
 
 
-def _run(llm: LLM, request_id: str, order: str, share: float | None) -> tuple[list[int], list[float]]:
+def _run(llm: LLM, request_id: str, order: str, share: float | None,
+         adapter: str | None = None) -> tuple[list[int], list[float]]:
     tokens, spans = _prompt(order)
     documents = None if share is None else DocumentBlend(spans, share)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
-    llm.engine.add_request(request_id, prompt_token_ids=tokens, params=params, documents=documents)
+    llm.engine.add_request(request_id, prompt_token_ids=tokens, params=params, documents=documents,
+                           adapter=adapter)
     ids, logprobs = [], []
     while llm.engine.has_unfinished_requests():
         for output in llm.engine.step():
@@ -75,6 +104,40 @@ def test_full_recompute_is_full_prefill_and_documents_are_computed_once(llm: LLM
     assert engine.num_blended_prompts >= 3
 
 
+@pytest.mark.parametrize("family", ["lora", "dora", "ia3", "flora"])
+def test_full_recompute_under_an_adapter_is_its_full_prefill(llm: LLM, family: str) -> None:
+    """The blend's passes carry the request's adapter: 100% recompute is that adapter's full
+    prefill (tokens and log-probs), and the documents' KV is the adapter's own: computed once
+    under it (not taken from the base model's or another adapter's), reused by it after."""
+    engine = llm.engine
+    _run(llm, f"base-{family}", "abc", 1.0)  # the documents under the base model (cached, maybe before)
+    blended_before, computed = engine.num_blended_prompts, engine.num_document_prefills
+    reference, reference_logprobs = _run(llm, f"full-{family}", "cab", None, family)
+    base_ids, _ = _run(llm, f"full-base-{family}", "cab", None)
+    assert reference != base_ids  # the adapter changes the answer: its use is seen
+    blended, logprobs = _run(llm, f"blend-{family}", "cab", 1.0, family)
+    assert blended == reference
+    assert logprobs == pytest.approx(reference_logprobs, abs=1e-4)
+    assert engine.num_blended_prompts == blended_before + 1
+    assert engine.num_document_prefills == computed + 3  # the adapter's own, not the base model's
+    _run(llm, f"again-{family}", "bca", 0.5, family)
+    assert engine.num_document_prefills == computed + 3
+
+
+def test_documents_kv_is_each_adapters_own(llm: LLM) -> None:
+    """A document computed under one adapter is not reused for another: each computes its own
+    once, and finds it again after the other's."""
+    engine = llm.engine
+    computed = engine.num_document_prefills
+    _run(llm, "own-lora", "de", 1.0, "lora")
+    assert engine.num_document_prefills == computed + 2
+    _run(llm, "own-dora", "de", 1.0, "dora")
+    assert engine.num_document_prefills == computed + 4
+    for adapter in ("lora", "dora"):
+        _run(llm, f"own-{adapter}-again", "ed", 1.0, adapter)
+    assert engine.num_document_prefills == computed + 4
+
+
 def test_partial_share_reuses_documents(llm: LLM) -> None:
     engine = llm.engine
     _run(llm, "warm", "abc", 0.5)
@@ -89,6 +152,18 @@ def test_partial_share_reuses_documents(llm: LLM) -> None:
     reference, reference_logprobs = _run(llm, "full", "bca", None)
     _, reused_logprobs = _run(llm, "none", "bca", 0.0)
     assert max(abs(a - b) for a, b in zip(reused_logprobs, reference_logprobs)) > 1e-2
+
+
+def test_a_sliding_window_request_is_not_blended(llm: LLM) -> None:
+    """Its blocks are never shared through the prefix cache: its documents are computed in full."""
+    engine = llm.engine
+    tokens, spans = _prompt("ab")
+    blended = engine.num_blended_prompts
+    params = SamplingParams(max_tokens=2, ignore_eos=True, streaming_window=StreamingWindow(32, 4))
+    engine.add_request("window", prompt_token_ids=tokens, params=params, documents=DocumentBlend(spans, 1.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.num_blended_prompts == blended
 
 
 def test_bad_spans_are_refused(llm: LLM) -> None:

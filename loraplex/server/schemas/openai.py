@@ -151,9 +151,11 @@ class SamplingFields(Request):
         None, description=f"loraplex extension: up to {MAX_DOCUMENTS} of your registered documents, by "
         "name, included in this order, each followed by a blank line: chat puts them at the start of "
         "the last user message, completions before the prompt. Each document's KV is computed once "
-        "and reused wherever it lands (CacheBlend: a share of its tokens is computed again).")
+        "and reused wherever it lands (CacheBlend: a share of its tokens is computed again). A "
+        "request that names none has your documents whose text its prompt holds blended alike.")
     documents_blend: bool | None = Field(None, description="loraplex extension: false computes the "
-                                         "documents' KV in full, as any prompt's (default true).")
+                                         "documents' KV in full, as any prompt's, and looks for no "
+                                         "document in the prompt (default true).")
     documents_recompute_share: float | None = Field(
         None, ge=0, le=1, description="loraplex extension: the share of reused document tokens whose KV "
         "is computed again, those that deviate most (default 0.2; 1 is a full prefill).")

@@ -1,5 +1,6 @@
-"""Registered documents: add, list, get, delete. Requests include them by name (`documents`);
-the engine computes each one's KV once per adapter and reuses it wherever it lands (CacheBlend)."""
+"""Registered documents: add, list, get, delete. Requests include them by name (`documents`),
+or hold their text (found in the prompt); the engine computes each one's KV once per adapter and
+reuses it wherever it lands (CacheBlend)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ async def add_document(body: DocumentCreate, admin: AdminDep, services: Services
     """A named document of a tenant. Its KV is computed the first time a request includes it."""
     record = await run_in_threadpool(lambda: services.registry.documents.add(
         body.tenant, body.name, body.text, actor=admin.key_id))
+    services.documents.forget()
     return await _document(services, record)
 
 
@@ -51,4 +53,5 @@ async def delete_document(tenant: NameParam, name: NameParam, admin: AdminDep,
                           services: ServicesDep) -> Response:
     """Its cached KV blocks are left to the prefix cache, which evicts them as it needs room."""
     await run_in_threadpool(lambda: services.registry.documents.delete(tenant, name, actor=admin.key_id))
+    services.documents.forget()
     return Response(status_code=status.HTTP_204_NO_CONTENT)
