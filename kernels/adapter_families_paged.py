@@ -17,7 +17,7 @@ import triton.language as tl
 from loraplex.kernels._common import FLOAT_DTYPES, INDEX_DTYPES, cdiv, check_launchable, check_tensor
 from loraplex.kernels.adapter_families import BLOCK, COMBINE_ELEMENTS
 from loraplex.kernels.lora import MAX_SLICES, _slice_of
-from loraplex.kernels.lora_paged import PAGE_RANK, _check_pages, _check_pool
+from loraplex.kernels.lora_paged import PAGE_RANK, _check_pages, _check_pool, row_align
 
 
 @triton.jit
@@ -58,7 +58,8 @@ def scale_rows_paged(x: torch.Tensor, vectors: torch.Tensor, scale_at: torch.Ten
 def _flora_stack_kernel(x_ptr, pool_ptr, a_pages_ptr, flora_ranks_ptr, row_tokens_ptr, row_slots_ptr,
                         row_ranks_ptr, out_ptr, num_tokens, num_rows, block_rows, in_features, stride_x,
                         stride_p_slot, stride_p_slice, stride_fr_slot, stride_o,
-                        PAGE_RANK: tl.constexpr, PER_SLICE: tl.constexpr, BLOCK: tl.constexpr):
+                        PAGE_RANK: tl.constexpr, PER_SLICE: tl.constexpr, BLOCK: tl.constexpr,
+                        ALIGN: tl.constexpr):
     p = tl.program_id(0)  # output row: block p // block_rows, row i of it (x's rows, then FLoRA's)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < in_features
@@ -82,7 +83,8 @@ def _flora_stack_kernel(x_ptr, pool_ptr, a_pages_ptr, flora_ranks_ptr, row_token
         page = tl.load(a_pages_ptr + tl.where(live, entry, 0))
         row = page + (k % PAGE_RANK).to(tl.int64) * in_features
         is_live = (tl.zeros([BLOCK], tl.int32) + live.to(tl.int32)) > 0  # (see _scale_rows_kernel)
-        a = tl.load(pool_ptr + row + cols, mask=mask & is_live, other=0.0).to(tl.float32)
+        a_at = tl.max_contiguous(tl.multiple_of(row + cols, ALIGN), ALIGN)  # (lora_paged.row_align)
+        a = tl.load(pool_ptr + a_at, mask=mask & is_live, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + tok.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + p.to(tl.int64) * stride_o + cols, tl.where(live, a * x, 0.0), mask=mask)
 
@@ -114,7 +116,7 @@ def flora_stack_paged(
             x, pool, a_pages, flora_ranks, row_tokens, row_slots, row_ranks, out, num_tokens,
             max(num_rows, 1), block_rows, in_features, x.stride(0), a_pages.stride(0),
             a_pages.stride(1), flora_ranks.stride(0), out.stride(0),
-            PAGE_RANK=PAGE_RANK, PER_SLICE=per_slice, BLOCK=BLOCK)
+            PAGE_RANK=PAGE_RANK, PER_SLICE=per_slice, BLOCK=BLOCK, ALIGN=row_align(pool, (in_features,)))
     return out
 
 
@@ -123,7 +125,7 @@ def _flora_combine_kernel(y_ptr, p_ptr, pool_ptr, b_pages_ptr, slots_ptr, flora_
                           bias_ptr, num_tokens, num_rows, out_features, off1, off2, off3, stride_y,
                           stride_p_slot, stride_p_slice, stride_fr_slot, PAGE_RANK: tl.constexpr,
                           PER_SLICE: tl.constexpr, HAS_BIAS: tl.constexpr, RANK_BLOCK: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, ALIGN: tl.constexpr, NUM_SLICES: tl.constexpr):
     tok = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_cols = cols < out_features
@@ -145,15 +147,27 @@ def _flora_combine_kernel(y_ptr, p_ptr, pool_ptr, b_pages_ptr, slots_ptr, flora_
     acc = tl.load(p_ptr + base + tok * ld + cols, mask=in_cols, other=0.0).to(tl.float32)
     if hi > lo:
         ks = tl.arange(0, RANK_BLOCK)
-        rank = tl.load(flora_ranks_ptr + slot * stride_fr_slot + s, mask=in_cols, other=0)
-        live = (ks[:, None] < hi - lo) & in_cols[None, :] & (ks[:, None] < rank[None, :])
-        page = tl.load(b_pages_ptr + slot * stride_p_slot + s[None, :] * stride_p_slice
-                       + ks[:, None] // PAGE_RANK, mask=live, other=0)  # [RANK_BLOCK, BLOCK]
+        # Each slice's rank and page row once (scalars and [RANK_BLOCK] vectors), then picked
+        # per column: gathered per element, they took 4-8x the slot kernel's time on the H100.
+        rank = tl.zeros([BLOCK], tl.int32)
+        page = tl.zeros([RANK_BLOCK, BLOCK], tl.int64)
+        for i in tl.static_range(NUM_SLICES):
+            rank_i = tl.load(flora_ranks_ptr + slot * stride_fr_slot + i)
+            page_i = tl.load(b_pages_ptr + slot * stride_p_slot + i * stride_p_slice + ks // PAGE_RANK,
+                             mask=ks < tl.minimum(rank_i, hi - lo), other=0)  # [RANK_BLOCK]
+            rank = tl.where(s == i, rank_i, rank)
+            page = tl.where((s == i)[None, :], page_i[:, None], page)
+        # Slice bounds and out_features are multiples of ALIGN (lora_paged.row_align): runs of
+        # ALIGN columns lie in one slice, contiguous in B's rows and the products, masked alike.
+        live = tl.max_constancy((ks[:, None] < hi - lo) & in_cols[None, :] & (ks[:, None] < rank[None, :]),
+                                [1, ALIGN])
         b_at = page + (ks[:, None] % PAGE_RANK).to(tl.int64) * (hi_c - lo_c)[None, :] \
             + (cols - lo_c)[None, :]
+        b_at = tl.max_contiguous(tl.multiple_of(b_at, [1, ALIGN]), [1, ALIGN])
         b = tl.load(pool_ptr + b_at, mask=live, other=0.0).to(tl.float32)
-        p = tl.load(p_ptr + base[None, :] + (row0[None, :] + lo + ks[:, None]) * ld[None, :] + cols[None, :],
-                    mask=live, other=0.0).to(tl.float32)
+        p_at = base[None, :] + (row0[None, :] + lo + ks[:, None]) * ld[None, :] + cols[None, :]
+        p_at = tl.max_contiguous(tl.multiple_of(p_at, [1, ALIGN]), [1, ALIGN])
+        p = tl.load(p_ptr + p_at, mask=live, other=0.0).to(tl.float32)
         flora = tl.sum(tl.where(live, b * p, 0.0), axis=0)
         acc = tl.where((rank > 0) & (slot > 0), flora, acc)
     if HAS_BIAS:
@@ -199,5 +213,6 @@ def flora_combine_paged(
         y, products, pool, b_pages, token_slots, flora_ranks, bounds, bias if bias is not None else y,
         num_tokens, num_rows, out_features, padded[1], padded[2], padded[3], y.stride(0),
         b_pages.stride(0), b_pages.stride(1), flora_ranks.stride(0), PAGE_RANK=PAGE_RANK,
-        PER_SLICE=per_slice, HAS_BIAS=bias is not None, RANK_BLOCK=rank_block, BLOCK=block)
+        PER_SLICE=per_slice, HAS_BIAS=bias is not None, RANK_BLOCK=rank_block, BLOCK=block,
+        ALIGN=min(row_align(pool, padded), row_align(products, padded)), NUM_SLICES=num_slices)
     return y

@@ -20,7 +20,12 @@ Each kernel is its slot twin with the row addresses gathered from the table (one
 PAGE_RANK rows, cached): the per-token shrink looks up its BLOCK_R rows, the expand its rank
 chunk's rows (B transposed: a rank row is `width_s` contiguous output features, so a chunk is
 loaded as [RANK_CHUNK, BLOCK_N], the K x N operand of the tile path's dot as it is), FLoRA's
-stack one A row a program and its combine the rows of its token's components. Launch configs are lora.py's.
+stack one A row a program and its combine the rows of its token's components. Launch configs are lora.py's
+but the per-token expand's (paged_expand_config). Row starts carry alignment hints (row_align), so that
+loads through gathered addresses stay 16 bytes wide. On the H100 (bench/results/kernels-paged-*.json,
+scripts/paged-kernels-per-kernel.py), a Llama-3-8B decode step's adapter work at 64 tokens with 64
+adapters takes 1.08x the slot kernels' time for LoRA, 1.04x DoRA, 0.97x IA3, 1.10x FLoRA: the
+remainder is one more dependent load (the page) in kernels of 3-5 us.
 """
 
 from __future__ import annotations
@@ -53,10 +58,11 @@ from loraplex.kernels.reference import PAGE_RANK, num_rank_pages
 
 
 @triton.jit
-def _row_at(pages_ptr, r, mask, row_len, PAGE_RANK: tl.constexpr):
-    """Element offsets of rows r (int64) of one (slot, slice) through its page row."""
+def _row_at(pages_ptr, r, mask, row_len, PAGE_RANK: tl.constexpr, ALIGN: tl.constexpr):
+    """Element offsets of rows r (int64) of one (slot, slice) through its page row, each a
+    multiple of ALIGN (see `row_align`: what lets the loads along a row be 16 bytes wide)."""
     page = tl.load(pages_ptr + r // PAGE_RANK, mask=mask, other=0)
-    return page + (r % PAGE_RANK).to(tl.int64) * row_len
+    return tl.multiple_of(page + (r % PAGE_RANK).to(tl.int64) * row_len, ALIGN)
 
 
 @triton.jit
@@ -65,7 +71,7 @@ def _shrink_rows_kernel(
     in_features, max_rank,
     stride_x_tok, stride_p_slot, stride_p_slice, stride_ranks_slot, stride_out_slice, stride_out_tok,
     PAGE_RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, ALIGN: tl.constexpr,
 ):
     r0 = tl.program_id(0) * BLOCK_R
     tok = tl.program_id(1)
@@ -78,7 +84,7 @@ def _shrink_rows_kernel(
     if r0 < rank:
         r_mask = r < rank
         pages = a_pages_ptr + slot.to(tl.int64) * stride_p_slot + slice_id * stride_p_slice
-        a_rows = pool_ptr + _row_at(pages, r, r_mask, in_features, PAGE_RANK)[:, None]  # [BLOCK_R, 1]
+        a_rows = pool_ptr + _row_at(pages, r, r_mask, in_features, PAGE_RANK, ALIGN)[:, None]  # [BLOCK_R, 1]
         x_row = x_ptr + tok.to(tl.int64) * stride_x_tok
         part = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
         for k0 in tl.range(0, in_features, BLOCK_K, num_stages=NUM_STAGES):
@@ -102,7 +108,7 @@ def _shrink_tiles_kernel(
     num_tokens, in_features, k_per_split,
     stride_x_tok, stride_p_slot, stride_p_slice, stride_ranks_slot, stride_out_slice, stride_out_tok,
     PAGE_RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    ATOMIC: tl.constexpr, UPCAST: tl.constexpr,
+    ATOMIC: tl.constexpr, UPCAST: tl.constexpr, ALIGN: tl.constexpr,
 ):
     slice_id = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -118,17 +124,17 @@ def _shrink_tiles_kernel(
         if rank > 0:
             r_mask = r < rank
             pages = a_pages_ptr + slot.to(tl.int64) * stride_p_slot + slice_id * stride_p_slice
-            a_rows = pool_ptr + _row_at(pages, r, r_mask, in_features, PAGE_RANK)[:, None]
+            a_rows = pool_ptr + _row_at(pages, r, r_mask, in_features, PAGE_RANK, ALIGN)[:, None]
             acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
                 k_mask = k < k_hi
                 xt = tl.load(x_rows + k[None, :], mask=run[:, None] & k_mask[None, :], other=0.0)
                 at = tl.load(a_rows + k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-                if UPCAST:
-                    xt = xt.to(tl.float32)
-                    at = at.to(tl.float32)
-                acc += tl.dot(xt, tl.trans(at))
+                if UPCAST:  # float32's accuracy on the tensor cores (plain tf32 is off by ~1e-3)
+                    acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), input_precision="tf32x3")
+                else:
+                    acc += tl.dot(xt, tl.trans(at))
             out = out_ptr + slice_id * stride_out_slice + tok[:, None] * stride_out_tok + r[None, :]
             mask = run[:, None] & r_mask[None, :]
             if ATOMIC:
@@ -145,7 +151,7 @@ def _expand_kernel(
     stride_y_tok, stride_s_slice, stride_s_tok, stride_p_slot, stride_p_slice, stride_ranks_slot,
     PAGE_RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     RANK_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_SCALE: tl.constexpr,
-    HAS_SHIFT: tl.constexpr,
+    HAS_SHIFT: tl.constexpr, ALIGN: tl.constexpr, VEC_ALIGN: tl.constexpr,
 ):
     col0 = tl.program_id(0) * BLOCK_N
     cols = col0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features, possibly of several slices
@@ -166,14 +172,17 @@ def _expand_kernel(
             rank = tl.load(ranks_ptr + slot * stride_ranks_slot + s)
             lo = _slice_bound(s, off0, off1, off2, off3, off4)
             hi = _slice_bound(s + 1, off0, off1, off2, off3, off4)
-            c_mask = in_cols & (cols >= lo) & (cols < hi)
+            # Slice bounds, out_features and each row's start are multiples of ALIGN: runs of
+            # ALIGN columns are contiguous and masked alike (16-byte loads along a row of B).
+            c_mask = tl.max_constancy(in_cols & (cols >= lo) & (cols < hi), ALIGN)
+            c_off = tl.max_contiguous(tl.multiple_of(cols - lo, ALIGN), ALIGN)
             pages = b_pages_ptr + slot.to(tl.int64) * stride_p_slot + s * stride_p_slice
             s_rows = shrunk_ptr + s * stride_s_slice + tok * stride_s_tok  # [BLOCK_M]
             for r0 in tl.range(0, rank, RANK_CHUNK, num_stages=NUM_STAGES):
                 r = r0 + tl.arange(0, RANK_CHUNK)
                 r_mask = r < rank
-                rows = _row_at(pages, r, r_mask, hi - lo, PAGE_RANK)  # [RANK_CHUNK]
-                bt = tl.load(pool_ptr + rows[:, None] + (cols - lo)[None, :],
+                rows = _row_at(pages, r, r_mask, hi - lo, PAGE_RANK, ALIGN)  # [RANK_CHUNK]
+                bt = tl.load(pool_ptr + rows[:, None] + c_off[None, :],
                              mask=r_mask[:, None] & c_mask[None, :],
                              other=0.0).to(tl.float32)  # [RANK_CHUNK, BLOCK_N]: B's rows, transposed
                 st = tl.load(s_rows[:, None] + r[None, :], mask=run[:, None] & r_mask[None, :],
@@ -190,15 +199,29 @@ def _expand_kernel(
             scale_at = tl.load(scale_at_ptr + slots, mask=has_adapter, other=-1)  # [BLOCK_M]
             is_scaled = scale_at >= 0
             if tl.max(is_scaled.to(tl.int32), axis=0) > 0:
-                s_mask = is_scaled[:, None] & in_cols[None, :]
-                scale = tl.load(vectors_ptr + scale_at[:, None] + cols[None, :], mask=s_mask, other=1.0)
+                s_mask = tl.max_constancy(is_scaled[:, None] & in_cols[None, :], [1, VEC_ALIGN])
+                scale_off = tl.max_contiguous(
+                    tl.multiple_of(scale_at[:, None] + cols[None, :], [1, VEC_ALIGN]), [1, VEC_ALIGN])
+                scale = tl.load(vectors_ptr + scale_off, mask=s_mask, other=1.0)
                 scaled_out = (y.to(tl.float32) + delta) * scale
                 if HAS_SHIFT:
                     shift_at = tl.load(shift_at_ptr + slots, mask=has_adapter, other=-1)
-                    scaled_out += tl.load(vectors_ptr + shift_at[:, None] + cols[None, :],
+                    shift_off = tl.max_contiguous(
+                        tl.multiple_of(shift_at[:, None] + cols[None, :], [1, VEC_ALIGN]), [1, VEC_ALIGN])
+                    scaled_out += tl.load(vectors_ptr + shift_off,
                                           mask=s_mask & (shift_at >= 0)[:, None], other=0.0)
                 out = tl.where(is_scaled[:, None], scaled_out, out)
         tl.store(y_tile, out, mask=y_mask)
+
+
+def row_align(pool: torch.Tensor, lengths) -> int:
+    """The ALIGN hint of the kernels: 16 bytes in elements of the pool's dtype where every row
+    length (and slice bound) in `lengths` is a multiple of it, else 1 (no hint). Row starts are
+    aligned by contract: every rank page and vector the tables name starts on a 16-byte bound
+    of the pool (adapter_pages.py packs them at PAGE_ALIGN = 256 bytes), and the pool is a
+    whole allocation. Without the hint, loads through gathered addresses are one element wide."""
+    vec = max(16 // pool.element_size(), 1)
+    return vec if all(int(n) % vec == 0 for n in lengths) else 1
 
 
 def _check_pages(name: str, pages: torch.Tensor, num_slices: int, max_rank: int) -> None:
@@ -256,7 +279,7 @@ def _launch_shrink(x, pool, a_pages, token_slots, ranks, max_rank: int,
             x, pool, a_pages, token_slots, ranks, out, in_features, max_rank, *common,
             PAGE_RANK=PAGE_RANK, BLOCK_R=config.block_r, BLOCK_K=config.block_k,
             EVEN_K=in_features % config.block_k == 0, NUM_STAGES=config.num_stages,
-            num_warps=config.num_warps,
+            ALIGN=row_align(pool, (in_features,)), num_warps=config.num_warps,
         )
         return out
     k_per_split = cdiv(cdiv(in_features, config.k_splits), config.block_k) * config.block_k
@@ -265,7 +288,7 @@ def _launch_shrink(x, pool, a_pages, token_slots, ranks, max_rank: int,
         x, pool, a_pages, token_slots, ranks, out, num_tokens, in_features, k_per_split, *common,
         PAGE_RANK=PAGE_RANK, BLOCK_M=config.block_m, BLOCK_R=max(16, next_pow2(max_rank)),
         BLOCK_K=config.block_k, ATOMIC=grid[2] > 1, UPCAST=upcast_loads(x.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        ALIGN=row_align(pool, (in_features,)), num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
@@ -309,7 +332,22 @@ def lora_expand_paged(
         extra.append(vectors)
     check_launchable(_expand_kernel, (y, shrunk, pool, b_pages, token_slots, ranks, *extra))
     return _launch_expand(y, shrunk, pool, b_pages, token_slots, ranks, offsets,
-                          expand_config(num_tokens, max_rank), vectors, scale_at, shift_at)
+                          paged_expand_config(num_tokens, max_rank), vectors, scale_at, shift_at)
+
+
+def paged_expand_config(num_tokens: int, max_rank: int) -> ExpandConfig:
+    """lora.expand_config's tiles; its per-token path as wide as its warps' columns (256 a warp,
+    8 a thread), one rank page a loop step: a program's [PAGE_RANK, BLOCK_N] chunk of B
+    transposed then lies in each thread's rows whole, so the sum over the rank stays in the
+    thread (256 columns by 4 warps put the rows in different warps: a sum through shared
+    memory and barriers, 3.4-4.3x the slot kernel's time on the H100)."""
+    config = expand_config(num_tokens, max_rank)
+    if config.block_m > 1:
+        return config
+    return ExpandConfig(block_m=1, block_n=256 * GEMV_WARPS, num_warps=GEMV_WARPS, num_stages=2)
+
+
+GEMV_WARPS = 4
 
 
 def _launch_expand(y, shrunk, pool, b_pages, token_slots, ranks, offsets: list[int],
@@ -319,7 +357,7 @@ def _launch_expand(y, shrunk, pool, b_pages, token_slots, ranks, offsets: list[i
     if num_tokens == 0 or out_features == 0 or (max_rank == 0 and scale_at is None):
         return y
     grid = (cdiv(out_features, config.block_n), cdiv(num_tokens, config.block_m))
-    chunk = RANK_CHUNK if config.block_m > 1 else min(RANK_CHUNK, next_pow2(max_rank))
+    chunk = RANK_CHUNK if config.block_m > 1 else min(PAGE_RANK, next_pow2(max_rank))
     padded = offsets + [out_features] * (MAX_SLICES + 1 - len(offsets))
     has_scale, has_shift = scale_at is not None, shift_at is not None
     _expand_kernel[grid](
@@ -330,6 +368,7 @@ def _launch_expand(y, shrunk, pool, b_pages, token_slots, ranks, offsets: list[i
         ranks.stride(0),
         PAGE_RANK=PAGE_RANK, BLOCK_M=config.block_m, BLOCK_N=config.block_n, RANK_CHUNK=chunk,
         NUM_STAGES=config.num_stages, num_warps=config.num_warps, HAS_SCALE=has_scale,
-        HAS_SHIFT=has_shift,
+        HAS_SHIFT=has_shift, ALIGN=row_align(pool, offsets),
+        VEC_ALIGN=row_align(vectors, (out_features,)) if has_scale else 1,
     )
     return y

@@ -210,22 +210,23 @@ def _paged_cases() -> Iterator[tuple]:
     s = lora.shrink_config(64, 3, 4096, 16, _cpu())
     yield (f"lora paged shrink {s}", paged._shrink_rows_kernel, dict(shrink_args, max_rank=16),
            dict(PAGE_RANK=paged.PAGE_RANK, BLOCK_R=s.block_r, BLOCK_K=s.block_k, EVEN_K=True,
-                NUM_STAGES=s.num_stages), s.num_warps)
+                NUM_STAGES=s.num_stages, ALIGN=8), s.num_warps)
     s = lora.shrink_config(2048, 3, 4096, 16, _cpu())
     yield (f"lora paged shrink {s}", paged._shrink_tiles_kernel,
            dict(shrink_args, num_tokens=2048, k_per_split=1024, stride_out_slice=2048 * 16),
            dict(PAGE_RANK=paged.PAGE_RANK, BLOCK_M=s.block_m, BLOCK_R=16, BLOCK_K=s.block_k, ATOMIC=True,
-                UPCAST=False), s.num_warps, s.num_stages)
+                UPCAST=False, ALIGN=8), s.num_warps, s.num_stages)
     expand_args = dict(y_ptr=BF16, shrunk_ptr=F32, pool_ptr=BF16, b_pages_ptr=I64, token_slots_ptr=I32,
                        ranks_ptr=I32, vectors_ptr=F32, scale_at_ptr=I64, shift_at_ptr=I64,
                        out_features=6144, off0=0, off1=4096, off2=5120, off3=6144, off4=6144,
                        stride_y_tok=6144, stride_s_slice=64 * 16, stride_s_tok=16, stride_ranks_slot=3,
                        **pages)
     for num_tokens in (64, 2048):
-        e = lora.expand_config(num_tokens, 16)
+        e = paged.paged_expand_config(num_tokens, 16)
         yield (f"lora paged expand {e}", paged._expand_kernel, dict(expand_args, num_tokens=num_tokens),
                dict(PAGE_RANK=paged.PAGE_RANK, BLOCK_M=e.block_m, BLOCK_N=e.block_n,
-                    RANK_CHUNK=lora.RANK_CHUNK, NUM_STAGES=e.num_stages, HAS_SCALE=True, HAS_SHIFT=True),
+                    RANK_CHUNK=lora.RANK_CHUNK if e.block_m > 1 else paged.PAGE_RANK, NUM_STAGES=e.num_stages,
+                    HAS_SCALE=True, HAS_SHIFT=True, ALIGN=8, VEC_ALIGN=4),
                e.num_warps)
     yield ("scale rows paged", famp._scale_rows_kernel,
            dict(x_ptr=BF16, vectors_ptr=F32, scale_at_ptr=I64, slots_ptr=I32, out_ptr=BF16,
@@ -237,14 +238,14 @@ def _paged_cases() -> Iterator[tuple]:
                     row_slots_ptr=I32, row_ranks_ptr=I64, out_ptr=BF16, num_tokens=16, num_rows=64,
                     block_rows=block_rows, in_features=4096, stride_x=4096, stride_fr_slot=3,
                     stride_o=4096, **pages),
-               dict(PAGE_RANK=paged.PAGE_RANK, PER_SLICE=per_slice, BLOCK=famp.BLOCK), 4)
+               dict(PAGE_RANK=paged.PAGE_RANK, PER_SLICE=per_slice, BLOCK=famp.BLOCK, ALIGN=8), 4)
         yield (f"flora combine paged (per slice {per_slice})", famp._flora_combine_kernel,
                dict(y_ptr=BF16, p_ptr=BF16, pool_ptr=BF16, b_pages_ptr=I64, slots_ptr=I32,
                     flora_ranks_ptr=I32, bounds_ptr=I64, bias_ptr=BF16, num_tokens=16, num_rows=64,
                     out_features=6144, off1=4096, off2=5120, off3=6144, stride_y=6144, stride_fr_slot=3,
                     **pages),
                dict(PAGE_RANK=paged.PAGE_RANK, PER_SLICE=per_slice, HAS_BIAS=True, RANK_BLOCK=16,
-                    BLOCK=famp.COMBINE_ELEMENTS // 16), 4)
+                    BLOCK=famp.COMBINE_ELEMENTS // 16, ALIGN=8, NUM_SLICES=3), 4)
 
 
 def _cpu():
