@@ -108,7 +108,8 @@ def test_lm_eval_multiple_choice_follows_each_adapters_likelihoods(sqlite_server
     assert agreement < 1  # the adapters rank the choices differently somewhere
     mc = [{"question": q, "choices": CHOICES, "answer": a} for q, a in zip(QUESTIONS, answers)]
     gen = [{"question": q, "answer": "north"} for q in QUESTIONS[:3]]
-    tasks = TaskManager(include_path=str(_write_tasks(tmp_path / "tasks", mc, gen)))
+    # Our two tasks only: indexing lm-eval's bundled tasks as well takes seconds.
+    tasks = TaskManager(include_path=str(_write_tasks(tmp_path / "tasks", mc, gen)), include_defaults=False)
     for name, value in (OFFLINE | {"OPENAI_API_KEY": sqlite_server.keys["acme"]}).items():
         monkeypatch.setenv(name, value)
     scores = {}
