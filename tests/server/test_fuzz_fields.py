@@ -4,7 +4,7 @@ three of its fields (found by walking the operation's schema: body fields at any
 and query parameters) with hostile values: text from every Unicode category (lone surrogates,
 controls, private use, unassigned), huge, tiny, negative, non-finite numbers, deep nesting, and
 values of the wrong type. No answer may be a 5xx, and every answer must be well-formed (a JSON
-error body naming its problem; a stream of JSON events). Derandomized, bounded: under a minute.
+error body naming its problem; a stream of JSON events). Derandomized, bounded: about a minute.
 
 (tests/server/test_schemathesis.py checks conformance to the document with generated requests;
 this test aims at the values that break servers, where that one aims at the document.)"""
@@ -26,7 +26,7 @@ from loraplex.registry import RegistryConfig
 from tests.registry.registry_support import write_adapter
 from tests.server.server_support import MODEL_ID, Server, serve
 
-MAX_EXAMPLES = 25
+MAX_EXAMPLES = 60
 MAX_SCHEMA_DEPTH = 6
 """Body fields are followed this many names and indexes deep."""
 # A request that works, for each operation (path parameters filled in); an operation the
