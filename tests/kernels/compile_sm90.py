@@ -6,11 +6,14 @@ interpreter replaces the kernels it decorates)."""
 
 from __future__ import annotations
 
+import itertools
+import multiprocessing
 import os
 import re
 import subprocess
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -254,11 +257,19 @@ def _cpu():
     return torch.device("cpu")
 
 
+def _compile_case(index: int) -> str:
+    """The line for case `index` of `_cases()` (a worker process's task: kernels do not pickle)."""
+    return compile_kernel(*next(itertools.islice(_cases(), index, None)))
+
+
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
-    for case in _cases():
-        print(compile_kernel(*case), flush=True)
+    num_cases = sum(1 for _ in _cases())
+    # One compile a core (ptxas and triton's passes are single-threaded), lines in case order.
+    with ProcessPoolExecutor(os.cpu_count(), mp_context=multiprocessing.get_context("spawn")) as pool:
+        for line in pool.map(_compile_case, range(num_cases)):
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

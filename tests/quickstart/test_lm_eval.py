@@ -46,12 +46,21 @@ def served(data_dir: Path) -> Iterator[ServeProcess]:
         yield running
 
 
-def _lm_eval(served: ServeProcess, model: str, tasks: list[str]) -> dict[str, Any]:
-    import lm_eval
+@pytest.fixture(scope="module")
+def task_manager() -> Any:
+    """lm-eval's index of its own tasks and the project's folder, as `--include_path` gives it:
+    built once (indexing lm-eval's bundled tasks takes seconds); each evaluation loads its tasks
+    from it afresh."""
     from lm_eval.tasks import TaskManager
 
+    return TaskManager(include_path=str(TASKS_DIR))
+
+
+def _lm_eval(served: ServeProcess, task_manager: Any, model: str, tasks: list[str]) -> dict[str, Any]:
+    import lm_eval
+
     return lm_eval.simple_evaluate(
-        model="local-chat-completions", tasks=tasks, task_manager=TaskManager(include_path=str(TASKS_DIR)),
+        model="local-chat-completions", tasks=tasks, task_manager=task_manager,
         apply_chat_template=True, log_samples=True,
         model_args={"model": model, "base_url": f"{served.url}/v1/chat/completions",
                     "num_concurrent": NUM_CONCURRENT, "max_retries": 1})
@@ -73,17 +82,17 @@ def _accuracy(results: dict[str, Any], task: Task) -> float:
 
 
 def test_each_adapter_beats_the_base_model_on_its_own_lm_eval_task(
-        served: ServeProcess, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        served: ServeProcess, task_manager: Any, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     key = (data_dir / "demo-api-key").read_text().strip()
     for name, value in (OFFLINE | {"OPENAI_API_KEY": key}).items():
         monkeypatch.setenv(name, value)
     tasks = make_tasks()
     started = time.monotonic()
-    base = _lm_eval(served, MODEL_ID, [TAG])
+    base = _lm_eval(served, task_manager, MODEL_ID, [TAG])
     assert sorted(base["results"]) == sorted(f"loraplex_{task.name}" for task in tasks)
     scores = {}  # task -> (base accuracy, adapter accuracy)
     for task in tasks:
-        tuned = _lm_eval(served, task.name, [f"loraplex_{task.name}"])
+        tuned = _lm_eval(served, task_manager, task.name, [f"loraplex_{task.name}"])
         scores[task.name] = (_accuracy(base, task), _accuracy(tuned, task))
     print(f"lm-eval through loraplex serve in {time.monotonic() - started:.0f} s, accuracy (base, adapter):",
           {name: (f"{b:.1%}", f"{a:.1%}") for name, (b, a) in scores.items()})
@@ -92,9 +101,8 @@ def test_each_adapter_beats_the_base_model_on_its_own_lm_eval_task(
 
 
 def test_the_sentiment_adapter_beats_the_base_model_by_likelihood(
-        served: ServeProcess, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        served: ServeProcess, task_manager: Any, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     key = (data_dir / "demo-api-key").read_text().strip()
     for name, value in (OFFLINE | {"OPENAI_API_KEY": key}).items():
@@ -105,7 +113,7 @@ def test_the_sentiment_adapter_beats_the_base_model_by_likelihood(
     for model in (MODEL_ID, task.name):
         results = lm_eval.simple_evaluate(
             model="local-completions", tasks=["loraplex_sentiment_choice"],
-            task_manager=TaskManager(include_path=str(TASKS_DIR)), apply_chat_template=True, log_samples=True,
+            task_manager=task_manager, apply_chat_template=True, log_samples=True,
             model_args={"model": model, "base_url": f"{served.url}/v1/completions",
                         "num_concurrent": NUM_CONCURRENT, "max_retries": 1,
                         "tokenizer_backend": "huggingface", "tokenizer": str(model_dir)})

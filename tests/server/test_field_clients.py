@@ -16,6 +16,9 @@ import pytest
 from tests.server.server_support import Server
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+GUIDELLM_WORKERS = {"GUIDELLM__MAX_WORKER_PROCESSES": "2"}
+"""guidellm spawns up to 10 worker processes by default, each importing its stack: on two cores
+their start costs far more than 5 requests a second need."""
 
 
 @pytest.mark.parametrize("request_format", ["/v1/chat/completions", "/v1/completions"])
@@ -31,7 +34,8 @@ def test_guidellm_constant_rate_has_no_errors(sqlite_server: Server, model_dir: 
         "--tokenizer", f"kind=huggingface_auto,model={model_dir}",
         "--output", f"kind=json,path={report}", "--disable-console-interactive",
     ]
-    done = subprocess.run(command, env=os.environ | OFFLINE, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, env=os.environ | OFFLINE | GUIDELLM_WORKERS, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (benchmark,) = json.loads(report.read_text())["benchmarks"]
     requests = benchmark["requests"]
@@ -108,7 +112,8 @@ def test_lm_eval_multiple_choice_follows_each_adapters_likelihoods(sqlite_server
     assert agreement < 1  # the adapters rank the choices differently somewhere
     mc = [{"question": q, "choices": CHOICES, "answer": a} for q, a in zip(QUESTIONS, answers)]
     gen = [{"question": q, "answer": "north"} for q in QUESTIONS[:3]]
-    tasks = TaskManager(include_path=str(_write_tasks(tmp_path / "tasks", mc, gen)))
+    # Our two tasks only: indexing lm-eval's bundled tasks as well takes seconds.
+    tasks = TaskManager(include_path=str(_write_tasks(tmp_path / "tasks", mc, gen)), include_defaults=False)
     for name, value in (OFFLINE | {"OPENAI_API_KEY": sqlite_server.keys["acme"]}).items():
         monkeypatch.setenv(name, value)
     scores = {}
