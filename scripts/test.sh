@@ -19,4 +19,7 @@ if [ ! -x /usr/bin/chromium ]; then
     $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium >/dev/null
 fi
 
-python -m pytest -q "$@"
+# Two workers, each taking whole test files (their module fixtures, servers among them, stay in
+# one process): many tests wait on a server or a subprocess, so two cores run the suite in about
+# half the time of one process (11 minutes against 21 on our 2-core machine).
+python -m pytest -q -n 2 --dist loadfile "$@"

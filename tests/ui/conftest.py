@@ -43,8 +43,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         yield running
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
+    """Chromium for one test module. Not for the session: Playwright's sync API keeps an event
+    loop running in the main thread while it is open, and under pytest-xdist (scripts/test.sh)
+    a worker runs other modules after the UI ones, whose asyncio.run() would then refuse."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
