@@ -37,10 +37,13 @@ from loraplex.errors import DeviceOutOfMemoryError
 from loraplex.types import RequestOutput
 from tests.factories import hf_config, save_byte_tokenizer
 
+pytestmark = pytest.mark.alone  # scripts/test.sh runs these in a process of their own, after the rest
+
 HEADROOM_BYTES = 64 << 20
 GPU_HEADROOM_BYTES = 8 << 20
 """On CUDA the activations are bf16 (half the CPU's float32) and decode steps replay graphs
 from their own pool: 8 MiB left is far below the prompt step's need and above the rest."""
+
 BIG_PROMPT = [9] * 1000
 SMALL_PROMPTS = {f"small-{i}": [5 + i] * 20 for i in range(3)}
 SMALL = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

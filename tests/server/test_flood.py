@@ -38,6 +38,8 @@ from tests.server.flood_client import flood
 from tests.server.server_support import Server, make_engine, serve
 from tests.ui.ui_support import DEMO_CACHE
 
+pytestmark = pytest.mark.alone  # scripts/test.sh runs these in a process of their own, after the rest
+
 NUM_FLOODERS = 3
 PAUSE_S = 0.02
 NUM_PHASES = 4

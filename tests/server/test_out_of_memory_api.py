@@ -18,6 +18,8 @@ from loraplex.registry import RegistryConfig
 from tests.engine.test_out_of_memory import HEADROOM_BYTES, memory_cap
 from tests.server.server_support import MODEL_ID, Server, make_engine, make_model, serve
 
+pytestmark = pytest.mark.alone  # scripts/test.sh runs these in a process of their own, after the rest
+
 WIDE_MLP = BaseModelShape(num_layers=1, hidden_size=128, intermediate_size=4096, num_heads=4,
                           num_kv_heads=2, head_dim=32)
 """Wide where activations are: a 1,000-token prompt step needs about 200 MB, a decode step of a

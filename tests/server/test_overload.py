@@ -33,6 +33,8 @@ from tests.server.overload_client import attack
 from tests.server.test_serve_cli import ServeProcess, loraplex_serve
 from tests.ui.ui_support import DEMO_CACHE
 
+pytestmark = pytest.mark.alone  # scripts/test.sh runs these in a process of their own, after the rest
+
 NUM_CONNECTIONS = 5000
 NUM_SLOW_BODIES = 100
 NUM_EAGER = 200
