@@ -77,18 +77,24 @@ def _data_bytes() -> int:
 @contextlib.contextmanager
 def memory_cap(headroom_bytes: int) -> Iterator[None]:
     """The process may use `headroom_bytes` of data memory more than it does now (RLIMIT_DATA),
-    for the block."""
+    for the block. Garbage is collected first and the collector is off for the block: memory
+    that earlier tests left in reference cycles (an engine's buffers: hundreds of MB), freed by a
+    collection inside the block, would add to the headroom; under pytest-xdist, after other test
+    files in the same process, a 1,000-token step once ran within the cap that way."""
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    gc.collect()
     libc.malloc_trim(0)
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     cap = _data_bytes() + headroom_bytes
     if hard != resource.RLIM_INFINITY and hard < cap:
         pytest.skip(f"RLIMIT_DATA's hard limit ({hard} bytes) is below the cap the test needs")
     resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
+    gc.disable()
     try:
         yield
     finally:
+        gc.enable()
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
 
@@ -162,7 +168,11 @@ def test_a_step_out_of_memory_fails_its_largest_request_and_serves_the_rest(
 def device_memory_taken(device: torch.device, headroom_bytes: int) -> Iterator[None]:
     """All of the device's free memory but `headroom_bytes` is held by a tensor for the block
     (as another process, or a leak, would hold it); the caching allocator's free blocks are
-    given back first, so that the engine's steps must allocate anew."""
+    given back first, so that the engine's steps must allocate anew. Garbage first: tensors of
+    earlier tests left in reference cycles would be freed into the allocator inside the block
+    (run after twelve other engine GPU tests in one process, the prompt's step once did not run
+    out of memory)."""
+    gc.collect()
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
