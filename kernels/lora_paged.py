@@ -335,6 +335,10 @@ def lora_expand_paged(
                           paged_expand_config(num_tokens, max_rank), vectors, scale_at, shift_at)
 
 
+GEMV_WARPS = 4
+"""Warps of the per-token expand (256 columns each); scripts/paged-kernels-per-kernel.py sweeps it."""
+
+
 def paged_expand_config(num_tokens: int, max_rank: int) -> ExpandConfig:
     """lora.expand_config's tiles; its per-token path as wide as its warps' columns (256 a warp,
     8 a thread), one rank page a loop step: a program's [PAGE_RANK, BLOCK_N] chunk of B
@@ -347,7 +351,10 @@ def paged_expand_config(num_tokens: int, max_rank: int) -> ExpandConfig:
     return ExpandConfig(block_m=1, block_n=256 * GEMV_WARPS, num_warps=GEMV_WARPS, num_stages=2)
 
 
-GEMV_WARPS = 4
+def expand_rank_chunk(config: ExpandConfig, max_rank: int) -> int:
+    """Rank rows a loop step of the expand takes: RANK_CHUNK in the tiles, one rank page (or
+    less, for smaller ranks) a step in the per-token path (paged_expand_config)."""
+    return RANK_CHUNK if config.block_m > 1 else min(PAGE_RANK, next_pow2(max_rank))
 
 
 def _launch_expand(y, shrunk, pool, b_pages, token_slots, ranks, offsets: list[int],
@@ -357,7 +364,7 @@ def _launch_expand(y, shrunk, pool, b_pages, token_slots, ranks, offsets: list[i
     if num_tokens == 0 or out_features == 0 or (max_rank == 0 and scale_at is None):
         return y
     grid = (cdiv(out_features, config.block_n), cdiv(num_tokens, config.block_m))
-    chunk = RANK_CHUNK if config.block_m > 1 else min(PAGE_RANK, next_pow2(max_rank))
+    chunk = expand_rank_chunk(config, max_rank)
     padded = offsets + [out_features] * (MAX_SLICES + 1 - len(offsets))
     has_scale, has_shift = scale_at is not None, shift_at is not None
     _expand_kernel[grid](

@@ -228,7 +228,7 @@ def _paged_cases() -> Iterator[tuple]:
         e = paged.paged_expand_config(num_tokens, 16)
         yield (f"lora paged expand {e}", paged._expand_kernel, dict(expand_args, num_tokens=num_tokens),
                dict(PAGE_RANK=paged.PAGE_RANK, BLOCK_M=e.block_m, BLOCK_N=e.block_n,
-                    RANK_CHUNK=lora.RANK_CHUNK if e.block_m > 1 else paged.PAGE_RANK, NUM_STAGES=e.num_stages,
+                    RANK_CHUNK=paged.expand_rank_chunk(e, 16), NUM_STAGES=e.num_stages,
                     HAS_SCALE=True, HAS_SHIFT=True, ALIGN=8, VEC_ALIGN=4),
                e.num_warps)
     yield ("scale rows paged", famp._scale_rows_kernel,
