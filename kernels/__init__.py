@@ -31,6 +31,11 @@ class Ops:
     scale_rows: Callable
     flora_stack: Callable
     flora_combine: Callable
+    lora_shrink_paged: Callable
+    lora_expand_paged: Callable
+    scale_rows_paged: Callable
+    flora_stack_paged: Callable
+    flora_combine_paged: Callable
     sample: Callable
     argmax: Callable
     mask_logits: Callable
@@ -55,6 +60,11 @@ def reference_ops() -> Ops:
         scale_rows=r.scale_rows,
         flora_stack=r.flora_stack,
         flora_combine=r.flora_combine,
+        lora_shrink_paged=r.lora_shrink_paged,
+        lora_expand_paged=r.lora_expand_paged,
+        scale_rows_paged=r.scale_rows_paged,
+        flora_stack_paged=r.flora_stack_paged,
+        flora_combine_paged=r.flora_combine_paged,
         sample=r.sample,
         argmax=r.argmax,
         mask_logits=r.mask_logits,

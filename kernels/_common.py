@@ -115,3 +115,17 @@ def check_kv_layer(kv_layer: torch.Tensor) -> None:
             f"kv_layer must be dense below its block dim: strides {kv_layer.stride()}, "
             f"expected (*, {', '.join(map(str, dense))})"
         )
+
+
+def check_ia3_vectors(name: str, scale: torch.Tensor, flags_name: str, flags: torch.Tensor,
+                      width: int) -> None:
+    """IA3's vectors as dense rows (scale [num_slots, width] float32, flags [num_slots] int32) or
+    as offsets into the pool (scale 1-D float32, flags [num_slots] int64, -1 for none)."""
+    if flags is not None and flags.dtype == torch.int64:
+        check_tensor(name, scale, ndim=1, dtypes=(torch.float32,), contiguous=True)
+        check_tensor(flags_name, flags, ndim=1, dtypes=(torch.int64,), contiguous=True)
+        return
+    check_tensor(name, scale, ndim=2, dtypes=(torch.float32,), shape=(None, width))
+    check_tensor(flags_name, flags, ndim=1, dtypes=(torch.int32,), shape=(scale.shape[0],), contiguous=True)
+    if scale.stride(1) != 1:
+        raise ValueError(f"{name} must have unit stride in its last dim ({scale.stride()})")

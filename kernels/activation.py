@@ -12,7 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels._common import FLOAT_DTYPES, INDEX_DTYPES, cdiv, check_launchable, check_tensor
+from loraplex.kernels._common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    cdiv,
+    check_ia3_vectors,
+    check_launchable,
+    check_tensor,
+)
 
 BLOCK = 1024
 
@@ -20,7 +27,8 @@ BLOCK = 1024
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, slots_ptr, scale_ptr, scaled_ptr, in_scale_ptr,
                          in_scaled_ptr, intermediate, stride_x, stride_out, stride_scale,
-                         stride_in_scale, HAS_SCALE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                         stride_in_scale, HAS_SCALE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         OFFSETS: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = cols < intermediate
@@ -29,16 +37,26 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, slots_ptr, scale_ptr, scaled_ptr, in_sc
     up = tl.load(x_ptr + tok * stride_x + intermediate + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_SCALE:
         slot = tl.load(slots_ptr + tok).to(tl.int64)
-        on = cols < tl.where(tl.load(scaled_ptr + slot) != 0, intermediate, 0)  # no bytes when off
-        row = scale_ptr + slot * stride_scale
+        if OFFSETS:  # the slot's vectors are at offsets of the pool (-1: none)
+            at = tl.load(scaled_ptr + slot)
+            on = cols < tl.where(at >= 0, intermediate, 0)
+            row = scale_ptr + tl.maximum(at, 0)
+        else:
+            on = cols < tl.where(tl.load(scaled_ptr + slot) != 0, intermediate, 0)  # no bytes when off
+            row = scale_ptr + slot * stride_scale
         gate = (gate * tl.load(row + cols, mask=on, other=1.0)).to(dtype).to(tl.float32)
         up = (up * tl.load(row + intermediate + cols, mask=on, other=1.0)).to(dtype).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     out = silu * up
     if HAS_SCALE:
-        on_in = cols < tl.where(tl.load(in_scaled_ptr + slot) != 0, intermediate, 0)
-        out = out.to(dtype).to(tl.float32) * tl.load(in_scale_ptr + slot * stride_in_scale + cols,
-                                                      mask=on_in, other=1.0)
+        if OFFSETS:
+            in_at = tl.load(in_scaled_ptr + slot)
+            on_in = cols < tl.where(in_at >= 0, intermediate, 0)
+            in_row = in_scale_ptr + tl.maximum(in_at, 0)
+        else:
+            on_in = cols < tl.where(tl.load(in_scaled_ptr + slot) != 0, intermediate, 0)
+            in_row = in_scale_ptr + slot * stride_in_scale
+        out = out.to(dtype).to(tl.float32) * tl.load(in_row + cols, mask=on_in, other=1.0)
     tl.store(out_ptr + tok * stride_out + cols, out, mask=mask)
 
 
@@ -52,7 +70,9 @@ def silu_and_mul(
     IA3, all five given or none: token_slots [num_tokens] int; scale [num_slots, 2 * intermediate]
     float32 multiplies gate | up of the tokens whose slot sets scaled [num_slots] int32;
     in_scale [num_slots, intermediate] float32 multiplies the result of the tokens whose slot sets
-    in_scaled [num_slots] int32. See reference.py."""
+    in_scaled [num_slots] int32. Or (paged adapters) scale and in_scale the pool as 1-D float32
+    and scaled, in_scaled [num_slots] int64: where each slot's vector starts in it (-1: none).
+    See reference.py."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     num_tokens, width = x.shape
     if width % 2:
@@ -65,14 +85,13 @@ def silu_and_mul(
     if has_scale:
         check_tensor("token_slots", token_slots, ndim=1, dtypes=INDEX_DTYPES, shape=(num_tokens,),
                      contiguous=True)
-        check_tensor("scale", scale, ndim=2, dtypes=(torch.float32,), shape=(None, width))
-        num_slots = scale.shape[0]
-        check_tensor("in_scale", in_scale, ndim=2, dtypes=(torch.float32,),
-                     shape=(num_slots, intermediate))
-        for name, flags in (("scaled", scaled), ("in_scaled", in_scaled)):
-            check_tensor(name, flags, ndim=1, dtypes=(torch.int32,), shape=(num_slots,), contiguous=True)
-        if scale.stride(1) != 1 or in_scale.stride(1) != 1:
-            raise ValueError("scale and in_scale must have unit stride in their last dim")
+        offsets = scaled.dtype == torch.int64
+        if (in_scaled.dtype == torch.int64) != offsets:
+            raise ValueError("scaled and in_scaled must be both int32 flags or both int64 offsets")
+        check_ia3_vectors("scale", scale, "scaled", scaled, width)
+        check_ia3_vectors("in_scale", in_scale, "in_scaled", in_scaled, intermediate)
+        if not offsets and in_scale.shape[0] != scale.shape[0]:
+            raise ValueError(f"scale and in_scale rows differ ({scale.shape[0]}, {in_scale.shape[0]})")
     check_launchable(_silu_and_mul_kernel, (x, *(t for t in extra if t is not None)))
     out = torch.empty((num_tokens, intermediate), dtype=x.dtype, device=x.device)
     if num_tokens == 0 or intermediate == 0:
@@ -81,6 +100,7 @@ def silu_and_mul(
     _silu_and_mul_kernel[grid](
         x, out, token_slots if has_scale else x, scale if has_scale else x,
         scaled if has_scale else x, in_scale if has_scale else x, in_scaled if has_scale else x,
-        intermediate, x.stride(0), out.stride(0), scale.stride(0) if has_scale else 0,
-        in_scale.stride(0) if has_scale else 0, HAS_SCALE=has_scale, BLOCK_SIZE=BLOCK, num_warps=4)
+        intermediate, x.stride(0), out.stride(0), scale.stride(0) if has_scale and scale.dim() == 2 else 0,
+        in_scale.stride(0) if has_scale and in_scale.dim() == 2 else 0, HAS_SCALE=has_scale, BLOCK_SIZE=BLOCK,
+        OFFSETS=has_scale and scaled.dtype == torch.int64, num_warps=4)
     return out

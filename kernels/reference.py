@@ -96,7 +96,7 @@ def rotary_store_kv(
     IA3 (token_slots [num_tokens], scale [num_slots, q_size + 2 * kv_size] float32, scaled
     [num_slots] int32, given together): q | k | v of the tokens whose slot sets scaled are first
     multiplied by scale[slot] (in float32, rounded to their dtype): the projections' output
-    vectors."""
+    vectors. Or scaled [num_slots] int64 offsets into a 1-D scale (see _scale_flagged)."""
     if token_slots is not None:
         num_tokens, shapes = q.shape[0], (q.shape, k.shape, v.shape)
         qkv = torch.cat([t.reshape(num_tokens, -1) for t in (q, k, v)], dim=1)
@@ -276,7 +276,8 @@ def silu_and_mul(
     sets scaled [num_slots] are multiplied by scale[slot] [num_slots, 2 * intermediate] first, and
     the result of each token whose slot sets in_scaled by in_scale[slot] [num_slots,
     intermediate] (float32 products rounded to x's dtype: gate_proj's and up_proj's output
-    vectors, down_proj's input vector)."""
+    vectors, down_proj's input vector). Or scaled and in_scaled [num_slots] int64 offsets into
+    1-D scale and in_scale (see _scale_flagged)."""
     if token_slots is not None:
         x = _scale_flagged(x, scale, scaled, token_slots)
     gate, up = x.chunk(2, dim=-1)
@@ -289,10 +290,18 @@ def silu_and_mul(
 def _scale_flagged(x: torch.Tensor, scale: torch.Tensor, flags: torch.Tensor,
                    token_slots: torch.Tensor) -> torch.Tensor:
     """x [num_tokens, n] * scale[slot] [num_slots, n] for the tokens whose slot sets flags
-    [num_slots], in float32, rounded to x's dtype; other rows as they are."""
+    [num_slots] int32, in float32, rounded to x's dtype; other rows as they are. Or, flags
+    [num_slots] int64 (scale_offsets), a slot's row is scale[flags[slot]:][:n] of a 1-D scale
+    (the adapter pool as float32), none where flags[slot] is -1."""
     slots = token_slots.long()
-    on = (flags[slots] != 0).unsqueeze(1)  # [num_tokens, 1]
-    return torch.where(on, x.float() * scale[slots], x.float()).to(x.dtype)
+    if flags.dtype == torch.int64:
+        at = flags[slots]
+        on = (at >= 0).unsqueeze(1)
+        rows = scale[at.clamp_min(0).unsqueeze(1) + torch.arange(x.shape[1], device=x.device)]
+    else:
+        on = (flags[slots] != 0).unsqueeze(1)  # [num_tokens, 1]
+        rows = scale[slots]
+    return torch.where(on, x.float() * rows, x.float()).to(x.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

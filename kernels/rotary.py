@@ -15,6 +15,7 @@ import triton.language as tl
 from loraplex.kernels._common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_ia3_vectors,
     check_kv_layer,
     check_launchable,
     check_tensor,
@@ -57,7 +58,7 @@ def _rotary_store_kv_kernel(
     stride_q_out_tok, stride_q_out_head, stride_scale,
     num_heads, num_kv_heads, half, block_size,
     BLOCK_H: tl.constexpr, BLOCK_KV_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
+    HAS_SCALE: tl.constexpr, OFFSETS: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok).to(tl.int64)
@@ -70,8 +71,13 @@ def _rotary_store_kv_kernel(
     s_row = scale_ptr
     if HAS_SCALE:
         adapter = tl.load(token_slots_ptr + tok).to(tl.int64)
-        is_scaled = tl.load(scaled_ptr + adapter) != 0
-        s_row = scale_ptr + adapter * stride_scale
+        if OFFSETS:  # the slot's vector is at an offset of the pool (-1: none)
+            at = tl.load(scaled_ptr + adapter)
+            is_scaled = at >= 0
+            s_row = scale_ptr + tl.maximum(at, 0)
+        else:
+            is_scaled = tl.load(scaled_ptr + adapter) != 0
+            s_row = scale_ptr + adapter * stride_scale
     q_size = num_heads * 2 * half
     kv_size = num_kv_heads * 2 * half
 
@@ -109,7 +115,9 @@ def rotary_store_kv(
     skip). Writes rotated k and v to the cache; returns the rotated q, a new contiguous tensor.
     IA3, the three given together: token_slots [num_tokens] int (adapter slots), scale
     [num_slots, (num_heads + 2 * num_kv_heads) * head_dim] float32, scaled [num_slots] int32:
-    q | k | v of the tokens whose slot sets scaled are multiplied by scale[slot] first."""
+    q | k | v of the tokens whose slot sets scaled are multiplied by scale[slot] first. Or (paged
+    adapters) scale the pool as 1-D float32 and scaled [num_slots] int64, where each slot's
+    vector starts in it (-1: none)."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     num_tokens, num_heads, head_dim = q.shape
     check_tensor("k", k, ndim=3, dtypes=(q.dtype,), shape=(num_tokens, None, head_dim))
@@ -133,12 +141,7 @@ def rotary_store_kv(
     if has_scale:
         check_tensor("token_slots", token_slots, ndim=1, dtypes=INDEX_DTYPES, shape=(num_tokens,),
                      contiguous=True)
-        check_tensor("scale", scale, ndim=2, dtypes=(torch.float32,),
-                     shape=(None, (num_heads + 2 * num_kv_heads) * head_dim))
-        check_tensor("scaled", scaled, ndim=1, dtypes=(torch.int32,), shape=(scale.shape[0],),
-                     contiguous=True)
-        if scale.stride(1) != 1:
-            raise ValueError(f"scale must have unit stride in its last dim ({scale.stride()})")
+        check_ia3_vectors("scale", scale, "scaled", scaled, (num_heads + 2 * num_kv_heads) * head_dim)
     extra = (token_slots, scale, scaled) if has_scale else ()
     check_launchable(_rotary_store_kv_kernel,
                      (positions, q, k, v, cos_sin_cache, kv_layer, slot_mapping, *extra))
@@ -153,9 +156,11 @@ def rotary_store_kv(
         scaled if has_scale else positions,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0), kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2),
-        kv_layer.stride(3), q_out.stride(0), q_out.stride(1), scale.stride(0) if has_scale else 0,
+        kv_layer.stride(3), q_out.stride(0), q_out.stride(1),
+        scale.stride(0) if has_scale and scale.dim() == 2 else 0,
         num_heads, num_kv_heads, half, kv_layer.shape[2],
         BLOCK_H=block_h, BLOCK_KV_H=next_pow2(num_kv_heads), BLOCK_HALF=next_pow2(half),
-        HAS_SCALE=has_scale, num_warps=4 if block_h * head_dim >= 2048 else 2,
+        HAS_SCALE=has_scale, OFFSETS=has_scale and scaled.dtype == torch.int64,
+        num_warps=4 if block_h * head_dim >= 2048 else 2,
     )
     return q_out

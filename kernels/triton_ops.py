@@ -6,9 +6,11 @@ from __future__ import annotations
 from loraplex.kernels import Ops
 from loraplex.kernels.activation import silu_and_mul
 from loraplex.kernels.adapter_families import flora_combine, flora_stack, scale_rows
+from loraplex.kernels.adapter_families_paged import flora_combine_paged, flora_stack_paged, scale_rows_paged
 from loraplex.kernels.argmax import argmax
 from loraplex.kernels.decode_attention import paged_decode_attention
 from loraplex.kernels.lora import lora_expand, lora_shrink
+from loraplex.kernels.lora_paged import lora_expand_paged, lora_shrink_paged
 from loraplex.kernels.norm import fused_add_rms_norm, rms_norm
 from loraplex.kernels.prefill_attention import paged_attention
 from loraplex.kernels.relay_attention import relay_decode_attention
@@ -35,6 +37,11 @@ def triton_ops() -> Ops:
         scale_rows=scale_rows,
         flora_stack=flora_stack,
         flora_combine=flora_combine,
+        lora_shrink_paged=lora_shrink_paged,
+        lora_expand_paged=lora_expand_paged,
+        scale_rows_paged=scale_rows_paged,
+        flora_stack_paged=flora_stack_paged,
+        flora_combine_paged=flora_combine_paged,
         sample=sample,
         argmax=argmax,
         mask_logits=mask_logits,

@@ -176,12 +176,19 @@ class _StandInSlots:
 
     device = torch.device("cpu")
 
-    slot_bytes = ADAPTER_BYTES
+    page_bytes = ADAPTER_BYTES // SLOT_BLOCKS
+    blocks_per_page = 1
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
 
-    def load(self, slot: int, adapter: _StandInAdapter) -> None:
+    def pages_for(self, adapter: _StandInAdapter) -> int:
+        return SLOT_BLOCKS
+
+    def own_pages_of(self, slot: int, count: int) -> list[int]:
+        return list(range((slot - 1) * SLOT_BLOCKS, (slot - 1) * SLOT_BLOCKS + count))
+
+    def load(self, slot: int, adapter: _StandInAdapter, pages: list[int]) -> None:
         pass
 
 

@@ -4,16 +4,19 @@ CUDA), least recently used first. Adapters arrive by
 digest from a loader that the caller supplies (the server's reads the blob store, the offline
 API's reads folders).
 
-Nothing here blocks a step. A host load (the loader's disk read and validation, then the slot
-layout) runs on a worker thread; a copy into a device slot runs on a side stream on CUDA, after
+Nothing here blocks a step. A host load (the loader's disk read and validation, then the
+layout of the pool's pages, pinned on CUDA: `buffers.prepare`) runs on one of LOAD_THREADS
+worker threads; a copy into a device slot runs on a side stream on CUDA, after
 every step already launched (those may still read the slot's previous adapter), or on a second
 worker thread on CPU. A request whose adapter is not on the device yet stays in the queue and
 holds no running place; `acquire` starts what its adapter needs and says when it can run.
 
-Device residency: slot s takes the pool's blocks [s * slot_blocks, (s + 1) * slot_blocks),
-lent by the block manager, which hands KV blocks out from the top down. A new adapter takes the
-lowest slot whose blocks are free (cached prefix blocks there are evicted), while fewer than
-`max_resident` adapters are resident; else an idle adapter is evicted for it. Idle adapters stay
+Device residency: an adapter takes a free slot (a row of the page tables) and as many pool
+pages as its own rank and modules need (`buffers.pages_for`: a rank-8 adapter half of a rank-16
+one), any pages, the lowest free ones, lent by the block manager, which hands KV blocks out from
+the top down (cached prefix blocks lent are evicted). A new adapter is copied in while fewer
+than `max_resident` adapters are resident and the pool has its pages free; else idle adapters
+are evicted for it. Idle adapters stay
 resident while memory is free, and give their blocks back when the KV cache runs short
 (`reclaim`, before the scheduler preempts anyone). Either way the idle adapter evicted is the
 one of lowest score (Chameleon's: 0.45 x its uses since it was loaded + 0.10 x recency + 0.45 x
@@ -43,6 +46,11 @@ logger = logging.getLogger(__name__)
 
 AdapterLoader = Callable[[str], "LoraAdapter | HostAdapter"]
 """digest -> the adapter's tensors (validated, with that digest). Runs on a worker thread."""
+
+LOAD_THREADS = 2
+"""Host loads at once: a load is mostly copies without the GIL (file reads, the page layout), and
+a burst of requests for adapters not in host memory (a serving run's first seconds) waits on
+them."""
 
 
 class Wait(enum.Enum):
@@ -84,8 +92,9 @@ class AdapterCache:
     ) -> None:
         """`make_host` lays a loaded LoraAdapter out for slot copies (pinned on CUDA);
         `max_adapter_bytes` is the host size of an adapter of the largest rank allowed.
-        `blocks`: the pool's block manager, whose blocks the slots borrow, `slot_blocks` a slot
-        (None: the slots have memory of their own, as in the slot simulation). `max_resident`:
+        `blocks`: the pool's block manager, whose pages adapters borrow, `slot_blocks` the most
+        pages one adapter takes (None: the buffers have a pool of their own, each slot
+        slot_blocks pages of it, as in the slot simulation). `max_resident`:
         the most adapters resident at once (default: as many as there are slots).
         `load_worker` runs host loads and, on CPU, `copy_worker` slot copies, one at a time
         (default: a thread each; the slot simulation passes workers on a virtual clock)."""
@@ -96,11 +105,9 @@ class AdapterCache:
         self.max_resident = min(self.num_slots, max_resident or self.num_slots)
         self._blocks, self.slot_blocks = blocks, slot_blocks
         if blocks is not None:
-            if slot_blocks <= 0 or (self.num_slots + 1) * slot_blocks > blocks.num_blocks:
-                raise ValueError(f"{self.num_slots + 1} slots of {slot_blocks} blocks do not fit "
-                                 f"a pool of {blocks.num_blocks}")
-            if not blocks.lend(0, slot_blocks):  # slot 0, "no adapter", keeps its blocks
-                raise ValueError("slot 0's blocks are not free")
+            if slot_blocks <= 0 or slot_blocks > blocks.num_blocks:
+                raise ValueError(f"an adapter of {slot_blocks} pages does not fit a pool of "
+                                 f"{blocks.num_blocks}")
             blocks.reclaimer = self
         self._loader, self._make_host = loader, make_host
         self.max_host_bytes, self._max_adapter_bytes = max_host_bytes, max_adapter_bytes
@@ -112,13 +119,14 @@ class AdapterCache:
         self._idle: OrderedDict[int, str] = OrderedDict()  # resident, unheld: oldest use first
         self._uses = [0] * (self.num_slots + 1)  # acquisitions since the slot's adapter was loaded
         self._sizes = [0] * (self.num_slots + 1)  # host bytes of the slot's adapter
+        self._pages: dict[int, list[int]] = {}  # resident slot -> the pool blocks lent to it
         # Host tier, oldest use first.
         self._host: OrderedDict[str, _HostEntry] = OrderedDict()
         self._loading: list[_HostEntry] = []
         self.host_bytes = 0
         self._needed: Counter[str] = Counter()  # queued or running requests per digest
         self._failures: dict[str, BaseException] = {}
-        self._disk = load_worker or ThreadPoolExecutor(1, thread_name_prefix="loraplex-adapter-load")
+        self._disk = load_worker or ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="loraplex-adapter-load")
         self._copier = (None if self._is_cuda else
                         copy_worker or ThreadPoolExecutor(1, thread_name_prefix="loraplex-slot-copy"))
         self._stream = torch.cuda.Stream(buffers.device) if self._is_cuda else None
@@ -162,10 +170,10 @@ class AdapterCache:
             return Wait.LOADING if self.prefetch(digest) else Wait.NO_HOST_ROOM
         if entry.adapter is None:
             return Wait.LOADING
-        slot = self._free_slot()
-        if slot is None:
+        place = self._free_slot(entry.adapter)
+        if place is None:
             return Wait.NO_SLOT
-        self._start_copy(slot, entry)
+        self._start_copy(*place, entry)
         return Wait.LOADING
 
     @property
@@ -180,10 +188,10 @@ class AdapterCache:
         entry = self._host.get(digest)
         if not self.can_stage or digest in self._slot_of or entry is None or entry.adapter is None:
             return False
-        slot = self._lend_lowest()
-        if slot is None:
+        place = self._lend_lowest(entry.adapter)
+        if place is None:
             return False
-        self._start_copy(slot, entry)
+        self._start_copy(*place, entry)
         self.num_staged += 1
         return True
 
@@ -202,13 +210,20 @@ class AdapterCache:
         return self._slot_of.get(digest)
 
     def device_bytes(self, digest: str) -> int:
-        """Device bytes the adapter takes now (its slot's pages; 0 when not resident)."""
-        return self.buffers.slot_bytes if digest in self._slot_of else 0
+        """Device bytes the adapter takes now (its pool pages; 0 when not resident)."""
+        slot = self._slot_of.get(digest)
+        return 0 if slot is None else len(self._pages[slot]) * self.buffers.page_bytes \
+            // self.buffers.blocks_per_page
+
+    def pages_of(self, digest: str) -> list[int]:
+        """The pool blocks lent to `digest` (none when not resident)."""
+        slot = self._slot_of.get(digest)
+        return [] if slot is None else list(self._pages[slot])
 
     @property
     def num_adapter_blocks(self) -> int:
-        """Pool blocks lent to adapter slots, slot 0's included."""
-        return (len(self._slot_of) + 1) * self.slot_blocks if self._blocks is not None else 0
+        """Pool blocks lent to adapters."""
+        return sum(map(len, self._pages.values())) if self._blocks is not None else 0
 
     @property
     def resident(self) -> dict[str, int]:
@@ -230,28 +245,32 @@ class AdapterCache:
     def host_digests(self) -> tuple[str, ...]:
         return tuple(digest for digest, e in self._host.items() if e.adapter is not None)
 
-    def _free_slot(self) -> int | None:
-        """A slot for a new adapter: the lowest whose blocks are free while fewer than
-        max_resident adapters are resident, else one that evicting idle adapters frees."""
+    def _free_slot(self, adapter: HostAdapter) -> tuple[int, list[int]] | None:
+        """(slot, pool pages) for a new adapter: a free slot and pages while fewer than
+        max_resident adapters are resident, else those that evicting idle adapters frees."""
         if len(self._slot_of) < self.max_resident:
-            slot = self._lend_lowest()
-            if slot is not None:
-                return slot
+            place = self._lend_lowest(adapter)
+            if place is not None:
+                return place
         while self._idle:
             self._evict(self._victim())
-            slot = self._lend_lowest()
-            if slot is not None:
-                return slot
+            if len(self._slot_of) < self.max_resident:
+                place = self._lend_lowest(adapter)
+                if place is not None:
+                    return place
         return None
 
-    def _lend_lowest(self) -> int | None:
+    def _lend_lowest(self, adapter: HostAdapter) -> tuple[int, list[int]] | None:
+        """The lowest free slot and the pages `adapter` takes (lent now), or None."""
         occupied = set(self._slot_of.values())
-        for slot in range(1, self.num_slots + 1):
-            if slot in occupied:
-                continue
-            if self._blocks is None or self._blocks.lend(slot * self.slot_blocks, self.slot_blocks):
-                return slot
-        return None
+        slot = next((s for s in range(1, self.num_slots + 1) if s not in occupied), None)
+        if slot is None:
+            return None
+        if self._blocks is None:
+            return slot, self.buffers.own_pages_of(slot, self.buffers.pages_for(adapter))
+        run = self.buffers.blocks_per_page
+        blocks = self._blocks.lend_pages(self.buffers.pages_for(adapter), run)
+        return None if blocks is None else (slot, blocks)
 
     def _victim(self) -> int:
         """The idle slot to evict: the lowest score (uses, recency, size; see the module
@@ -272,24 +291,30 @@ class AdapterCache:
         """An idle slot's adapter leaves the device; the slot's blocks return to the pool."""
         digest = self._idle.pop(slot)
         del self._slot_of[digest]
+        pages = self._pages.pop(slot)
         if self._blocks is not None:
-            self._blocks.give_back(slot * self.slot_blocks, self.slot_blocks)
+            self._blocks.give_back_pages(pages)
         self.num_evictions += 1
 
     # Giving blocks back to the KV cache (the block manager's reclaimer) ----------------------
     @property
     def num_reclaimable_blocks(self) -> int:
-        return len(self._idle) * self.slot_blocks if self._blocks is not None else 0
+        return sum(len(self._pages[s]) for s in self._idle) if self._blocks is not None else 0
 
     def reclaim(self, num_blocks: int) -> None:
         """Evict idle adapters until at least `num_blocks` blocks are back (or none is idle)."""
         freed = 0
         while freed < num_blocks and self._idle and self._blocks is not None:
-            self._evict(self._victim())
-            freed += self.slot_blocks
+            victim = self._victim()
+            freed += len(self._pages[victim])
+            self._evict(victim)
 
-    def _start_copy(self, slot: int, entry: _HostEntry) -> None:
+    def _start_copy(self, slot: int, blocks: list[int], entry: _HostEntry) -> None:
+        """Copy entry's adapter into `slot` and its pool `blocks` (its adapter pages' blocks)."""
         self._slot_of[entry.digest] = slot
+        self._pages[slot] = blocks
+        run = self.buffers.blocks_per_page
+        pages = blocks if self._blocks is None else [b // run for b in blocks[::run]]
         self._uses[slot], self._sizes[slot] = 0, entry.adapter.num_bytes
         entry.num_copies += 1
         adapter = entry.adapter
@@ -297,11 +322,11 @@ class AdapterCache:
             # After every step launched so far: they may still read the slot's old adapter.
             self._stream.wait_stream(torch.cuda.current_stream(self.buffers.device))
             with torch.cuda.stream(self._stream):
-                self.buffers.load(slot, adapter)
+                self.buffers.load(slot, adapter, pages)
                 done: torch.cuda.Event | Future = torch.cuda.Event()
                 done.record(self._stream)
         else:
-            done = self._copier.submit(self.buffers.load, slot, adapter)
+            done = self._copier.submit(self.buffers.load, slot, adapter, pages)
         self._copies[slot] = _SlotCopy(entry.digest, entry, done)
         self.num_slot_loads += 1
 
@@ -350,6 +375,9 @@ class AdapterCache:
         host = loaded if isinstance(loaded, HostAdapter) else self._make_host(loaded)
         if host.digest != digest:
             raise ValueError(f"the loader gave adapter {host.digest[:12]} for {digest[:12]}")
+        prepare = getattr(self.buffers, "prepare", None)
+        if prepare is not None:  # laid out as the pool's pages here, not on the engine's thread
+            prepare(host)
         return host
 
     def _collect_loads(self) -> None:

@@ -51,10 +51,12 @@ def adapter_page_sizes(config: ModelConfig, rank: int, dtype: torch.dtype,
                        with_vectors: bool = False) -> list[int]:
     """Bytes of each rank page of an adapter of `rank` on every module, layer by layer (A's
     [PAGE_RANK, in], B transposed's [PAGE_RANK, width] of each slice), and with_vectors (DoRA,
-    IA3) its float32 vectors: every group's output, o's and down's input."""
+    IA3) its float32 vectors: every group's output (and DoRA's shift where the group has a
+    bias), o's and down's input."""
     from loraplex.engine.lora_weights import INPUT_SCALE_GROUPS, group_dims
 
     element = torch.empty((), dtype=dtype).element_size()
+    has_bias = {"qkv": config.qkv_bias, "o": config.o_bias}
     sizes = []
     for _ in range(config.num_layers):
         for group in LORA_GROUPS:
@@ -63,10 +65,17 @@ def adapter_page_sizes(config: ModelConfig, rank: int, dtype: torch.dtype,
                 sizes += [PAGE_RANK * in_features * element, PAGE_RANK * (hi - lo) * element] \
                     * num_rank_pages(rank)
             if with_vectors:
-                sizes.append(4 * offsets[-1])
+                sizes += [4 * offsets[-1]] * (2 if has_bias.get(group) else 1)  # scale (and DoRA's shift)
                 if group in INPUT_SCALE_GROUPS:
                     sizes.append(4 * in_features)
     return sizes
+
+
+def adapter_page_blocks(config: ModelConfig, dtype: torch.dtype, block_bytes: int) -> int:
+    """KV blocks of block_bytes an adapter page takes: one, unless a rank page or vector is
+    larger than a block (tiny models), then the fewest that hold the largest; such a page is a
+    run of that many blocks, aligned to it."""
+    return -(-max(adapter_page_sizes(config, PAGE_RANK, dtype, with_vectors=True)) // block_bytes)
 
 
 def adapter_pool_pages(config: ModelConfig, rank: int, dtype: torch.dtype, page_bytes: int,

@@ -1,5 +1,5 @@
 """Paged bookkeeping of the device memory pool: which blocks (pages) are free, reference
-counts for shared KV blocks, and runs of blocks lent to adapter slots. Pure Python; the pool's
+counts for shared KV blocks, and pages lent to adapters. Pure Python; the pool's
 buffer itself lives in the engine (the KV cache and the adapter slots are views of it)."""
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ class BlockManager:
     is left. A cached block that nobody holds before it was computed is forgotten. Holding a
     reference is also how a prefix is pinned: a held block is never evicted.
 
-    The blocks are the pages of one pool that adapter slots share (loraplex/engine/lora_weights.py):
-    KV blocks are handed out from the top of the pool down, and a slot's run of blocks, from
-    the bottom up, is lent to it (`lend`) while an adapter is resident. When KV runs short, the
+    The blocks are the pages of one pool that adapters share (loraplex/engine/lora_weights.py):
+    KV blocks are handed out from the top of the pool down, and an adapter's pages (as many as
+    its own rank needs, any of them), from the bottom up, are lent to it (`lend_pages`) while
+    it is resident. When KV runs short, the
     plain free blocks go first, then cached blocks nobody holds, then the `reclaimer` gives back
     idle adapters' blocks (before the scheduler preempts anyone). Every block is always exactly
     one of: held (KV), lent (adapters), free (plain or cached)."""
@@ -53,7 +54,7 @@ class BlockManager:
         self._num_free = num_blocks
         self._lent = [False] * num_blocks
         self.num_lent_blocks = 0
-        """Blocks lent to adapter slots."""
+        """Blocks lent to adapters."""
         self._fresh: set[int] = set()  # freed since the step being planned began: not lent
         self.reclaimer: Reclaimer | None = None
         self._refs = [0] * num_blocks
@@ -162,19 +163,25 @@ class BlockManager:
             self._free = [-b for b in range(self.num_blocks) if self._is_free[b]]
             heapq.heapify(self._free)
 
-    # Lending to adapter slots ----------------------------------------------------------------
-    def can_lend(self, first: int, count: int) -> bool:
-        """Whether blocks first..first+count-1 are all free (cached ones nobody holds count as
-        free) and none was freed in the step being planned (its swap-outs may still read it)."""
-        return all(self._refs[b] == 0 and not self._lent[b] and b not in self._fresh  # top first: KV
-                   for b in range(first + count - 1, first - 1, -1))  # comes from the top down
+    # Lending to adapters ---------------------------------------------------------------------
+    def _can_lend(self, block: int) -> bool:
+        """Free (cached ones nobody holds count as free), and not freed in the step being planned
+        (its swap-outs may still read it)."""
+        return self._refs[block] == 0 and not self._lent[block] and block not in self._fresh
 
-    def lend(self, first: int, count: int) -> bool:
-        """Lend blocks first..first+count-1 to an adapter slot, evicting cached ones; False (and
-        nothing lent) unless `can_lend`."""
-        if not self.can_lend(first, count):
-            return False
-        for block in range(first, first + count):
+    def lend_pages(self, count: int, run: int = 1) -> list[int] | None:
+        """Lend `count` pages (any, not contiguous) of `run` blocks each (aligned runs) to an
+        adapter, the lowest that `_can_lend` first (KV comes from the top down), evicting cached
+        ones: their blocks, page by page; None (and nothing lent) if fewer are free."""
+        pages = []
+        for first in range(0, self.num_blocks - run + 1, run):
+            if len(pages) == count * run:
+                break
+            if all(self._can_lend(block) for block in range(first, first + run)):
+                pages += range(first, first + run)
+        if len(pages) < count * run:
+            return None
+        for block in pages:
             if self._evictable.pop(block, 0) is None:
                 self._uncache(block)
                 self.num_evicted_blocks += 1
@@ -182,17 +189,17 @@ class BlockManager:
                 self._is_free[block] = False
                 self._num_free -= 1
             self._lent[block] = True
-        self.num_lent_blocks += count
-        return True
+        self.num_lent_blocks += len(pages)
+        return pages
 
-    def give_back(self, first: int, count: int) -> None:
-        """An adapter slot's blocks return to the free list."""
-        for block in range(first, first + count):
+    def give_back_pages(self, pages: list[int]) -> None:
+        """An adapter's pages return to the free list."""
+        for block in pages:
             if not self._lent[block]:
                 raise ValueError(f"block {block} is not lent")
             self._lent[block] = False
             self._push_free(block)
-        self.num_lent_blocks -= count
+        self.num_lent_blocks -= len(pages)
 
     def start_step(self) -> None:
         """A new step is being planned: blocks freed before now may be lent (the steps that

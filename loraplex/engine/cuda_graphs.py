@@ -140,8 +140,11 @@ class DecodeGraphs:
         max_rows = size * self.runner.lora.max_rank
         buckets = [b for i, b in enumerate(FLORA_ROW_BUCKETS)
                    if i == 0 or FLORA_ROW_BUCKETS[i - 1] < max_rows]
-        return plain + [dict(has_lora=True, has_expand=has_expand, flora_rows=rows)
-                        for rows in buckets for has_expand in (False, True)]
+        # FLoRA with the expand scales o's and down's inputs too (by 1 for adapters without IA3's
+        # input vectors): one graph for FLoRA beside LoRA, DoRA or IA3, or the steps that mix
+        # IA3 and FLoRA would run eagerly (9.5x the no-adapter step at batch 16 on the H100).
+        return plain + [dict(has_lora=True, flora_rows=rows, **switches) for rows in buckets
+                        for switches in (dict(has_expand=False), dict(has_expand=True, has_input_scale=True))]
 
     def _run(self, shape: StepShape) -> None:
         logits, tokens, _ = self.runner.forward(shape)

@@ -36,7 +36,7 @@ from loraplex.engine.lora_weights import (
     LoraSlotBuffers,
     adapter_bytes,
     make_host_adapter,
-    pool_slot_bytes,
+    max_adapter_pool_bytes,
 )
 from loraplex.engine.model_runner import LaunchedStep, ModelRunner, measure_step_bytes
 from loraplex.engine.out_of_memory import (
@@ -159,7 +159,7 @@ class LLMEngine:
             self.pool = make_pool(self.memory, self.device)
             self.lora = LoraSlotBuffers(self.model_config, self.memory.num_lora_slots, max_rank, self.dtype,
                                         self.device, base_weights=self.model.group_weights, pool=self.pool,
-                                        slot_bytes=self.memory.lora_slot_bytes)
+                                        block_bytes=self.memory.kv_block_bytes)
             self.kv_cache = kv_cache_view(self.pool, self.model_config, block_size, self.dtype)
         logger.info("memory: %s", self.memory.describe())
         self.max_model_len = min(self.max_model_len, self.memory.num_kv_blocks * block_size)
@@ -177,7 +177,12 @@ class LLMEngine:
         num_host_blocks = KvSwapper.host_blocks_for(config.cache.swap_space, block_bytes)
         self.local_adapters = LocalAdapters(self.model_config.shape, max_rank)
         self._external_loader = False
+        # An adapter in the host tier: its tensors, and its pool pages (packed by
+        # LoraSlotBuffers.prepare on a load thread), from which loads copy; both pinned on CUDA,
+        # where torch's pinned blocks, once freed, serve the next adapters without new page faults.
         max_adapter = adapter_bytes(self.model_config, max_rank, self.dtype)
+        if isinstance(self.lora, LoraSlotBuffers):
+            max_adapter += self.lora.max_adapter_pages * self.lora.page_bytes
         make_host = partial(make_host_adapter, config=self.model_config, dtype=self.dtype,
                             pin=self.device.type == "cuda" and self.executor is None)
         self.adapters = AdapterCache(
@@ -254,7 +259,7 @@ class LLMEngine:
     def _plan_memory(self, ops: Ops, use_graphs: bool) -> MemoryPlan:
         config, model = self.config, self.model_config
         page_bytes = kv_block_bytes(model, config.cache.block_size, self.dtype)
-        slot_bytes = pool_slot_bytes(model, config.lora.max_lora_rank, self.dtype, page_bytes)
+        slot_bytes = max_adapter_pool_bytes(model, config.lora.max_lora_rank, self.dtype, page_bytes)
         if self.device.type != "cuda":
             return plan_memory(config, model, self.dtype, self.max_model_len, slot_bytes,
                                config.cache.cpu_kv_cache_bytes)
@@ -273,6 +278,8 @@ class LLMEngine:
     def add_adapter(self, name: str, source: str | Path | LoraAdapter | HostAdapter) -> str:
         """Make an adapter servable under `name` (a PEFT folder, validated now and read again
         whenever the host tier needs it, or an adapter object); returns its digest."""
+        if isinstance(source, HostAdapter) and isinstance(self.lora, LoraSlotBuffers):
+            self.lora.prepare(source)  # in host memory as the pool's pages hold it
         digest = self.local_adapters.add(name, source)
         self._orphans.discard(digest)
         return digest

@@ -1,48 +1,58 @@
-"""LoRA weights on the device: slot buffers per layer and module group, views into the memory
-pool that the KV cache shares (fixed addresses, so CUDA graphs stay valid), and the host-memory
-copy of each adapter they are filled from.
+"""LoRA weights on the device: page tables over the memory pool that the KV cache shares (issue
+27: an adapter takes pool pages for its own rank, never `--max-lora-rank` wide), and the
+host-memory copy of each adapter they are filled from.
 
-Per group (qkv, o, gate_up, down), over all layers:
-  a           [num_layers, num_slots + 1, num_slices, max_rank, in_features]
-  b           [num_layers, num_slots + 1, out_features, max_rank]   scaling folded in; a FLoRA
-              slot holds its B transposed there ([max_rank, out_features] in the same memory:
-              the combine reads a component's row for a token, not every column's max_rank)
+An adapter on the device sits in a table row ("slot": what a token names) and in pool pages of
+its own, any pages, lent by the block manager. Its weights are rank pages (loraplex/engine/
+adapter_pages.py): PAGE_RANK rows of one module's A ([PAGE_RANK, in]) or of one slice's B
+transposed ([PAGE_RANK, width]; the scaling folded in for LoRA and DoRA, FLoRA's unscaled),
+packed first-fit into its pool pages with its float32 vectors. Per group (qkv, o, gate_up,
+down), over all layers, fixed-address tensors (CUDA-graph inputs) that kernels/lora_paged.py
+reads:
+  a_pages, b_pages [num_layers, num_slots + 1, num_slices, cdiv(max_rank, PAGE_RANK)] int64
+              element offsets of each rank page into the pool viewed as the weights' dtype
   ranks       [num_layers, num_slots + 1, num_slices] int32   additive rank (LoRA, DoRA); 0 = none
-  flora_ranks [num_layers, num_slots + 1, num_slices] int32   FLoRA's rank (its A and B sit in a, b)
-  scale       [num_layers, num_slots + 1, out_features] float32   per-row output scale (DoRA's
-              magnitude over the row norm, IA3's output vector), read where `scaled` is set
-  scaled      [num_layers, num_slots + 1] int32              1 = the expand applies scale (and shift)
-  fused_scaled [num_layers, num_slots + 1] int32   qkv and gate_up only: 1 = the kernel that reads
-              the group's output applies scale (IA3's vector: rotary for qkv, the activation for
-              gate_up), so an IA3 step need not run the expand
-  shift       [num_layers, num_slots + 1, out_features] float32   groups with a bias only:
-              (1 - scale) * bias, so that DoRA scales the product and not the bias
-  in_scale    [num_layers, num_slots + 1, in_features] float32   o and down only: IA3's input
-              vector (1 elsewhere); the activation kernel applies down's, a row scaling o's
-  in_scaled   [num_layers, num_slots + 1] int32   down only: 1 = the activation applies in_scale
-a, b, scale, shift and in_scale are views into the pool (slot s in the pool's bytes
-[s * slot_bytes, (s + 1) * slot_bytes)); the int32 flags are small dense tensors of their own.
+  flora_ranks [num_layers, num_slots + 1, num_slices] int32   FLoRA's rank (its A and B pages)
+  scale_at    [num_layers, num_slots + 1] int64   float32 offset of the slot's per-row output
+              scale (DoRA's magnitude over the row norm, IA3's output vector); -1 = none
+  shift_at    [num_layers, num_slots + 1] int64   groups with a bias: (1 - scale) * bias (DoRA)
+  in_scale_at [num_layers, num_slots + 1] int64   o and down: IA3's input vector; -1 = none
+  fused_scale_at [num_layers, num_slots + 1] int64   q/k/v and gate/up: IA3's output vector,
+              which the rotary and activation kernels apply; -1 = none
+IA3's vectors are applied through these offsets: q/k/v's and gate/up's outputs and down's input
+by the rotary and activation kernels (no expand for them), o's and down's outputs by the
+expand's epilogue, o's input by a row scaling before o.
 Slot 0 stays empty: it means "no adapter". A DoRA slot's scale is computed when the adapter is
 copied in, from the base weights (the row norms of W0 + s B A)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from loraplex.adapter_format import IA3_INPUT_MODULES, LoraAdapter
-from loraplex.model.llama import LORA_GROUPS
+from loraplex.engine.adapter_pages import (
+    PAGE_ALIGN,
+    adapter_page_blocks,
+    adapter_page_sizes,
+    adapter_pool_pages,
+    place_blocks,
+)
+from loraplex.kernels.reference import PAGE_RANK, num_rank_pages
+from loraplex.model.llama import IA3_FUSED_INPUT_GROUPS, IA3_FUSED_OUTPUT_GROUPS, LORA_GROUPS
 from loraplex.model.model_config import ModelConfig
 
 INPUT_SCALE_GROUPS = tuple(g for g, modules in LORA_GROUPS.items() if set(modules) <= set(IA3_INPUT_MODULES))
 """Groups whose input an IA3 vector may scale (o, down)."""
-FUSED_OUTPUT_GROUPS = ("qkv", "gate_up")
-"""Groups whose IA3 output vectors the next kernel applies (rotary, the activation), not the expand."""
-FUSED_INPUT_GROUPS = ("down",)
-"""Groups whose IA3 input vector the activation kernel applies."""
+FUSED_OUTPUT_GROUPS = IA3_FUSED_OUTPUT_GROUPS
+"""Groups whose IA3 output vectors the next kernel applies (rotary, the activation), not the
+expand (model/llama.py)."""
+FUSED_INPUT_GROUPS = IA3_FUSED_INPUT_GROUPS
+"""Groups whose IA3 input vector the activation kernel applies (model/llama.py)."""
 DORA_NORM_ROWS = 2048
 """Rows of W0 + s B A formed at once when a DoRA adapter's row norms are computed."""
 
@@ -83,20 +93,40 @@ def _vector_bytes(config: ModelConfig) -> int:
 
 @dataclass
 class SlotGroup:
-    """One layer's view of one group's slot buffers (what the model's LoRA hook reads)."""
+    """One layer's view of one group's page tables (what the model's LoRA hook reads)."""
 
-    a: torch.Tensor
-    b: torch.Tensor
+    pool: torch.Tensor
+    """[pool elements] the pool as the weights' dtype."""
+    vectors: torch.Tensor
+    """[pool elements] the pool as float32."""
+    a_pages: torch.Tensor
+    b_pages: torch.Tensor
     ranks: torch.Tensor
+    flora_ranks: torch.Tensor
+    scale_at: torch.Tensor
+    shift_at: torch.Tensor | None
+    in_scale_at: torch.Tensor | None
     slice_offsets: tuple[int, ...]
-    flora_ranks: torch.Tensor | None = None
-    flora_b: torch.Tensor | None = None
-    scale: torch.Tensor | None = None
-    scaled: torch.Tensor | None = None
-    shift: torch.Tensor | None = None
-    in_scale: torch.Tensor | None = None
-    fused_scaled: torch.Tensor | None = None
-    in_scaled: torch.Tensor | None = None
+    max_rank: int
+    fused_scale_at: torch.Tensor | None = None
+    """q/k/v and gate/up: IA3's output vectors, for the rotary and activation kernels."""
+
+
+@dataclass(frozen=True)
+class PackedAdapter:
+    """An adapter's rank pages and vectors packed into pool pages on the host (pinned on CUDA):
+    `pages` [num_pages * page_bytes] uint8, laid out as the pool will hold them, and `tables`
+    (kind, group) -> (page, start): for every entry of the adapter's page-table rows (shaped as
+    they are: a / b [num_layers, slices, rank pages], vectors [num_layers]), the index of the
+    page among the adapter's and the byte offset in it; page -1 where the adapter has none. A
+    load copies the pages and turns `tables` into pool offsets with a few tensor operations."""
+
+    pages: torch.Tensor
+    tables: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def num_bytes(self) -> int:
+        return self.pages.numel()
 
 
 @dataclass
@@ -117,13 +147,21 @@ class HostAdapter:
     magnitude: dict[str, torch.Tensor] | None = None
     out_scale: dict[str, torch.Tensor] | None = None
     in_scale: dict[str, torch.Tensor] | None = None
+    packed: dict[tuple, PackedAdapter] = field(default_factory=dict)
+    """The adapter as the pool's pages hold it, by (model config, dtype, page bytes): built off
+    the engine's thread when the adapter enters the host tier (LoraSlotBuffers.prepare, on the
+    adapter cache's load thread) or is added as an object, so that a load is whole-page copies
+    from pinned memory. Counted in num_bytes: about the adapter's size again in host memory (to
+    do: make the packed pages the host tier's only copy; DoRA's row norms and tensor-parallel
+    shards read `a` and `b`)."""
 
     @property
     def num_bytes(self) -> int:
         tensors = [*self.a.values(), *self.b.values()]
         for vectors in (self.magnitude, self.out_scale, self.in_scale):
             tensors += list((vectors or {}).values())
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return (sum(t.numel() * t.element_size() for t in tensors)
+                + sum(packed.num_bytes for packed in list(self.packed.values())))
 
     def scaled(self, group: str) -> torch.Tensor:
         """[num_layers] int32: the layers where this adapter scales the group's output rows."""
@@ -161,8 +199,8 @@ def make_host_adapter(
     a, b, ranks, magnitude, out_scale, in_scale = {}, {}, {}, {}, {}, {}
     for group, modules in LORA_GROUPS.items():
         in_features, offsets = group_dims(config, group)
-        a_g = torch.zeros(num_layers, len(modules), rank, in_features, dtype=dtype)
-        b_g = torch.zeros(num_layers, offsets[-1], rank, dtype=dtype)
+        a_g = torch.zeros(num_layers, len(modules), rank, in_features, dtype=dtype, pin_memory=pin)
+        b_g = torch.zeros(num_layers, offsets[-1], rank, dtype=dtype, pin_memory=pin)
         r_g = torch.zeros(num_layers, len(modules), dtype=torch.int32)
         m_g = torch.ones(num_layers, offsets[-1], dtype=torch.float32)
         for (layer, name), module in adapter.modules.items():
@@ -192,8 +230,8 @@ def make_host_adapter(
     host = HostAdapter(adapter.digest, rank, a, b, ranks, family,
                        magnitude=magnitude if family == "dora" else None,
                        out_scale=out_scale or None, in_scale=in_scale or None)
-    if pin:  # a pageable copy would block the host
-        for name in ("a", "b", "ranks", "magnitude", "out_scale", "in_scale"):
+    if pin:  # (pinned blocks come back to torch's host allocator and serve the next adapters)
+        for name in ("ranks", "magnitude", "out_scale", "in_scale"):
             tensors = getattr(host, name)
             if tensors is not None:
                 setattr(host, name, {g: t.pin_memory() for g, t in tensors.items()})
@@ -201,215 +239,338 @@ def make_host_adapter(
 
 
 SLOT_ALIGN = 256
-"""Bytes each slot tensor starts on (within a slot, and each slot within the pool)."""
-POOLED_FIELDS = ("a", "b", "scale", "shift", "in_scale")
-"""The per-slot tensors that live in the pool's bytes; the int32 flags stay dense tensors of
-their own (the kernels read them as contiguous [num_slots] vectors), a few bytes a slot."""
+"""Bytes each tensor of a step-1 slot started on (the baseline paged adapters are measured against)."""
 
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-@dataclass(frozen=True)
-class SlotField:
-    """One pooled tensor of one group: its shape below [num_layers, num_slots + 1], its dtype
-    and where its first layer starts within a slot's bytes."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    offset: int
-
-    @property
-    def layer_bytes(self) -> int:
-        return int(np.prod(self.shape)) * torch.empty((), dtype=self.dtype).element_size()
-
-
-def slot_layout(
-    config: ModelConfig, max_rank: int, dtype: torch.dtype
-) -> tuple[dict[tuple[str, str], SlotField], int]:
-    """((field, group) -> SlotField, bytes of one slot): a slot's tensors, one after another,
-    each [num_layers, ...] and aligned to SLOT_ALIGN bytes."""
+def pool_slot_bytes(config: ModelConfig, max_rank: int, dtype: torch.dtype, page_bytes: int) -> int:
+    """Bytes a fixed slot of step 1 took in a pool of `page_bytes` pages (any adapter, `max_rank`
+    wide, its vectors included), whole pages: the baseline that paged adapters are compared to."""
+    element = torch.empty((), dtype=dtype).element_size()
     has_bias = {"qkv": config.qkv_bias, "o": config.o_bias}
-    fields, offset = {}, 0
+    num_bytes = 0
     for group, modules in LORA_GROUPS.items():
         in_features, offsets = group_dims(config, group)
-        shapes = {"a": ((len(modules), max_rank, in_features), dtype),
-                  "b": ((offsets[-1], max_rank), dtype),
-                  "scale": ((offsets[-1],), torch.float32)}
-        if has_bias.get(group):
-            shapes["shift"] = ((offsets[-1],), torch.float32)
-        if group in INPUT_SCALE_GROUPS:
-            shapes["in_scale"] = ((in_features,), torch.float32)
-        for name, (shape, field_dtype) in shapes.items():
-            field = SlotField(shape, field_dtype, offset)
-            fields[name, group] = field
-            offset = _round_up(offset + config.num_layers * field.layer_bytes, SLOT_ALIGN)
-    return fields, offset
+        sizes = [len(modules) * max_rank * in_features * element, offsets[-1] * max_rank * element,
+                 offsets[-1] * 4]
+        sizes += [offsets[-1] * 4] if has_bias.get(group) else []
+        sizes += [in_features * 4] if group in INPUT_SCALE_GROUPS else []
+        for size in sizes:
+            num_bytes = _round_up(num_bytes + config.num_layers * size, SLOT_ALIGN)
+    return _round_up(num_bytes, page_bytes)
 
 
-def pool_slot_bytes(config: ModelConfig, max_rank: int, dtype: torch.dtype, page_bytes: int) -> int:
-    """Bytes a slot takes in a pool of `page_bytes` pages (KV blocks): its tensors rounded up
-    to whole pages, and to SLOT_ALIGN."""
-    _, num_bytes = slot_layout(config, max_rank, dtype)
-    slot_bytes = _round_up(num_bytes, page_bytes)
-    while slot_bytes % SLOT_ALIGN:
-        slot_bytes += page_bytes
-    return slot_bytes
+def max_adapter_pool_bytes(config: ModelConfig, max_rank: int, dtype: torch.dtype, block_bytes: int) -> int:
+    """Bytes (whole KV blocks of block_bytes) the largest adapter takes: `max_rank` on every
+    module, with vectors, in adapter pages (adapter_page_blocks blocks each)."""
+    page_bytes = adapter_page_blocks(config, dtype, block_bytes) * block_bytes
+    return adapter_pool_pages(config, max_rank, dtype, page_bytes, with_vectors=True) * page_bytes
+
+
+@dataclass(frozen=True)
+class _Block:
+    """One rank page or vector of an adapter on the device."""
+
+    kind: str  # "a", "b", "scale", "shift", "in_scale"
+    layer: int
+    group: str
+    slice: int = 0
+    page: int = 0  # rank page
+    size: int = 0  # bytes
+
+
+def adapter_blocks(config: ModelConfig, dtype: torch.dtype, host: HostAdapter) -> list[_Block]:
+    """The adapter's rank pages and vectors on the device, layer by layer, in the order they are
+    packed: its own ranks' rank pages of every module it adapts; DoRA's scale (and shift, on
+    groups with a bias) and IA3's vectors where it has them."""
+    element = torch.empty((), dtype=dtype).element_size()
+    has_bias = {"qkv": config.qkv_bias, "o": config.o_bias}
+    blocks = []
+    ranks = {g: host.ranks[g].tolist() for g in LORA_GROUPS}
+    scaled = {g: host.scaled(g).tolist() for g in LORA_GROUPS}
+    in_scaled = {g: host.input_scaled(g).tolist() for g in INPUT_SCALE_GROUPS}
+    for layer in range(config.num_layers):
+        for group in LORA_GROUPS:
+            in_features, offsets = group_dims(config, group)
+            for s, rank in enumerate(ranks[group][layer]):
+                width = offsets[s + 1] - offsets[s]
+                for p in range(num_rank_pages(rank)):
+                    blocks.append(_Block("a", layer, group, s, p, PAGE_RANK * in_features * element))
+                    blocks.append(_Block("b", layer, group, s, p, PAGE_RANK * width * element))
+            if scaled[group][layer]:
+                blocks.append(_Block("scale", layer, group, size=4 * offsets[-1]))
+                if host.family == "dora" and has_bias.get(group):
+                    blocks.append(_Block("shift", layer, group, size=4 * offsets[-1]))
+            if group in in_scaled and in_scaled[group][layer]:
+                blocks.append(_Block("in_scale", layer, group, size=4 * in_features))
+    return blocks
+
+
+def adapter_pages_for(config: ModelConfig, dtype: torch.dtype, page_bytes: int, host: HostAdapter) -> int:
+    """Pool pages of page_bytes an adapter takes (its blocks packed first-fit)."""
+    return _placement(tuple(b.size for b in adapter_blocks(config, dtype, host)), page_bytes)[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _placement(sizes: tuple[int, ...], page_bytes: int) -> tuple[int, list[tuple[int, int]]]:
+    """place_blocks, once for each shape of adapter (adapters of one rank and family share it)."""
+    return place_blocks(sizes, page_bytes)
+
+
+def _as_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """A host tensor's bytes as a numpy array, its last dimension in bytes (contiguous)."""
+    return tensor.contiguous().view(torch.uint8).numpy()
 
 
 class LoraSlotBuffers:
-    """The device slot buffers of every layer and group, and on the host what each slot holds
-    (its family, FLoRA rank, whether it scales an input) for the runner to plan steps by.
+    """The page tables of every layer and group over `pool` (a uint8 vector of pages of
+    page_bytes that the KV cache shares), and on the host what each slot holds (its family,
+    FLoRA rank, whether it scales an input) for the runner to plan steps by.
 
-    Slot s's weights and vectors (a, b, scale, shift, in_scale) live in the bytes
-    [s * slot_bytes, (s + 1) * slot_bytes) of `pool`, a uint8 buffer that the KV cache shares
-    (the block manager lends a slot's pages to it while an adapter is resident);
-    each is a strided view [num_layers, num_slots + 1, ...] whose slot stride is slot_bytes, so
-    `t[layer]` and `t[:, slot]` read as dense slot buffers would, and the addresses never change
-    (CUDA graphs stay valid). Without `pool`, the buffers get a pool of their own."""
+    An adapter page is `blocks_per_page` KV blocks of block_bytes (one, unless a rank page is
+    larger than a block: tiny models), page p the pool's bytes [p * page_bytes, (p + 1) *
+    page_bytes). `load(slot, adapter, pages)` writes the adapter's rank pages and vectors into
+    the adapter pages it was lent (`pages_for(adapter)` of them) and fills its table rows; the
+    tables' addresses never change (CUDA graphs stay valid). Without `pool`, the buffers get a
+    pool of their own: num_slots adapters of max_rank, slot s on pages [(s - 1) * n, s * n)."""
 
     def __init__(
         self, config: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype,
         device: torch.device, base_weights: BaseWeights | None = None,
-        pool: torch.Tensor | None = None, slot_bytes: int | None = None,
+        pool: torch.Tensor | None = None, block_bytes: int | None = None,
     ) -> None:
+        self.config, self.dtype = config, dtype
         self.num_slots, self.max_rank, self.device = num_slots, max_rank, torch.device(device)
         self.base_weights = base_weights
         """Needed to load DoRA adapters (their row norms); set once the model is built."""
-        L, S = config.num_layers, num_slots + 1
-        layout, num_bytes = slot_layout(config, max_rank, dtype)
-        self.slot_bytes = slot_bytes or num_bytes
-        if self.slot_bytes < num_bytes or self.slot_bytes % SLOT_ALIGN:
-            raise ValueError(f"a slot needs {num_bytes} bytes, aligned to {SLOT_ALIGN}; "
-                             f"got {self.slot_bytes}")
+        self.element = torch.empty((), dtype=dtype).element_size()
+        if block_bytes is None:  # pages of one block each
+            block_bytes = _round_up(max(adapter_page_sizes(config, PAGE_RANK, dtype, with_vectors=True)),
+                                    PAGE_ALIGN)
+        self.block_bytes = block_bytes
+        self.blocks_per_page = adapter_page_blocks(config, dtype, block_bytes)
+        self.page_bytes = page_bytes = self.blocks_per_page * block_bytes
+        self.max_adapter_pages = adapter_pool_pages(config, max_rank, dtype, page_bytes, with_vectors=True)
         if pool is None:
-            pool = torch.zeros(S * self.slot_bytes, dtype=torch.uint8, device=device)
-        if pool.dtype != torch.uint8 or pool.dim() != 1 or pool.numel() < S * self.slot_bytes:
-            raise ValueError(f"the pool must be a uint8 vector of at least {S * self.slot_bytes} bytes")
+            num_bytes = num_slots * self.max_adapter_pages * page_bytes
+            pool = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+        if (pool.dtype != torch.uint8 or pool.dim() != 1 or pool.numel() % block_bytes
+                or block_bytes % PAGE_ALIGN):
+            raise ValueError(f"the pool must be a uint8 vector of whole blocks of {block_bytes} bytes "
+                             f"(a multiple of {PAGE_ALIGN})")
         self.pool = pool
-        self.a, self.b, self.ranks, self.flora_ranks = {}, {}, {}, {}
-        self.scale, self.scaled, self.shift, self.in_scale = {}, {}, {}, {}
-        self.fused_scaled, self.in_scaled = {}, {}
-        for (name, group), field in layout.items():
-            getattr(self, name)[group] = self._pooled(field, L, S)
+        self.weights, self.vectors = pool.view(dtype), pool.view(torch.float32)
+        self._pack_key = (repr(config), dtype, self.page_bytes)
+        """HostAdapter.packed's key (a tensor-parallel rank's shard has a config of its own)."""
+        L, S, max_pages = config.num_layers, num_slots + 1, num_rank_pages(max_rank)
+        self.a_pages, self.b_pages, self.ranks, self.flora_ranks = {}, {}, {}, {}
+        self.scale_at, self.shift_at, self.in_scale_at, self.fused_scale_at = {}, {}, {}, {}
+        self.has_bias = {"qkv": config.qkv_bias, "o": config.o_bias}
         self._views: list[dict[str, SlotGroup]] = [{} for _ in range(L)]
         for group, modules in LORA_GROUPS.items():
-            in_features, offsets = group_dims(config, group)
+            _, offsets = group_dims(config, group)
+            pages = torch.zeros(L, S, len(modules), max_pages, dtype=torch.int64, device=device)
+            self.a_pages[group], self.b_pages[group] = pages, torch.zeros_like(pages)
             self.ranks[group] = torch.zeros(L, S, len(modules), dtype=torch.int32, device=device)
-            self.flora_ranks[group] = torch.zeros(L, S, len(modules), dtype=torch.int32, device=device)
-            self.scaled[group] = torch.zeros(L, S, dtype=torch.int32, device=device)
+            self.flora_ranks[group] = torch.zeros_like(self.ranks[group])
+            self.scale_at[group] = torch.full((L, S), -1, dtype=torch.int64, device=device)
+            if self.has_bias.get(group):
+                self.shift_at[group] = torch.full((L, S), -1, dtype=torch.int64, device=device)
+            if group in INPUT_SCALE_GROUPS:
+                self.in_scale_at[group] = torch.full((L, S), -1, dtype=torch.int64, device=device)
             if group in FUSED_OUTPUT_GROUPS:
-                self.fused_scaled[group] = torch.zeros(L, S, dtype=torch.int32, device=device)
-            if group in FUSED_INPUT_GROUPS:
-                self.in_scaled[group] = torch.zeros(L, S, dtype=torch.int32, device=device)
+                self.fused_scale_at[group] = torch.full((L, S), -1, dtype=torch.int64, device=device)
             for layer in range(L):
-                views = {name: None if t is None else t[layer] for name, t in (
-                    ("shift", self.shift.get(group)), ("in_scale", self.in_scale.get(group)),
-                    ("fused_scaled", self.fused_scaled.get(group)),
-                    ("in_scaled", self.in_scaled.get(group)))}
-                b = self.b[group][layer]
+                shift, in_scale = self.shift_at.get(group), self.in_scale_at.get(group)
+                fused = self.fused_scale_at.get(group)
                 self._views[layer][group] = SlotGroup(
-                    self.a[group][layer], b, self.ranks[group][layer], offsets,
-                    flora_ranks=self.flora_ranks[group][layer],
-                    flora_b=b.view(S, max_rank, offsets[-1]),
-                    scale=self.scale[group][layer],
-                    scaled=self.scaled[group][layer], **views)
-        self._clear(0)  # slot 0, "no adapter", keeps its bytes for good
+                    self.weights, self.vectors, self.a_pages[group][layer], self.b_pages[group][layer],
+                    self.ranks[group][layer], self.flora_ranks[group][layer], self.scale_at[group][layer],
+                    None if shift is None else shift[layer], None if in_scale is None else in_scale[layer],
+                    offsets, max_rank, None if fused is None else fused[layer])
         # What each slot holds, on the host.
         self.slot_flora_rank = np.zeros(S, dtype=np.int64)
         self.slot_input_scaled = np.zeros(S, dtype=bool)
-        """The adapter scales o's input (IA3): a step with it runs a row scaling on o."""
+        """The adapter scales o's or down's input (IA3): a step with it runs a row scaling."""
         self.slot_needs_expand = np.zeros(S, dtype=bool)
         """A step with the adapter runs the LoRA shrink and expand (HostAdapter.needs_expand)."""
         self.slot_family = ["lora"] * S
 
-    def _pooled(self, field: SlotField, num_layers: int, num_slots: int) -> torch.Tensor:
-        """[num_layers, num_slots, *field.shape]: a view of the pool, slot-major."""
-        element = torch.empty((), dtype=field.dtype).element_size()
-        flat = self.pool.view(field.dtype)
-        dense = torch.empty(field.shape, device="meta").stride()
-        layer = int(np.prod(field.shape))
-        return flat.as_strided((num_layers, num_slots, *field.shape),
-                               (layer, self.slot_bytes // element, *dense), field.offset // element)
-
-    def _clear(self, slot: int) -> None:
-        """Zero a slot's bytes (they may hold KV), then its vectors' neutral values."""
-        self.pool[slot * self.slot_bytes:(slot + 1) * self.slot_bytes].zero_()
-        for group in LORA_GROUPS:
-            self.scale[group][:, slot].fill_(1.0)
-            if group in self.in_scale:
-                self.in_scale[group][:, slot].fill_(1.0)
-
     def group(self, layer: int, name: str) -> SlotGroup:
         return self._views[layer][name]
 
-    def load(self, slot: int, host: HostAdapter) -> None:
-        """Copy an adapter into a slot (asynchronous on CUDA from pinned memory); a DoRA
-        adapter's row scales are computed on the device from the base weights."""
+    def own_pages_of(self, slot: int, count: int) -> list[int]:
+        """The pages of `slot` in a pool of the buffers' own."""
+        if count > self.max_adapter_pages:
+            raise ValueError(f"an adapter of {count} pages does not fit a slot of {self.max_adapter_pages}")
+        first = (slot - 1) * self.max_adapter_pages
+        return list(range(first, first + count))
+
+    def pages_for(self, host: HostAdapter) -> int:
+        """Pool pages the adapter takes: its own ranks' rank pages and its vectors, packed."""
+        packed = host.packed.get(self._pack_key)
+        if packed is not None:
+            return len(packed.pages) // self.page_bytes
+        return adapter_pages_for(self.config, self.dtype, self.page_bytes, host)
+
+    # Loads ----------------------------------------------------------------------------------
+    def load(self, slot: int, host: HostAdapter, pages: list[int]) -> None:
+        """Copy an adapter into pool `pages` (pages_for(host) of them) and point slot's table rows
+        at them (asynchronous on CUDA from pinned memory); a DoRA adapter's row scales are
+        computed on the device from the base weights."""
         if not 0 < slot <= self.num_slots:
             raise ValueError(f"slot {slot} out of range 1..{self.num_slots}")
         if host.family == "dora" and self.base_weights is None:
             raise ValueError("DoRA adapters need the base weights (base_weights is not set)")
-        r, is_flora = host.rank, host.family == "flora"
-        self._clear(slot)
+        packed = self.prepare(host)
+        pb = self.page_bytes
+        num_pages = len(packed.pages) // pb
+        if len(pages) < num_pages:  # (a rank's shard of an adapter may need fewer than the whole)
+            raise ValueError(f"the adapter takes {num_pages} pages, got {len(pages)}")
+        is_flora = host.family == "flora"
+        # Each table entry's pool offset (elements of the dtype for rank pages, float32 for
+        # vectors): the adapter's page mapped to the pool page it was lent, plus its start.
+        lent = torch.tensor(pages[:num_pages] or [0], dtype=torch.int64) * pb
+        tables = {}
+        for (kind, group), (page, start) in packed.tables.items():
+            at = lent[page.clamp(min=0)] + start
+            tables[kind, group] = torch.where(page >= 0, at // (self.element if kind in ("a", "b") else 4),
+                                              0 if kind in ("a", "b") else -1)
+        # Whole pages, a run of consecutive pool pages a copy (one per page at worst): some tens
+        # of copies an adapter, not one per rank page and vector (about a thousand on Llama-3-8B).
+        first = 0
+        for i in range(1, num_pages + 1):
+            if i == num_pages or pages[i] != pages[i - 1] + 1:
+                self.pool[pages[first] * pb:(pages[i - 1] + 1) * pb].copy_(
+                    packed.pages[first * pb:i * pb], non_blocking=True)
+                first = i
         for group in LORA_GROUPS:
-            self.a[group][:, slot, :, :r].copy_(host.a[group], non_blocking=True)
-            if is_flora:  # B transposed: [max_rank, out] in the slot's memory
-                b = self.b[group][:, slot]
-                b.view(len(b), self.max_rank, -1)[:, :r].copy_(host.b[group].transpose(1, 2),
-                                                               non_blocking=True)
-            else:
-                self.b[group][:, slot, :, :r].copy_(host.b[group], non_blocking=True)
+            self.a_pages[group][:, slot].copy_(tables["a", group], non_blocking=True)
+            self.b_pages[group][:, slot].copy_(tables["b", group], non_blocking=True)
             additive, flora = self.ranks[group][:, slot], self.flora_ranks[group][:, slot]
             (flora if is_flora else additive).copy_(host.ranks[group], non_blocking=True)
             (additive if is_flora else flora).zero_()
-            is_fused = host.family == "ia3" and group in FUSED_OUTPUT_GROUPS
-            self.scaled[group][:, slot].copy_(host.scaled(group) * (not is_fused), non_blocking=True)
-            if group in self.fused_scaled:
-                self.fused_scaled[group][:, slot].copy_(host.scaled(group) * is_fused, non_blocking=True)
-            if group in self.in_scaled:
-                self.in_scaled[group][:, slot].copy_(host.input_scaled(group), non_blocking=True)
-            scale = self.scale[group][:, slot]
-            if host.family == "ia3":
-                scale.copy_(host.out_scale[group], non_blocking=True)
-            elif host.family == "dora":
-                self._dora_scale(slot, group, host)
-            else:
-                scale.fill_(1.0)
-            if group in self.shift:
-                bias = torch.stack([self.base_weights(layer, group)[1] for layer in range(len(scale))]) \
-                    if host.family == "dora" else None
-                shift = self.shift[group][:, slot]
-                shift.copy_((1 - scale) * bias.float()) if bias is not None else shift.zero_()
-            if group in self.in_scale:
-                in_scale = self.in_scale[group][:, slot]
-                if host.in_scale is not None:
-                    in_scale.copy_(host.in_scale[group], non_blocking=True)
-                else:
-                    in_scale.fill_(1.0)
+            for kind, vectors in (("scale", self.scale_at), ("shift", self.shift_at),
+                                  ("in_scale", self.in_scale_at), ("fused_scale", self.fused_scale_at)):
+                if group in vectors:
+                    vectors[group][:, slot].copy_(tables[kind, group], non_blocking=True)
+        if host.family == "dora":  # (offsets from the host tables: no sync with the copy stream)
+            for group in LORA_GROUPS:
+                shift_at = tables["shift", group].tolist() if group in self.shift_at else None
+                self._write_row_scale(group, self._dora_scale(group, host), tables["scale", group].tolist(),
+                                      shift_at)
         self.slot_family[slot] = host.family
-        self.slot_flora_rank[slot] = r if is_flora else 0
+        self.slot_flora_rank[slot] = host.rank if is_flora else 0
         self.slot_input_scaled[slot] = any(bool(host.input_scaled(g).any()) for g in INPUT_SCALE_GROUPS
                                            if g not in FUSED_INPUT_GROUPS)
         self.slot_needs_expand[slot] = host.needs_expand
 
-    def _dora_scale(self, slot: int, group: str, host: HostAdapter) -> None:
-        """scale[:, slot] <- magnitude / ||W0 + s B A|| per output row of each adapted slice
-        (float32, on the device: the slot's A and B are already copied), 1 elsewhere."""
-        scale = self.scale[group][:, slot]
-        scale.fill_(1.0)
+    def prepare(self, host: HostAdapter) -> PackedAdapter:
+        """The adapter packed into pool-page layout for these buffers (built once, kept in
+        host.packed): call it off the engine's thread, as the adapter cache's load thread does,
+        so that `load` only copies."""
+        packed = host.packed.get(self._pack_key)
+        if packed is None:
+            packed = host.packed[self._pack_key] = self._pack(host)
+        return packed
+
+    def _pack(self, host: HostAdapter) -> PackedAdapter:
+        """The adapter's rank pages (A's rows, B's rows transposed) and IA3's vectors written into
+        pool pages on the host, and where each table entry points; DoRA's row scales are
+        computed on the device at each load. Byte copies through numpy (about a thousand blocks
+        on Llama-3-8B: a few milliseconds of Python, most of it without the GIL)."""
+        blocks = adapter_blocks(self.config, self.dtype, host)
+        num_pages, placed = _placement(tuple(b.size for b in blocks), self.page_bytes)
+        pages = torch.empty(num_pages * self.page_bytes, dtype=torch.uint8,
+                            pin_memory=self.device.type == "cuda")
+        out = pages.numpy()
+        written = []  # byte ranges the adapter's data fills; the rest is zeroed
+        L, max_pages = self.config.num_layers, num_rank_pages(self.max_rank)
+        tables = {}
+        for group, modules in LORA_GROUPS.items():
+            for kind in ("a", "b"):
+                tables[kind, group] = (np.full((L, len(modules), max_pages), -1, dtype=np.int64),
+                                       np.zeros((L, len(modules), max_pages), dtype=np.int64))
+            for kind, vectors in (("scale", self.scale_at), ("shift", self.shift_at),
+                                  ("in_scale", self.in_scale_at), ("fused_scale", self.fused_scale_at)):
+                if group in vectors:
+                    tables[kind, group] = (np.full(L, -1, dtype=np.int64), np.zeros(L, dtype=np.int64))
+        # Each source as bytes with a rank page's rows contiguous: A [L, slices, rank, in * e],
+        # B transposed per slice [L, rank, width * e], vectors [L, n * 4].
+        a_bytes = {g: _as_bytes(a) for g, a in host.a.items()}
+        b_bytes = {}
+        for g, b in host.b.items():
+            _, offsets = group_dims(self.config, g)
+            b_bytes[g] = [_as_bytes(b[:, lo:hi].transpose(1, 2)) for lo, hi in zip(offsets, offsets[1:])]
+        out_scale = {g: _as_bytes(v) for g, v in (host.out_scale or {}).items()}
+        in_scale = {g: _as_bytes(v) for g, v in (host.in_scale or {}).items()}
+        ranks = {g: r.tolist() for g, r in host.ranks.items()}
+        is_ia3 = host.family == "ia3"
+        for block, (page, start) in zip(blocks, placed):
+            at, g, layer = page * self.page_bytes + start, block.group, block.layer
+            source = None
+            if block.kind in ("a", "b"):
+                entry, kind = (layer, block.slice, block.page), block.kind
+                lo = block.page * PAGE_RANK
+                hi = min(ranks[g][layer][block.slice], lo + PAGE_RANK)
+                rows = a_bytes[g][layer, block.slice] if kind == "a" else b_bytes[g][block.slice][layer]
+                source = rows[lo:hi]
+            else:
+                entry, kind = layer, block.kind
+                if kind == "scale" and is_ia3:
+                    source = out_scale[g][layer]
+                    if g in FUSED_OUTPUT_GROUPS:  # q/k/v and gate/up: for the rotary and activation kernels
+                        kind = "fused_scale"
+                elif kind == "in_scale":
+                    source = in_scale[g][layer]
+            if source is not None:
+                out[at:at + source.size] = source.reshape(-1)
+                written.append((at, at + source.size))
+            page_of, start_of = tables[kind, g]
+            page_of[entry], start_of[entry] = page, start
+        end = 0  # (zeroing only the gaps: a pinned block from torch's cache holds an earlier adapter)
+        for lo, hi in sorted(written) + [(len(out), len(out))]:
+            if lo > end:
+                out[end:lo] = 0
+            end = max(end, hi)
+        return PackedAdapter(pages, {key: (torch.from_numpy(page_of), torch.from_numpy(start_of))
+                                     for key, (page_of, start_of) in tables.items()})
+
+    def set_row_scale(self, slot: int, group: str, scale: torch.Tensor) -> None:
+        """scale [num_layers, out] float32 into the slot's output scale vectors of `group` (the
+        layers that have one), and (1 - scale) * bias into its shift vectors."""
+        shift_at = self.shift_at[group][:, slot].tolist() if group in self.shift_at else None
+        self._write_row_scale(group, scale, self.scale_at[group][:, slot].tolist(), shift_at)
+
+    def _write_row_scale(self, group: str, scale: torch.Tensor, scale_at: list[int],
+                         shift_at: list[int] | None) -> None:
+        for layer, at in enumerate(scale_at):
+            if at < 0:
+                continue
+            row = scale[layer].to(self.device, torch.float32)
+            self.vectors[at:at + len(row)].copy_(row)
+            if shift_at is not None and shift_at[layer] >= 0:
+                bias = self.base_weights(layer, group)[1].float()
+                self.vectors[shift_at[layer]:shift_at[layer] + len(row)].copy_((1 - row) * bias)
+
+    def _dora_scale(self, group: str, host: HostAdapter) -> torch.Tensor:
+        """[num_layers, out] float32 on the device: magnitude / ||W0 + s B A|| per output row of
+        each adapted slice, 1 elsewhere (A and B as the slot holds them: the adapter's dtype)."""
+        _, offsets = group_dims(self.config, group)
         magnitude = host.magnitude[group].to(self.device, non_blocking=True)
-        ranks = host.ranks[group].tolist()
-        offsets = self._views[0][group].slice_offsets
-        for layer, layer_ranks in enumerate(ranks):
+        scale = torch.ones_like(magnitude)
+        for layer, layer_ranks in enumerate(host.ranks[group].tolist()):
             weight = self.base_weights(layer, group)[0]  # [out, in]
             for s, r in enumerate(layer_ranks):
                 if r == 0:
                     continue
-                a = self.a[group][layer, slot, s, :r].float()  # [r, in]
+                a = host.a[group][layer, s, :r].to(self.device).float()  # [r, in]
                 for lo in range(offsets[s], offsets[s + 1], DORA_NORM_ROWS):
                     hi = min(lo + DORA_NORM_ROWS, offsets[s + 1])
-                    b = self.b[group][layer, slot, lo:hi, :r].float()  # [rows, r], scaling folded in
+                    b = host.b[group][layer, lo:hi, :r].to(self.device).float()  # [rows, r], scaled
                     norm = torch.linalg.vector_norm(weight[lo:hi].float() + b @ a, dim=1)
                     scale[layer, lo:hi] = magnitude[layer, lo:hi] / norm
+        return scale

@@ -306,6 +306,9 @@ class StepInputs:
             if ranks.any():
                 flora_rows = self._fill_flora(host, token_slots, ranks, size if decode else num_tokens,
                                               decode)
+                # a decode step of FLoRA with the expand replays the graph that scales inputs too
+                # (DecodeGraphs.variants); scaling by 1 where no adapter has IA3's vectors
+                has_input_scale = has_input_scale or (decode and has_expand)
         shape = StepShape(
             num_tokens=size if decode else num_tokens, num_seqs=size,
             num_samples=size if decode else len(sample_rows), max_query_len=max_query_len,

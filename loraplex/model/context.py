@@ -47,23 +47,22 @@ class AttentionMetadata:
 
 
 class LoraSlotWeights(Protocol):
-    """The slot buffers of one module group in one layer (see kernels/reference.py and
+    """The page tables of one module group in one layer (see kernels/lora_paged.py and
     loraplex/engine/lora_weights.py)."""
 
-    a: torch.Tensor  # [num_slots, num_slices, max_rank, in_features]
-    b: torch.Tensor  # [num_slots, out_features, max_rank]
+    pool: torch.Tensor  # [pool elements]: the pool as the weights' dtype
+    vectors: torch.Tensor  # [pool elements]: the pool as float32
+    a_pages: torch.Tensor  # [num_slots, num_slices, max_pages] int64: A's rank pages
+    b_pages: torch.Tensor  # [num_slots, num_slices, max_pages] int64: B transposed's rank pages
     ranks: torch.Tensor  # [num_slots, num_slices] int32: additive rank (LoRA, DoRA)
-    slice_offsets: tuple[int, ...]
     flora_ranks: torch.Tensor  # [num_slots, num_slices] int32: FLoRA's rank
-    flora_b: torch.Tensor  # [num_slots, max_rank, out_features]: b's memory, FLoRA's B transposed
-    scale: torch.Tensor  # [num_slots, out_features] float32: per-row output scale
-    scaled: torch.Tensor  # [num_slots] int32: 1 where the scale applies
-    shift: torch.Tensor | None  # [num_slots, out_features] float32 (groups with a bias)
-    in_scale: torch.Tensor | None  # [num_slots, in_features] float32 (o and down)
-    fused_scaled: torch.Tensor | None  # [num_slots] int32 (qkv, gate_up): IA3 output vector
-    # applied by the kernel that reads the output (rotary, the activation)
-    in_scaled: torch.Tensor | None  # [num_slots] int32 (down): IA3 input vector, applied by the
-    # activation
+    scale_at: torch.Tensor  # [num_slots] int64: the per-row output scale in vectors; -1 = none
+    shift_at: torch.Tensor | None  # [num_slots] int64 (groups with a bias): DoRA's shift
+    in_scale_at: torch.Tensor | None  # [num_slots] int64 (o and down): IA3's input vector
+    fused_scale_at: torch.Tensor | None  # [num_slots] int64 (qkv, gate_up): IA3's output vector,
+    # applied by the rotary and activation kernels
+    slice_offsets: tuple[int, ...]
+    max_rank: int
 
 
 class LoraBuffers(Protocol):

@@ -20,6 +20,11 @@ LORA_GROUPS: dict[str, tuple[str, ...]] = {
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
 }
+IA3_FUSED_OUTPUT_GROUPS = ("qkv", "gate_up")
+"""Groups whose IA3 output vectors the next kernel applies (rotary, the activation), read at
+their page-table offsets, so that an IA3 adapter on them needs no expand."""
+IA3_FUSED_INPUT_GROUPS = ("down",)
+"""Groups whose IA3 input vector the activation kernel applies (its output is down's input)."""
 
 
 def _empty(*shape: int) -> nn.Parameter:
@@ -29,12 +34,12 @@ def _empty(*shape: int) -> nn.Parameter:
 def project(layer: int, group: str, ops: Ops, x: torch.Tensor, weight: torch.Tensor,
             bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [num_tokens, in] @ weight.T + bias, each token through its adapter:
-    - IA3 on o's input scales the token's input first (steps that carry one);
+    - IA3 on o's or down's input scales the token's input first (steps that carry one);
     - FLoRA tokens (steps that carry one) get (W0 * (B A)) x = sum_k b_k * (W0 (a_k * x)): their
       rows a_k * x share the products with W0 with the batch's rows, then are combined;
     - the LoRA expand (steps that need it) adds s B A x and, for DoRA and IA3 slots, scales each
-      output row in its epilogue (DoRA: magnitude / ||W0 + s B A||; IA3 on o and down).
-    IA3's other vectors are applied by the kernels after the product (rotary, the activation).
+      output row in its epilogue (DoRA: magnitude / ||W0 + s B A||; IA3's output vectors).
+    Every adapter weight and vector is read through the group's page tables (kernels/lora_paged.py).
     A step without adapters is one product; LoRA and DoRA add two launches; FLoRA two more
     (stack, combine) around taller products."""
     lora = get_forward_context().lora
@@ -42,16 +47,17 @@ def project(layer: int, group: str, ops: Ops, x: torch.Tensor, weight: torch.Ten
         return ops.linear(x, weight, bias)
     w = lora.buffers.group(layer, group)
     slots = lora.token_slots
-    if lora.has_input_scale and group == "o":
-        x = ops.scale_rows(x, w.in_scale, slots)
+    if lora.has_input_scale and w.in_scale_at is not None and group not in IA3_FUSED_INPUT_GROUPS:
+        x = ops.scale_rows_paged(x, w.vectors, w.in_scale_at, slots)
     if lora.flora is None:
         y = ops.linear(x, weight, bias)
     else:
         y = _flora_project(ops, x, weight, bias, w, slots, lora.flora)
     if not lora.has_expand:
         return y
-    shrunk = ops.lora_shrink(x, w.a, slots, w.ranks)
-    return ops.lora_expand(y, shrunk, w.b, slots, w.ranks, w.slice_offsets, w.scale, w.scaled, w.shift)
+    shrunk = ops.lora_shrink_paged(x, w.pool, w.a_pages, slots, w.ranks, w.max_rank)
+    return ops.lora_expand_paged(y, shrunk, w.pool, w.b_pages, slots, w.ranks, w.slice_offsets, w.vectors,
+                                 w.scale_at, w.shift_at)
 
 
 FLORA_FUSED_MAX_ROWS = 256
@@ -66,9 +72,10 @@ fused 180 us a layer, per slice 183 (none 164); batch 64, rank 4 (qkv 832 fused,
 def _flora_project(ops: Ops, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    w: LoraSlotWeights, slots: torch.Tensor, f: FloraRows) -> torch.Tensor:
     """x @ weight.T + bias with FLoRA's tokens through W0 * (B A) (see project)."""
-    num_tokens, num_rows, num_slices = x.shape[0], len(f.row_tokens), w.a.shape[1]
+    num_tokens, num_rows, num_slices = x.shape[0], len(f.row_tokens), len(w.slice_offsets) - 1
     per_slice = num_slices > 1 and num_tokens + num_slices * num_rows > FLORA_FUSED_MAX_ROWS
-    stacked = ops.flora_stack(x, w.a, w.flora_ranks, f.row_tokens, f.row_slots, f.row_ranks, per_slice)
+    stacked = ops.flora_stack_paged(x, w.pool, w.a_pages, w.flora_ranks, f.row_tokens, f.row_slots,
+                                    f.row_ranks, per_slice)
     if per_slice:  # slice s of the weight (a view) on x and slice s's rows, into one buffer
         block, offsets = num_tokens + num_rows, w.slice_offsets
         products = stacked.new_empty(block * offsets[-1])
@@ -78,8 +85,8 @@ def _flora_project(ops: Ops, x: torch.Tensor, weight: torch.Tensor, bias: torch.
                      out=products[block * lo:block * hi].view(block, hi - lo))
     else:
         products = ops.linear(stacked, weight).view(-1)
-    return ops.flora_combine(products, w.flora_b, slots, w.flora_ranks, f.bounds, w.slice_offsets, num_rows,
-                             per_slice, bias)
+    return ops.flora_combine_paged(products, w.pool, w.b_pages, slots, w.flora_ranks, f.bounds,
+                                   w.slice_offsets, num_rows, per_slice, bias)
 
 
 class Attention(nn.Module):
@@ -106,9 +113,9 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         kv_layer = context.kv_cache[:, self.layer]  # [num_blocks, 2, block_size, kv_heads, head_dim]
         ia3 = ()
-        if context.lora is not None:  # IA3's q/k/v vectors (a flag a token when none)
+        if context.lora is not None:  # IA3's q/k/v vectors at their offsets (an offset a token when none)
             w = context.lora.buffers.group(self.layer, "qkv")
-            ia3 = (context.lora.token_slots, w.scale, w.fused_scaled)
+            ia3 = (context.lora.token_slots, w.vectors, w.fused_scale_at)
         q = self.ops.rotary_store_kv(positions, q, k, v, cos_sin, kv_layer, meta.slot_mapping, *ia3)
         if meta.is_decode and meta.relay is not None:
             relay = meta.relay
@@ -137,9 +144,9 @@ class MLP(nn.Module):
         gate_up = project(self.layer, "gate_up", self.ops, x, self.gate_up_weight)  # [tokens, 2 * inter]
         lora = get_forward_context().lora
         ia3 = ()
-        if lora is not None:  # IA3's gate/up output and down input vectors (a flag a token when none)
+        if lora is not None:  # IA3's gate/up output and down input vectors at their offsets
             w, down = lora.buffers.group(self.layer, "gate_up"), lora.buffers.group(self.layer, "down")
-            ia3 = (lora.token_slots, w.scale, w.fused_scaled, down.in_scale, down.in_scaled)
+            ia3 = (lora.token_slots, w.vectors, w.fused_scale_at, w.vectors, down.in_scale_at)
         hidden = self.ops.silu_and_mul(gate_up, *ia3)
         return project(self.layer, "down", self.ops, hidden, self.down_weight)
 

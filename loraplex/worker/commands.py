@@ -70,10 +70,13 @@ class MeasureMemory:
 
 @dataclass(frozen=True)
 class LoadAdapter:
-    """Copy an adapter (laid out for the full model) into a slot; each rank keeps its shard."""
+    """Copy an adapter (laid out for the full model) into a slot; each rank keeps its shard, in
+    the pool pages the driver lent it (None: the slot's own pages, when the rank's adapters have a
+    pool of their own)."""
 
     slot: int
     adapter: HostAdapter
+    pages: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
+from loraplex.engine.adapter_pages import adapter_page_blocks
 from loraplex.engine.kv_swap import KvSwapper, SwapStats
-from loraplex.engine.lora_weights import HostAdapter, pool_slot_bytes
+from loraplex.engine.lora_weights import HostAdapter, adapter_pages_for, max_adapter_pool_bytes
 from loraplex.engine.plan import StepPlan, StepResult, TokenMasks
 from loraplex.engine.sizing import MemoryPlan, kv_block_bytes, plan_memory
 from loraplex.engine_config import EngineConfig
@@ -117,23 +118,32 @@ class _SwapCounters:
 class RemoteSlots:
     """The adapter cache's slot buffers, on the workers."""
 
-    def __init__(self, workers: TensorParallelWorkers, num_slots: int, slot_bytes: int) -> None:
-        self.workers, self.num_slots, self.slot_bytes = workers, num_slots, slot_bytes
+    def __init__(self, workers: TensorParallelWorkers, num_slots: int, shard: ModelConfig,
+                 dtype: torch.dtype, block_bytes: int) -> None:
+        self.workers, self.num_slots = workers, num_slots
+        self.blocks_per_page = adapter_page_blocks(shard, dtype, block_bytes)
+        self.page_bytes = self.blocks_per_page * block_bytes
+        self._shard, self._dtype = shard, dtype
         self.device = torch.device("cpu")  # the engine core copies nothing to a device itself
-        self._queued: list[tuple[int, HostAdapter]] = []
+        self._queued: list[tuple[int, HostAdapter, list[int]]] = []
         self._lock = threading.Lock()
 
-    def load(self, slot: int, adapter: HostAdapter) -> None:
-        """Queue `adapter` for `slot` (any thread); the next step sends it."""
+    def pages_for(self, adapter: HostAdapter) -> int:
+        """Pool pages the adapter takes on every rank (the shard's dims; a rank's shard of an
+        IA3 adapter may use fewer)."""
+        return adapter_pages_for(self._shard, self._dtype, self.page_bytes, adapter)
+
+    def load(self, slot: int, adapter: HostAdapter, pages: list[int]) -> None:
+        """Queue `adapter` for `slot` and its pool `pages` (any thread); the next step sends it."""
         with self._lock:
-            self._queued.append((slot, adapter))
+            self._queued.append((slot, adapter, pages))
 
     def send_queued(self) -> None:
         """Send the queued loads to the workers (the engine thread, before a step)."""
         with self._lock:
             queued, self._queued = self._queued, []
-        for slot, adapter in queued:
-            self.workers.queue_adapter(slot, adapter)
+        for slot, adapter, pages in queued:
+            self.workers.queue_adapter(slot, adapter, pages)
 
 
 @dataclass
@@ -173,7 +183,7 @@ class TensorParallelExecutor:
                 activations = max(r.activation_bytes for r in reports)
                 graphs = max(r.graph_bytes for r in reports)
             page_bytes = kv_block_bytes(shard, config.cache.block_size, dtype)
-            slot_bytes = pool_slot_bytes(shard, config.lora.max_lora_rank, dtype, page_bytes)
+            slot_bytes = max_adapter_pool_bytes(shard, config.lora.max_lora_rank, dtype, page_bytes)
             memory = plan_memory(config, shard, dtype, max_model_len, slot_bytes, budget, activations, graphs)
             num_host_blocks = KvSwapper.host_blocks_for(config.cache.swap_space, memory.kv_block_bytes)
             workers.load_model(dataclasses.replace(
@@ -184,7 +194,7 @@ class TensorParallelExecutor:
             raise
         logger.info("tensor parallel over %d ranks (%s); each rank's %s", size, workers.backend,
                     memory.describe())
-        slots = RemoteSlots(workers, memory.num_lora_slots, memory.lora_slot_bytes)
+        slots = RemoteSlots(workers, memory.num_lora_slots, shard, dtype, memory.kv_block_bytes)
         return cls(workers, memory, RemoteRunner(workers, slots), slots, num_host_blocks)
 
     def close(self) -> None:

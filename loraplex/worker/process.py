@@ -95,7 +95,7 @@ class Worker:
         if self.runner is None:
             raise RuntimeError(f"{type(command).__name__} before LoadModel")
         if isinstance(command, LoadAdapter):
-            self.load_adapter(command.slot, command.adapter)
+            self.load_adapter(command.slot, command.adapter, command.pages)
             return None
         if isinstance(command, RunStep):
             return self.run_step(command)
@@ -151,8 +151,7 @@ class Worker:
             pool = torch.zeros(spec.num_kv_blocks * block_bytes, dtype=torch.uint8, device=device)
             kv_cache = kv_cache_view(pool, shard, spec.block_size, dtype)
             lora = LoraSlotBuffers(shard, spec.num_lora_slots, spec.max_lora_rank, dtype, device,
-                                   base_weights=model.group_weights, pool=pool,
-                                   slot_bytes=spec.lora_slot_bytes)
+                                   base_weights=model.group_weights, pool=pool, block_bytes=block_bytes)
         else:
             kv_cache = torch.zeros(spec.num_kv_blocks, shard.num_layers, 2, spec.block_size,
                                    shard.num_kv_heads, shard.head_dim, dtype=dtype, device=device)
@@ -171,19 +170,21 @@ class Worker:
         shapes["kv_cache"] = tuple(kv_cache.shape)
         return shapes
 
-    def load_adapter(self, slot: int, adapter: HostAdapter) -> None:
+    def load_adapter(self, slot: int, adapter: HostAdapter, pages: tuple[int, ...] | None = None) -> None:
         """Copy the rank's shard of `adapter` into `slot`; a DoRA adapter's o and down scales
         are then set from its row norms over every rank's columns."""
         shard, lora = shard_host_adapter(adapter, self.layout), self.runner.lora
-        lora.load(slot, shard)
+        if not 0 < slot <= lora.num_slots:  # (before its pages are counted)
+            raise ValueError(f"slot {slot} out of range 1..{lora.num_slots}")
+        if pages is None:  # the rank's adapters have a pool of their own
+            pages = lora.own_pages_of(slot, lora.pages_for(shard))
+        lora.load(slot, shard, list(pages))
         if shard.family != "dora":
             return
         base_weights = self.runner.model.group_weights
         for name, scale in dora_row_scales(shard, base_weights, self.group).items():
-            lora.scale[name][:, slot].copy_(scale)
-            if name in lora.shift:  # o's bias: y <- scale (W0 x + delta) + bias (rank 0 holds it)
-                bias = torch.stack([base_weights(layer, name)[1] for layer in range(len(scale))])
-                lora.shift[name][:, slot].copy_((1 - scale) * bias.float())
+            # o's bias: y <- scale (W0 x + delta) + bias (rank 0 holds it)
+            lora.set_row_scale(slot, name, scale)
 
     def run_step(self, command: RunStep) -> StepOutput | None:
         runner, logits = self.runner, []

@@ -121,20 +121,21 @@ class TensorParallelWorkers:
         check_workers(ModelConfig.load(spec.model), self.world_size, torch.device(spec.device))
         return self._call(MeasureMemory(spec, gpu_memory_utilization))
 
-    def load_adapter(self, slot: int, adapter: HostAdapter) -> None:
+    def load_adapter(self, slot: int, adapter: HostAdapter, pages: list[int] | None = None) -> None:
         """Copy an adapter (laid out for the full model) into `slot` on every rank, each its
-        shard."""
-        self._call(LoadAdapter(slot, adapter))
+        shard, in pool `pages` (None: the slot's own, where the ranks' adapters have a pool of
+        their own)."""
+        self._call(LoadAdapter(slot, adapter, None if pages is None else tuple(pages)))
 
     def time_collectives(self, batch_sizes: tuple[int, ...], iterations: int = 50) -> list[dict[str, float]]:
         """Rank 0's timings of a decode step's collectives at each batch size (TimeCollectives)."""
         return self._call(TimeCollectives(tuple(batch_sizes), iterations))[0]
 
-    def queue_adapter(self, slot: int, adapter: HostAdapter) -> None:
+    def queue_adapter(self, slot: int, adapter: HostAdapter, pages: list[int] | None = None) -> None:
         """Send a slot load to every rank and return at once: the ranks run it after the steps
         launched before it and before those launched after (their commands run in order); a
         failure is raised by the next `collect`."""
-        self._guarded(self._send, LoadAdapter(slot, adapter))
+        self._guarded(self._send, LoadAdapter(slot, adapter, None if pages is None else tuple(pages)))
         self._pending.append(False)
 
     def execute(self, plan: StepPlan, return_logits: bool = False) -> StepOutput:

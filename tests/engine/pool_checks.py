@@ -4,8 +4,8 @@ from __future__ import annotations
 
 
 def assert_pool_accounting(engine) -> None:
-    """Every page of the pool is exactly one of: held KV, lent to an adapter slot (slot 0's and
-    each resident adapter's), free; the block manager's counters agree with a count block by
+    """Every page of the pool is exactly one of: held KV, lent to one resident adapter (as many
+    as its own rank needs), free; the block manager's counters agree with a count block by
     block."""
     blocks, cache = engine.blocks, engine.adapters
     refs, lent = blocks._refs, blocks._lent
@@ -15,7 +15,11 @@ def assert_pool_accounting(engine) -> None:
     assert not any(r > 0 and is_lent for r, is_lent in zip(refs, lent))
     assert held + num_lent + free == blocks.num_blocks
     assert (blocks.num_used_blocks, blocks.num_lent_blocks, blocks.num_free_blocks) == (held, num_lent, free)
-    assert num_lent == cache.num_adapter_blocks == (len(cache.resident) + 1) * cache.slot_blocks
-    for slot in (0, *cache.resident.values()):
-        first = slot * cache.slot_blocks
-        assert all(lent[first:first + cache.slot_blocks]), f"slot {slot}'s pages are not all lent"
+    assert num_lent == cache.num_adapter_blocks
+    lent_to = [b for digest in cache.resident for b in cache.pages_of(digest)]
+    assert sorted(lent_to) == [b for b, is_lent in enumerate(lent) if is_lent], "pages lent twice or leaked"
+    for digest in cache.resident:  # pages for its own rank
+        entry = cache._host.get(digest)
+        if entry is not None and entry.adapter is not None:
+            expected = cache.buffers.blocks_per_page * cache.buffers.pages_for(entry.adapter)
+            assert len(cache.pages_of(digest)) == expected

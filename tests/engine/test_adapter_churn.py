@@ -84,7 +84,9 @@ def test_churn_over_64_adapters_4_slots_and_a_host_tier_of_8(many_adapters):
 
     llm = _llm(model, adapters, max_loras=4, max_cpu_loras=8, max_num_seqs=16, max_num_batched_tokens=32)
     engine, cache = llm.engine, llm.engine.adapters
-    bound = 8 * adapter_bytes(engine.model_config, 8, engine.dtype)
+    # An adapter in the host tier: its tensors and its pool pages (LoraSlotBuffers.prepare)
+    bound = 8 * (adapter_bytes(engine.model_config, 8, engine.dtype)
+                 + engine.lora.max_adapter_pages * engine.lora.page_bytes)
     assert cache.max_host_bytes == bound
     shuffled = requests[:]
     random.Random(9).shuffle(shuffled)

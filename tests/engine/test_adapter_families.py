@@ -205,17 +205,19 @@ def test_padded_decode_path_with_families(case, families, layout, monkeypatch):
     flora_shapes = [s for s in shapes if s.has_flora]
     assert flora_shapes and all(s.flora_rows in FLORA_ROW_BUCKETS for s in flora_shapes)
     assert all(runner.graphs.padded_size(s.num_seqs) == s.num_seqs for s in shapes)
-    if families == "ia3-flora":  # no LoRA, DoRA or IA3 on o: no shrink or expand
+    if families == "ia3-flora":  # IA3's vectors in rotary and the activation: no shrink or expand
         assert shapes and not any(s.has_expand for s in shapes)
     else:
         assert any(s.has_expand for s in shapes)
     variants = {tuple(sorted(v.items())) for v in runner.graphs.variants(16)}
-    for s in shapes:  # each step has a graph to replay on CUDA (IA3 on o's input with FLoRA: eager)
-        if s.has_input_scale and s.has_flora:
-            continue
+    for s in shapes:  # each step has a graph to replay on CUDA, IA3 with FLoRA too
         key = dict(has_lora=s.has_lora)
-        if s.has_input_scale:
+        if s.has_flora:  # FLoRA with the expand scales inputs too (identity where no IA3)
+            assert s.has_input_scale == s.has_expand, s
+            key.update(has_expand=s.has_expand, flora_rows=s.flora_rows,
+                       **({"has_input_scale": True} if s.has_expand else {}))
+        elif s.has_input_scale:
             key = dict(has_lora=True, has_input_scale=True)
         elif s.has_lora:
-            key.update(has_expand=s.has_expand, **({"flora_rows": s.flora_rows} if s.flora_rows else {}))
+            key.update(has_expand=s.has_expand)
         assert tuple(sorted(key.items())) in variants, s

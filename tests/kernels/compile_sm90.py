@@ -81,15 +81,17 @@ def _cases() -> Iterator[tuple]:
     for fused in (True, False):
         yield (f"rms_norm fused={fused}", norm._rms_norm_kernel, norm_args,
                dict(HAS_RESIDUAL=fused, BLOCK=4096), 8)
-    for has_scale in (False, True):  # with IA3's q/k/v vectors
-        yield (f"rotary_store_kv ia3={has_scale}", rotary._rotary_store_kv_kernel, dict(
+    # with IA3's q/k/v vectors: as dense rows and flags, or at pool offsets (paged adapters)
+    for has_scale, offsets in ((False, False), (True, False), (True, True)):
+        yield (f"rotary_store_kv ia3={has_scale} offsets={offsets}", rotary._rotary_store_kv_kernel, dict(
             positions_ptr=I64, q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, cos_sin_ptr=F32, kv_ptr=BF16,
-            slots_ptr=I64, q_out_ptr=BF16, token_slots_ptr=I32, scale_ptr=F32, scaled_ptr=I32,
+            slots_ptr=I64, q_out_ptr=BF16, token_slots_ptr=I32, scale_ptr=F32,
+            scaled_ptr=I64 if offsets else I32,
             stride_q_tok=6144, stride_q_head=128, stride_k_tok=6144,
             stride_k_head=128, stride_v_tok=6144, stride_v_head=128, stride_cos_sin=128,
             **KV_STRIDES, stride_q_out_tok=4096, stride_q_out_head=128, stride_scale=6144,
             num_heads=32, num_kv_heads=8, half=64, block_size=16),
-            dict(BLOCK_H=32, BLOCK_KV_H=8, BLOCK_HALF=64, HAS_SCALE=has_scale), 4)
+            dict(BLOCK_H=32, BLOCK_KV_H=8, BLOCK_HALF=64, HAS_SCALE=has_scale, OFFSETS=offsets), 4)
     base = decode.decode_config(64, 8, 2048, 128, _cpu())  # one split at batch 64
     decode_args = dict(
         q_ptr=BF16, kv_ptr=BF16, block_tables_ptr=I32, seq_lens_ptr=I32, out_ptr=BF16,
@@ -130,12 +132,14 @@ def _cases() -> Iterator[tuple]:
         dict(PAGE_SIZE=16, RETURN_LSE=True, BLOCK_Q=cfg.block_m // 4, GROUP_P2=4,
              BLOCK_N=cfg.block_n, BLOCK_D=128, UPCAST=False), cfg.num_warps, cfg.num_stages)
     yield from _lora_cases()
-    for has_scale in (False, True):  # with IA3's gate/up and down-input vectors
-        yield (f"silu_and_mul ia3={has_scale}", activation._silu_and_mul_kernel, dict(
-            x_ptr=BF16, out_ptr=BF16, slots_ptr=I32, scale_ptr=F32, scaled_ptr=I32,
-            in_scale_ptr=F32, in_scaled_ptr=I32, intermediate=14336, stride_x=28672,
+    # with IA3's gate/up and down-input vectors: dense rows and flags, or at pool offsets
+    for has_scale, offsets in ((False, False), (True, False), (True, True)):
+        flags = I64 if offsets else I32
+        yield (f"silu_and_mul ia3={has_scale} offsets={offsets}", activation._silu_and_mul_kernel, dict(
+            x_ptr=BF16, out_ptr=BF16, slots_ptr=I32, scale_ptr=F32, scaled_ptr=flags,
+            in_scale_ptr=F32, in_scaled_ptr=flags, intermediate=14336, stride_x=28672,
             stride_out=14336, stride_scale=28672, stride_in_scale=14336),
-            dict(HAS_SCALE=has_scale, BLOCK_SIZE=activation.BLOCK), 4)
+            dict(HAS_SCALE=has_scale, BLOCK_SIZE=activation.BLOCK, OFFSETS=offsets), 4)
     yield ("sample", sampling._sample_kernel, dict(
         logits_ptr=F32, temperature_ptr=F32, top_k_ptr=I32, top_p_ptr=F32, seeds_ptr=I64,
         offsets_ptr=I64, out_ptr=I64, cand_val_ptr=F32, cand_idx_ptr=I32, vocab=128256,

@@ -117,3 +117,20 @@ def make_paged_kv(
         cache[torch.tensor(blocks, dtype=torch.long)[tok // block_size], layer, :,
               tok % block_size] = kv
     return cache.to(device)[:, layer], block_tables.to(device)
+
+
+def as_pool_offsets(scale: torch.Tensor, flags: torch.Tensor,
+                    seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense IA3 rows (scale [num_slots, n] float32, flags [num_slots] int32) as paged adapters
+    hold them: the flagged rows at shuffled offsets (multiples of 4 floats, gaps between them)
+    of a NaN 1-D pool, and [num_slots] int64 offsets, -1 for the slots without a flag."""
+    num_slots, n = scale.shape
+    stride = -(-(n + 8) // 4) * 4
+    order = torch.randperm(num_slots, generator=torch.Generator().manual_seed(seed))
+    pool = torch.full((num_slots * stride + 4,), float("nan"), device=scale.device)
+    at = torch.full((num_slots,), -1, dtype=torch.int64)
+    for place, slot in enumerate(order.tolist()):
+        if flags[slot]:
+            at[slot] = place * stride + 4
+            pool[at[slot]:at[slot] + n] = scale[slot]
+    return pool, at.to(scale.device)

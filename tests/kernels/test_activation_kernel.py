@@ -6,6 +6,7 @@ from loraplex.kernels import reference as ref
 from tests.kernels.kernel_testing import (
     DEVICE,
     INTERPRETER_DTYPES,
+    as_pool_offsets,
     assert_close_bf16,
     gpu,
     guarded_1d,
@@ -79,6 +80,31 @@ def test_silu_and_mul_applies_ia3_vectors(dtype):
     torch.testing.assert_close(out[2], (plain[2].float() * in_scale[2]).to(dtype), atol=tol, rtol=tol)
     gate_up = (x[3].float() * scale[3]).to(dtype)
     torch.testing.assert_close(out[3], ref.silu_and_mul(gate_up[None])[0], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+def test_silu_and_mul_reads_ia3_vectors_at_pool_offsets(dtype):
+    """Paged adapters: gate | up's and down's input vectors at int64 offsets of one pool (-1:
+    none) give exactly what the same vectors as dense rows give, kernel and reference."""
+    intermediate = 1100
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(6, 2 * intermediate, generator=g) * 4).to(DEVICE, dtype)
+    token_slots = torch.tensor([0, 1, 2, 3, 4, 1], dtype=torch.int32, device=DEVICE)
+    scale, scaled, in_scale, in_scaled = _ia3(5, intermediate, (1, 3), (1, 2), DEVICE)
+    out_pool, out_at = as_pool_offsets(scale, scaled, seed=1)
+    in_pool, in_at = as_pool_offsets(in_scale, in_scaled, seed=2)
+    pool = torch.cat([out_pool, in_pool])  # one pool, as the adapters' pages are
+    in_at = torch.where(in_at >= 0, in_at + len(out_pool), in_at)
+    dense = activation.silu_and_mul(x, token_slots, scale, scaled, in_scale, in_scaled)
+    with poisoned_allocations(activation):
+        paged = activation.silu_and_mul(guarded_rows(x), guarded_1d(token_slots), pool, guarded_1d(out_at),
+                                        pool, guarded_1d(in_at))
+    assert torch.equal(paged, dense)
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(paged, ref.silu_and_mul(x, token_slots, pool, out_at, pool, in_at),
+                               atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="both int32 flags or both int64 offsets"):
+        activation.silu_and_mul(x, token_slots, pool, out_at, in_scale, in_scaled)
 
 
 def test_silu_and_mul_rejects_partial_ia3_arguments():

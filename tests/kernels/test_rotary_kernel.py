@@ -6,6 +6,7 @@ from loraplex.kernels import rotary
 from tests.kernels.kernel_testing import (
     DEVICE,
     INTERPRETER_DTYPES,
+    as_pool_offsets,
     assert_close_bf16,
     gpu,
     guarded_1d,
@@ -137,6 +138,30 @@ def test_rotary_store_kv_applies_ia3_vectors(dtype):
     torch.testing.assert_close(cache[:, 1], plain_cache[:, 1], atol=tol, rtol=tol, equal_nan=True)
     assert not torch.allclose(out_q[1], ref.rotary_store_kv(positions, q, k, v, cos_sin, cache[:, 0].clone(),
                                                             slots)[1], atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+def test_rotary_store_kv_reads_ia3_vectors_at_pool_offsets(dtype):
+    """Paged adapters: the vectors at int64 offsets of the pool (-1: none) give exactly what the
+    same vectors as dense rows give, in the kernel and in the reference."""
+    head_dim = 16
+    positions, q, k, v, cache, slots = _case(7, 4, 2, head_dim, 4, dtype, DEVICE)
+    cos_sin = _cos_sin(64, head_dim, DEVICE)
+    token_slots = torch.tensor([0, 1, 3, 1, 2, 0, 3], dtype=torch.int32, device=DEVICE)
+    scale, scaled = _ia3_scales(4, (4 + 2 * 2) * head_dim, (1, 3), DEVICE)
+    pool, at = as_pool_offsets(scale, scaled)
+    dense_cache, paged_cache, ref_cache = cache.clone(), cache.clone(), cache.clone()
+    dense_q = rotary.rotary_store_kv(positions, q, k, v, cos_sin, dense_cache[:, 1], slots, token_slots,
+                                     scale, scaled)
+    with poisoned_allocations(rotary):
+        paged_q = rotary.rotary_store_kv(guarded_1d(positions), q, k, v, cos_sin, paged_cache[:, 1],
+                                         guarded_1d(slots), guarded_1d(token_slots), pool, guarded_1d(at))
+    ref_q = ref.rotary_store_kv(positions, q, k, v, cos_sin, ref_cache[:, 1], slots, token_slots, pool, at)
+    assert torch.equal(paged_q, dense_q)
+    torch.testing.assert_close(paged_cache, dense_cache, atol=0, rtol=0, equal_nan=True)
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(paged_q, ref_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(paged_cache, ref_cache, atol=tol, rtol=tol, equal_nan=True)
 
 
 def test_rotary_store_kv_rejects_partial_ia3_arguments():

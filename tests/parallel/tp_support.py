@@ -62,8 +62,8 @@ class RecordedStep:
 
 @dataclass
 class Recording:
-    events: list[tuple[int, HostAdapter] | RecordedStep] = field(default_factory=list)
-    """Slot loads (slot, adapter) and steps, in the order the runner saw them."""
+    events: list[tuple[int, HostAdapter, list[int]] | RecordedStep] = field(default_factory=list)
+    """Slot loads (slot, adapter, pool pages) and steps, in the order the runner saw them."""
 
     @property
     def steps(self) -> list[RecordedStep]:
@@ -78,9 +78,9 @@ def record(engine) -> Recording:
     entry = "begin" if hasattr(runner, "begin") else "launch"
     load, start, collect = lora.load, getattr(runner, entry), runner.collect
 
-    def recording_load(slot: int, adapter: HostAdapter) -> None:
-        recording.events.append((slot, adapter))
-        load(slot, adapter)
+    def recording_load(slot: int, adapter: HostAdapter, pages: list[int]) -> None:
+        recording.events.append((slot, adapter, list(pages)))
+        load(slot, adapter, pages)
 
     def recording_start(plan: StepPlan, *args, **kwargs):
         step = RecordedStep(copy.deepcopy(plan))
@@ -129,7 +129,8 @@ def replay(workers, recording: Recording) -> list[RecordedStep]:
         else:
             while launched:  # a slot load waits for the steps in flight
                 collect_one()
-            workers.load_adapter(*event)
+            slot, adapter, _ = event  # the ranks' adapters have a pool of their own (runner_spec)
+            workers.load_adapter(slot, adapter)
     while launched:
         collect_one()
     return replayed
