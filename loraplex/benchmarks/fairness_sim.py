@@ -53,6 +53,12 @@ class FairnessSimConfig:
     fairness_bound: float = 4096.0
     max_capped_prefill_tokens: int = 0
     """VTC's prompt-chunk cap (0: none, the engine's default)."""
+    preload_adapters: bool = True
+    """Each run's adapters are resident before it starts, as in the GPU benchmark's VTC run (its
+    earlier runs on the same engine loaded all four; the light tenants' adapters are cold in its
+    first run, alone, where a pinned adapter's copy takes about 2 ms of an idle device). False:
+    each run starts cold, its first requests waiting for host loads and for slot copies that
+    queue behind the steps in flight (on seed 1 that wait was the light tenants' p99 TTFT)."""
     step: StepModel = field(default_factory=lambda: H100_OFFLINE_STEP)
 
 
@@ -65,9 +71,11 @@ def simulate_run(config: FairnessSimConfig, policy: str, heavy: bool = True) -> 
         num_host_blocks=config.num_host_blocks, policy=policy, fairness_bound=config.fairness_bound,
         max_capped_prefill_tokens=config.max_capped_prefill_tokens,
         request_overhead_ms=0.0, step=config.step))
+    requests = make_arrivals(config.workload, heavy)
+    if config.preload_adapters:
+        sim.preload([r.adapter for r in requests])
     if config.workload.system_prompt_len:
         _pin(sim, system_prompts(config.workload))
-    requests = make_arrivals(config.workload, heavy)
     sim.serve(requests, end_s=config.workload.duration_s + config.drain_s)
     elapsed = sim.now - sim.start_s
     arrived = {f"{sim.num_runs}-{r.index}": (r.arrival_s, r.tenant) for r in requests}
