@@ -79,7 +79,8 @@ def simulate_run(config: FairnessSimConfig, policy: str, heavy: bool = True) -> 
     sim.serve(requests, end_s=config.workload.duration_s + config.drain_s)
     elapsed = sim.now - sim.start_s
     arrived = {f"{sim.num_runs}-{r.index}": (r.arrival_s, r.tenant) for r in requests}
-    token_s = {request_id: timing.token_s for request_id, timing in sim.timings.items()}
+    token_s = {request_id: [t - sim.start_s for t in timing.token_s]  # on the arrivals' clock
+               for request_id, timing in sim.timings.items()}
     row: dict[str, Any] = {"policy": policy, "elapsed_s": round(elapsed, 2),
                            **group_figures(arrived, token_s, elapsed)}
     minutes = elapsed / 60
