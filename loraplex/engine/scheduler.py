@@ -1,10 +1,10 @@
 """Continuous batching to a per-step token budget. Running decodes first, then the rest of
-prompts already being prefilled, then chunks of waiting prompts; requests join and leave at
-every step. The scheduling policy orders the waiting queue and picks who is preempted: when KV
-blocks run out, and when it judges that a waiting request should displace a running one (whose
-blocks and place then admit it in the same step). It may also put a running prompt behind the
-waiting ones (its tenant has had more than its share): that prompt then takes only the budget
-they leave. Pure Python.
+prompts already being prefilled (in the policy's order), then chunks of waiting prompts;
+requests join and leave at every step. The scheduling policy orders the waiting queue and picks
+who is preempted: when KV blocks run out, and when it judges that a waiting request should
+displace a running one (whose blocks and place then admit it in the same step). It may also put
+a running prompt behind the waiting ones (its tenant has had more than its share): that prompt
+then takes only the budget they leave. Pure Python.
 
 A victim's KV is swapped out to the host pool when the pool has room (else dropped, and
 recomputed when it resumes). A swapped request resumes by copying it back: it is admitted in
@@ -109,7 +109,7 @@ class Scheduler:
         self._asked = []
         active = [r for r in self.running if r.has_tokens_to_compute]
         decodes = [r for r in active if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in active if r.num_tokens - r.num_computed_tokens > 1]
+        prefills = self.policy.order_prefills([r for r in active if r.num_tokens - r.num_computed_tokens > 1])
         self._capped = self.policy.capped_tenants(decodes) if self.config.max_capped_prefill_tokens else set()
         self._capped_left = self.config.max_capped_prefill_tokens
         first: list[Request] = []

@@ -281,3 +281,23 @@ def test_a_tenant_far_ahead_computes_short_prompt_chunks_while_one_behind_decode
             capped_steps += 1
             assert heavy_prompt <= 64, (sim.tick, rows)
     assert capped_steps >= 10
+
+
+def test_running_prompts_take_the_budget_least_served_tenant_first():
+    """With nothing queued, every running prompt goes before admissions; they take the budget
+    least-served tenant first, so the rest of a light tenant's prompt is not held behind a
+    flooding tenant's older prompt (in running order it waited until that one was done)."""
+    sim = Simulation("vtc", {})
+    sim.add("light", 16, 300)  # decodes all along: the light tenant stays active, its counter low
+    sim.add("heavy", 2000, 4)
+    while "heavy-1" in sim.unfinished:
+        sim.step()
+    sim.add("heavy", 2000, 4)
+    sim.step()  # heavy-2 runs, its prompt in chunks of the budget
+    sim.add("light", 1000, 4)
+    sim.step()  # light-3 starts with what the budget has left after one decode: 511 tokens
+    assert sim.unfinished["light-3"].num_computed_tokens == 511
+    sim.step()  # both prompts run; nothing is queued
+    assert "light-3" in sim.first_token, sim.last_plan.num_scheduled_tokens
+    assert sim.unfinished["heavy-2"].num_computed_tokens < 2000
+
