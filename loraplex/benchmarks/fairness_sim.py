@@ -53,6 +53,8 @@ class FairnessSimConfig:
     fairness_bound: float = 4096.0
     max_capped_prefill_tokens: int = 0
     """VTC's prompt-chunk cap (0: none, the engine's default)."""
+    fairness_kv_headroom: float = 0.0
+    """SchedulerConfig.fairness_kv_headroom (0: none, the engine's default)."""
     preload_adapters: bool = True
     """Each run's adapters are resident before it starts, as in the GPU benchmark's VTC run (its
     earlier runs on the same engine loaded all four; the light tenants' adapters are cold in its
@@ -70,7 +72,7 @@ def simulate_run(config: FairnessSimConfig, policy: str, heavy: bool = True) -> 
         max_num_batched_tokens=config.max_num_batched_tokens, num_kv_blocks=config.num_kv_blocks,
         num_host_blocks=config.num_host_blocks, policy=policy, fairness_bound=config.fairness_bound,
         max_capped_prefill_tokens=config.max_capped_prefill_tokens,
-        request_overhead_ms=0.0, step=config.step))
+        fairness_kv_headroom=config.fairness_kv_headroom, request_overhead_ms=0.0, step=config.step))
     requests = make_arrivals(config.workload, heavy)
     if config.preload_adapters:
         sim.preload([r.adapter for r in requests])
@@ -117,14 +119,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, nargs="+", default=[0])
     parser.add_argument("--max-capped-prefill-tokens", type=int, default=0,
                         help="VTC's prompt-chunk cap (default 0: none, as the engine)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                        help="token budget of a step (default 8192, as the GPU benchmark's)")
+    parser.add_argument("--fairness-kv-headroom", type=float, default=0.0,
+                        help="SchedulerConfig.fairness_kv_headroom (default 0: none, as the engine)")
     parser.add_argument("--tag", default="", help="results file suffix")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"results folder (default {RESULTS})")
     args = parser.parse_args(argv)
     results = []
     for seed in args.seed:
         workload = FairnessWorkload(seed=seed, system_prompt_len=args.system_prompt_len)
-        config = FairnessSimConfig(workload=workload,
-                                   max_capped_prefill_tokens=args.max_capped_prefill_tokens)
+        config = FairnessSimConfig(workload=workload, max_num_batched_tokens=args.max_num_batched_tokens,
+                                   max_capped_prefill_tokens=args.max_capped_prefill_tokens,
+                                   fairness_kv_headroom=args.fairness_kv_headroom)
         result = simulate(config)
         for name, run in result["runs"].items():
             print(f"seed {seed} {name:28s} {json.dumps({k: run[k] for k in run if k != 'policy'})}")

@@ -117,6 +117,8 @@ class SlotSimConfig:
     """VTC's prompt-chunk cap (SchedulerConfig.max_capped_prefill_tokens; 0: none)."""
     hold_places_for_loading: bool = False
     """SchedulerConfig.hold_places_for_loading."""
+    fairness_kv_headroom: float = 0.0
+    """SchedulerConfig.fairness_kv_headroom."""
     host_load_ms: float = 40.0
     """One adapter read into the host tier (the synthetic server copies 84 MB into fresh pinned
     memory: not measured on its own; the default is an estimate, see the sensitivity runs)."""
@@ -223,7 +225,8 @@ class SlotSimulation:
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             scheduling_policy=config.policy, fairness_bound=config.fairness_bound,
                             max_capped_prefill_tokens=config.max_capped_prefill_tokens,
-                            hold_places_for_loading=config.hold_places_for_loading),
+                            hold_places_for_loading=config.hold_places_for_loading,
+                            fairness_kv_headroom=config.fairness_kv_headroom),
             self.blocks, self.adapters, policy, HostBlockPool(config.num_host_blocks), clock=clock)
         self.num_runs = 0
 

@@ -66,6 +66,11 @@ class SchedulingPolicy(ABC):
         while requests of the tenants in `loading` wait for their adapters."""
         return False
 
+    def leaves_headroom(self, request: Request) -> bool:
+        """Whether waiting `request` starts only while the KV blocks left free after it are at
+        least SchedulerConfig.fairness_kv_headroom of the cache (kept for other tenants)."""
+        return False
+
     def prefills_first(self, request: Request) -> bool:
         """Whether the rest of running `request`'s prompt takes the step's token budget before
         waiting requests are admitted (True), or only what they leave (False)."""
@@ -219,6 +224,16 @@ class VtcPolicy(SchedulingPolicy):
             return set()
         least = min(self._counters.get(t, 0.0) for t in decoders)
         return {t for t in active if self._counters.get(t, 0.0) > least + self.bound}
+
+    def leaves_headroom(self, request: Request) -> bool:
+        """Its tenant is the most served of the active tenants and more than `bound` ahead of the
+        least served one: the tenants behind it then start their requests in the blocks it
+        leaves, instead of swapping its requests out one fairness preemption at a time. Only
+        the most served: tenants that are not backlogged drift apart by more than the bound, and
+        a rule for any tenant ahead held light tenants back behind each other."""
+        own = self._counters.get(request.tenant, 0.0)
+        others = [self._counters.get(t, 0.0) for t in self._active() if t != request.tenant]
+        return bool(others) and own >= max(others) and own > min(others) + self.bound
 
     def prefills_first(self, request: Request) -> bool:
         """A running prompt goes before the waiting requests only if its tenant is less served

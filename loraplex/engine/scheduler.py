@@ -4,7 +4,9 @@ requests join and leave at every step. The scheduling policy orders the waiting 
 who is preempted: when KV blocks run out, and when it judges that a waiting request should
 displace a running one (whose blocks and place then admit it in the same step). It may also put
 a running prompt behind the waiting ones (its tenant has had more than its share): that prompt
-then takes only the budget they leave. Pure Python.
+then takes only the budget they leave; and it may name requests that start only while a share
+of the KV blocks stays free for other tenants (SchedulerConfig.fairness_kv_headroom). Pure
+Python.
 
 A victim's KV is swapped out to the host pool when the pool has room (else dropped, and
 recomputed when it resumes). A swapped request resumes by copying it back: it is admitted in
@@ -248,6 +250,11 @@ class Scheduler:
                     self.adapters.release(request.adapter)
                 self._return_cached_prefix(request, cached, swapped)
                 continue
+            if self._takes_headroom(request, num_new):  # the blocks left are for tenants behind it
+                if slot:
+                    self.adapters.release(request.adapter)
+                self._return_cached_prefix(request, cached, swapped)
+                continue
             if not self._reserve(request, num_new, plan):
                 if slot:
                     self.adapters.release(request.adapter)
@@ -262,6 +269,16 @@ class Scheduler:
                 budget -= num_new
                 self._charge_cap(request, num_new)
         return budget, None
+
+    def _takes_headroom(self, request: Request, num_new: int) -> bool:
+        """Whether starting `request` with `num_new` tokens (none if it resumes from its host copy)
+        would leave fewer KV blocks free than SchedulerConfig.fairness_kv_headroom keeps, while
+        the policy says it should leave them to the tenants behind its own."""
+        headroom = int(self.config.fairness_kv_headroom * self.blocks.max_kv_blocks)
+        if headroom == 0 or not self.policy.leaves_headroom(request):
+            return False
+        needed = self.blocks.blocks_needed(request.num_cached_tokens + num_new, len(request.block_ids))
+        return self.blocks.num_available_blocks - needed < headroom
 
     def _wait_for_adapter(self, request: Request, why: Wait) -> None:
         self.adapter_waits[request.request_id] = why
