@@ -195,6 +195,7 @@ class Scheduler:
         those next in line. Returns the budget left and the first request kept out for want of
         a running place or KV blocks."""
         no_slots = no_host_room = False  # someone ahead waits for a slot / for host room
+        held: set[str] = set()  # tenants that leave the KV headroom to others: they start nothing more
         self.adapter_waits = {}
         self._loading_tenants = set()
         self._num_loading = 0
@@ -206,8 +207,8 @@ class Scheduler:
                 if not no_host_room:
                     self._prefetch(itertools.chain([request], waiting))
                 return budget, request if full else None
-            if request.num_pending or request.request_id in skip:  # a token in flight, or just preempted
-                continue
+            if request.num_pending or request.request_id in skip or request.tenant in held:
+                continue  # a token in flight, just preempted, or its tenant leaves the headroom
             if request.documents is not None:  # the engine blends its documents first
                 continue
             if not self._share_prompt(request):  # its donor has not computed the shared blocks yet
@@ -251,6 +252,7 @@ class Scheduler:
                 self._return_cached_prefix(request, cached, swapped)
                 continue
             if self._takes_headroom(request, num_new):  # the blocks left are for tenants behind it
+                held.add(request.tenant)
                 if slot:
                     self.adapters.release(request.adapter)
                 self._return_cached_prefix(request, cached, swapped)
