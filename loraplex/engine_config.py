@@ -88,12 +88,12 @@ class SchedulerConfig:
     requests leave free while it is more than `fairness_bound` ahead of another active tenant, so
     that the requests of the tenants behind it start in free blocks rather than by swapping its
     requests out (0: none, the default). Its running requests may still grow into it; once one
-    of its requests does not fit, it starts no other in that step. The fairness simulation (seeds
-    0-4, 2,048 tokens a step) found 0.15625 (640 of 4,096 blocks) took light tenants' p99 TTFT
-    from 1.38-2.35x their own alone (median 1.52x) to 1.24-1.72x (median 1.34x), fairness
-    preemptions from 264-375 a minute to 5-39 and KV ones from 314-472 to 112-171, at
-    0.977-0.986x FCFS's throughput (0.25: 1.14-1.59x, median 1.20x, at 0.951-0.956x); off until
-    measured on a GPU (studies/results/fairness-sim-sweep.md)."""
+    of its requests does not fit, it starts no other in that step. In the fairness simulation
+    (seeds 0-4, H100 step model, 1,536 tokens a step) 0.15625 (640 of 4,096 blocks) took light
+    tenants' median p99 TTFT from 1.70x their own alone to 1.31x (2.05x to 1.45x with 256-token
+    system prompts) and the median fairness preemptions from 296 and 407 a minute to 13 and 4,
+    at 0.983x and 0.971x FCFS's throughput; off until measured on a GPU
+    (studies/results/fairness-sim-sweep.md)."""
     hold_places_for_loading: bool = False
     """With "vtc": while the free running places are no more than the requests waiting for their
     adapters, a tenant that holds its weighted share of the places takes no more; so it does not
