@@ -8,7 +8,9 @@
 #   variant:NAME:RUNS  the benchmark's RUNS (e.g. alone,vtc) with the loraplex package of
 #                    .device/NAME/ first on the path (a copy of this tree with one change
 #                    undone or tried; made here, carried to the device, never committed)
-# Set LORAPLEX_COMMIT to the commit that the results should record (the device has no git).
+# Set LORAPLEX_COMMIT to the commit that the results should record (the device has no git), and
+# FAIRNESS_ARGS to flags that every stage's benchmark takes (e.g. "--max-num-batched-tokens 1536
+# --fairness-kv-headroom 0.15625", the fairness simulation's recommendation).
 # JSON and logs go to $OUT (default bench/results/gpu-issue-29).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +18,7 @@ OUT=${OUT:-bench/results/gpu-issue-29}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 COMMIT=${LORAPLEX_COMMIT:-unknown}
+read -r -a ARGS <<< "${FAIRNESS_ARGS:-}"
 
 for stage in "$@"; do
     echo "=== $stage ($(date -u +%H:%M:%S))"
@@ -24,16 +27,16 @@ for stage in "$@"; do
             scripts/gpu-pass.sh install > /dev/null 2>&1 && echo installed || { echo "install failed"; exit 1; }
             ;;
         fairness)
-            python3 -m loraplex.benchmarks fairness --out "$OUT" 2>&1 | tee "$OUT/fairness.log" | tail -8
+            python3 -m loraplex.benchmarks fairness "${ARGS[@]}" --out "$OUT" 2>&1 | tee "$OUT/fairness.log" | tail -8
             ;;
         system-prompts)
-            python3 -m loraplex.benchmarks fairness --system-prompt-len 256 --out "$OUT" 2>&1 \
+            python3 -m loraplex.benchmarks fairness "${ARGS[@]}" --system-prompt-len 256 --out "$OUT" 2>&1 \
                 | tee "$OUT/fairness-system-prompts.log" | tail -8
             ;;
         seed:*)
             seed=${stage#seed:}
             mkdir -p "$OUT/seed-$seed"
-            python3 -m loraplex.benchmarks fairness --seed "$seed" --out "$OUT/seed-$seed" 2>&1 \
+            python3 -m loraplex.benchmarks fairness "${ARGS[@]}" --seed "$seed" --out "$OUT/seed-$seed" 2>&1 \
                 | tee "$OUT/seed-$seed/fairness.log" | tail -8
             ;;
         variant:*)
@@ -42,7 +45,7 @@ for stage in "$@"; do
             # -P: `python -m` puts the working directory (this tree) before PYTHONPATH on the
             # path, which ran this tree's package instead of the variant's until 2a1c05f
             LORAPLEX_COMMIT="$COMMIT+$name" PYTHONPATH=".device/$name" \
-                python3 -P -m loraplex.benchmarks fairness --runs "$runs" --out "$OUT/$name" 2>&1 \
+                python3 -P -m loraplex.benchmarks fairness "${ARGS[@]}" --runs "$runs" --out "$OUT/$name" 2>&1 \
                 | tee "$OUT/$name/fairness.log" | tail -8
             ;;
         *)

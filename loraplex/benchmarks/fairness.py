@@ -65,6 +65,10 @@ class FairnessBenchConfig:
     seed: int = 0
     max_capped_prefill_tokens: int | None = None
     """VTC's prompt-chunk cap (None: the engine's default)."""
+    max_num_batched_tokens: int = 8192
+    """Token budget of a step."""
+    fairness_kv_headroom: float | None = None
+    """SchedulerConfig.fairness_kv_headroom (None: the engine's default)."""
 
     def workload(self, vocab_size: int) -> FairnessWorkload:
         return FairnessWorkload(light_rate=self.light_rate, heavy_factor=self.heavy_factor,
@@ -93,6 +97,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-capped-prefill-tokens", type=int, default=None,
                         help="VTC's prompt-chunk cap (default: the engine's)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                        help="token budget of a step (default 8192)")
+    parser.add_argument("--fairness-kv-headroom", type=float, default=None,
+                        help="share of the KV cache that the most-served tenant leaves free "
+                             "(default: the engine's)")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"results folder (default {RESULTS})")
     args = parser.parse_args(argv)
     config = FairnessBenchConfig(
@@ -101,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
         model=args.model_overrides, prompt_len=tuple(args.prompt_len), output_len=tuple(args.output_len),
         resume_tokens=args.resume_tokens, num_kv_blocks=args.num_kv_blocks,
         system_prompt_len=args.system_prompt_len, runs=args.runs, seed=args.seed,
-        max_capped_prefill_tokens=args.max_capped_prefill_tokens)
+        max_capped_prefill_tokens=args.max_capped_prefill_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens, fairness_kv_headroom=args.fairness_kv_headroom)
     name = "fairness" + (f"-system-prompts-{config.system_prompt_len}" if config.system_prompt_len else "")
     path = write(run(config), args.out, name)
     print(f"wrote {path}")
@@ -124,9 +134,12 @@ def run(config: FairnessBenchConfig) -> dict[str, Any]:
         model="synthetic-llama-3-8b", device=config.device, dtype=str(dtype).removeprefix("torch."),
         max_model_len=max_len,
         cache=CacheConfig(block_size=16, swap_space=16, num_kv_blocks=config.num_kv_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=8192,
+        scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                                  max_num_batched_tokens=config.max_num_batched_tokens,
                                   **({"max_capped_prefill_tokens": config.max_capped_prefill_tokens}
-                                     if config.max_capped_prefill_tokens else {})),
+                                     if config.max_capped_prefill_tokens else {}),
+                                  **({"fairness_kv_headroom": config.fairness_kv_headroom}
+                                     if config.fairness_kv_headroom is not None else {})),
         lora=LoRAConfig(max_lora_rank=config.rank, max_loras=len(TENANTS))), model=model)
     for i, tenant in enumerate(TENANTS):
         engine.add_adapter(tenant, synthetic.random_adapter(model_config, config.rank, dtype, device, tenant,

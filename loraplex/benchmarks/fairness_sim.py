@@ -53,6 +53,14 @@ class FairnessSimConfig:
     fairness_bound: float = 4096.0
     max_capped_prefill_tokens: int = 0
     """VTC's prompt-chunk cap (0: none, the engine's default)."""
+    fairness_kv_headroom: float = 0.0
+    """SchedulerConfig.fairness_kv_headroom (0: none, the engine's default)."""
+    preload_adapters: bool = True
+    """Each run's adapters are resident before it starts, as in the GPU benchmark's VTC run (its
+    earlier runs on the same engine loaded all four; the light tenants' adapters are cold in its
+    first run, alone, where a pinned adapter's copy takes about 2 ms of an idle device). False:
+    each run starts cold, its first requests waiting for host loads and for slot copies that
+    queue behind the steps in flight (on seed 1 that wait was the light tenants' p99 TTFT)."""
     step: StepModel = field(default_factory=lambda: H100_OFFLINE_STEP)
 
 
@@ -64,14 +72,17 @@ def simulate_run(config: FairnessSimConfig, policy: str, heavy: bool = True) -> 
         max_num_batched_tokens=config.max_num_batched_tokens, num_kv_blocks=config.num_kv_blocks,
         num_host_blocks=config.num_host_blocks, policy=policy, fairness_bound=config.fairness_bound,
         max_capped_prefill_tokens=config.max_capped_prefill_tokens,
-        request_overhead_ms=0.0, step=config.step))
+        fairness_kv_headroom=config.fairness_kv_headroom, request_overhead_ms=0.0, step=config.step))
+    requests = make_arrivals(config.workload, heavy)
+    if config.preload_adapters:
+        sim.preload([r.adapter for r in requests])
     if config.workload.system_prompt_len:
         _pin(sim, system_prompts(config.workload))
-    requests = make_arrivals(config.workload, heavy)
     sim.serve(requests, end_s=config.workload.duration_s + config.drain_s)
     elapsed = sim.now - sim.start_s
     arrived = {f"{sim.num_runs}-{r.index}": (r.arrival_s, r.tenant) for r in requests}
-    token_s = {request_id: timing.token_s for request_id, timing in sim.timings.items()}
+    token_s = {request_id: [t - sim.start_s for t in timing.token_s]  # on the arrivals' clock
+               for request_id, timing in sim.timings.items()}
     row: dict[str, Any] = {"policy": policy, "elapsed_s": round(elapsed, 2),
                            **group_figures(arrived, token_s, elapsed)}
     minutes = elapsed / 60
@@ -108,14 +119,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, nargs="+", default=[0])
     parser.add_argument("--max-capped-prefill-tokens", type=int, default=0,
                         help="VTC's prompt-chunk cap (default 0: none, as the engine)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                        help="token budget of a step (default 8192, as the GPU benchmark's)")
+    parser.add_argument("--fairness-kv-headroom", type=float, default=0.0,
+                        help="SchedulerConfig.fairness_kv_headroom (default 0: none, as the engine)")
     parser.add_argument("--tag", default="", help="results file suffix")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"results folder (default {RESULTS})")
     args = parser.parse_args(argv)
     results = []
     for seed in args.seed:
         workload = FairnessWorkload(seed=seed, system_prompt_len=args.system_prompt_len)
-        config = FairnessSimConfig(workload=workload,
-                                   max_capped_prefill_tokens=args.max_capped_prefill_tokens)
+        config = FairnessSimConfig(workload=workload, max_num_batched_tokens=args.max_num_batched_tokens,
+                                   max_capped_prefill_tokens=args.max_capped_prefill_tokens,
+                                   fairness_kv_headroom=args.fairness_kv_headroom)
         result = simulate(config)
         for name, run in result["runs"].items():
             print(f"seed {seed} {name:28s} {json.dumps({k: run[k] for k in run if k != 'policy'})}")

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -117,6 +117,8 @@ class SlotSimConfig:
     """VTC's prompt-chunk cap (SchedulerConfig.max_capped_prefill_tokens; 0: none)."""
     hold_places_for_loading: bool = False
     """SchedulerConfig.hold_places_for_loading."""
+    fairness_kv_headroom: float = 0.0
+    """SchedulerConfig.fairness_kv_headroom."""
     host_load_ms: float = 40.0
     """One adapter read into the host tier (the synthetic server copies 84 MB into fresh pinned
     memory: not measured on its own; the default is an estimate, see the sensitivity runs)."""
@@ -230,7 +232,8 @@ class SlotSimulation:
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             scheduling_policy=config.policy, fairness_bound=config.fairness_bound,
                             max_capped_prefill_tokens=config.max_capped_prefill_tokens,
-                            hold_places_for_loading=config.hold_places_for_loading),
+                            hold_places_for_loading=config.hold_places_for_loading,
+                            fairness_kv_headroom=config.fairness_kv_headroom),
             self.blocks, self.adapters, policy, HostBlockPool(config.num_host_blocks), clock=clock)
         self.num_runs = 0
 
@@ -241,6 +244,24 @@ class SlotSimulation:
         arrivals = make_workload(workload or self.config.workload)
         self.serve(arrivals)
         return self._summary(arrivals)
+
+    def preload(self, adapters: Collection[str]) -> None:
+        """Read `adapters` into host memory and copy them into device slots before the next run
+        (virtual time passes), as a benchmark that serves them before its timed run; they stay
+        resident, idle, until evicted."""
+        pending = list(dict.fromkeys(adapters))
+        while pending:
+            self.adapters.poll()
+            for adapter in list(pending):
+                if not isinstance(self.adapters.acquire(adapter), Wait):
+                    self.adapters.release(adapter)
+                    pending.remove(adapter)
+            if pending:
+                wake = min(self.loads.next_done, self.copies.next_done)
+                if math.isinf(wake):
+                    raise RuntimeError(f"adapters {pending} cannot be made resident")
+                self.now = max(wake, self.now)  # between runs: no occupancy to count
+                self._run_workers()
 
     def serve(self, arrivals: list[BenchRequest], end_s: float = math.inf) -> None:
         """Serve `arrivals` (by arrival time) from the state that earlier runs left, until the

@@ -1,10 +1,12 @@
 """Continuous batching to a per-step token budget. Running decodes first, then the rest of
-prompts already being prefilled, then chunks of waiting prompts; requests join and leave at
-every step. The scheduling policy orders the waiting queue and picks who is preempted: when KV
-blocks run out, and when it judges that a waiting request should displace a running one (whose
-blocks and place then admit it in the same step). It may also put a running prompt behind the
-waiting ones (its tenant has had more than its share): that prompt then takes only the budget
-they leave. Pure Python.
+prompts already being prefilled (in the policy's order), then chunks of waiting prompts;
+requests join and leave at every step. The scheduling policy orders the waiting queue and picks
+who is preempted: when KV blocks run out, and when it judges that a waiting request should
+displace a running one (whose blocks and place then admit it in the same step). It may also put
+a running prompt behind the waiting ones (its tenant has had more than its share): that prompt
+then takes only the budget they leave; and it may name requests that start only while a share
+of the KV blocks stays free for other tenants (SchedulerConfig.fairness_kv_headroom). Pure
+Python.
 
 A victim's KV is swapped out to the host pool when the pool has room (else dropped, and
 recomputed when it resumes). A swapped request resumes by copying it back: it is admitted in
@@ -109,7 +111,7 @@ class Scheduler:
         self._asked = []
         active = [r for r in self.running if r.has_tokens_to_compute]
         decodes = [r for r in active if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in active if r.num_tokens - r.num_computed_tokens > 1]
+        prefills = self.policy.order_prefills([r for r in active if r.num_tokens - r.num_computed_tokens > 1])
         self._capped = self.policy.capped_tenants(decodes) if self.config.max_capped_prefill_tokens else set()
         self._capped_left = self.config.max_capped_prefill_tokens
         first: list[Request] = []
@@ -193,6 +195,7 @@ class Scheduler:
         those next in line. Returns the budget left and the first request kept out for want of
         a running place or KV blocks."""
         no_slots = no_host_room = False  # someone ahead waits for a slot / for host room
+        held: set[str] = set()  # tenants that leave the KV headroom to others: they start nothing more
         self.adapter_waits = {}
         self._loading_tenants = set()
         self._num_loading = 0
@@ -204,8 +207,8 @@ class Scheduler:
                 if not no_host_room:
                     self._prefetch(itertools.chain([request], waiting))
                 return budget, request if full else None
-            if request.num_pending or request.request_id in skip:  # a token in flight, or just preempted
-                continue
+            if request.num_pending or request.request_id in skip or request.tenant in held:
+                continue  # a token in flight, just preempted, or its tenant leaves the headroom
             if request.documents is not None:  # the engine blends its documents first
                 continue
             if not self._share_prompt(request):  # its donor has not computed the shared blocks yet
@@ -248,6 +251,12 @@ class Scheduler:
                     self.adapters.release(request.adapter)
                 self._return_cached_prefix(request, cached, swapped)
                 continue
+            if self._takes_headroom(request, num_new):  # the blocks left are for tenants behind it
+                held.add(request.tenant)
+                if slot:
+                    self.adapters.release(request.adapter)
+                self._return_cached_prefix(request, cached, swapped)
+                continue
             if not self._reserve(request, num_new, plan):
                 if slot:
                     self.adapters.release(request.adapter)
@@ -262,6 +271,16 @@ class Scheduler:
                 budget -= num_new
                 self._charge_cap(request, num_new)
         return budget, None
+
+    def _takes_headroom(self, request: Request, num_new: int) -> bool:
+        """Whether starting `request` with `num_new` tokens (none if it resumes from its host copy)
+        would leave fewer KV blocks free than SchedulerConfig.fairness_kv_headroom keeps, while
+        the policy says it should leave them to the tenants behind its own."""
+        headroom = int(self.config.fairness_kv_headroom * self.blocks.max_kv_blocks)
+        if headroom == 0 or not self.policy.leaves_headroom(request):
+            return False
+        needed = self.blocks.blocks_needed(request.num_cached_tokens + num_new, len(request.block_ids))
+        return self.blocks.num_available_blocks - needed < headroom
 
     def _wait_for_adapter(self, request: Request, why: Wait) -> None:
         self.adapter_waits[request.request_id] = why

@@ -40,13 +40,13 @@ class NoAdapters:
 
 class Simulation:
     def __init__(self, policy: str, weights: dict[str, float], bound: float = 1024.0,
-                 capped_prefill: int = 1024) -> None:
+                 capped_prefill: int = 1024, kv_headroom: float = 0.0) -> None:
         self.tenants = TenantTable()
         for tenant, weight in weights.items():
             self.tenants.set_weight(tenant, weight)
         self.policy = (VtcPolicy(self.tenants, bound) if policy == "vtc" else FcfsPolicy(self.tenants))
         config = SchedulerConfig(max_num_seqs=MAX_SEQS, max_num_batched_tokens=512,
-                                 max_capped_prefill_tokens=capped_prefill)
+                                 max_capped_prefill_tokens=capped_prefill, fairness_kv_headroom=kv_headroom)
         self.blocks = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
         self.host = HostBlockPool(4 * NUM_BLOCKS)
         self.scheduler = Scheduler(config, self.blocks, NoAdapters(), self.policy, self.host)
@@ -281,3 +281,51 @@ def test_a_tenant_far_ahead_computes_short_prompt_chunks_while_one_behind_decode
             capped_steps += 1
             assert heavy_prompt <= 64, (sim.tick, rows)
     assert capped_steps >= 10
+
+
+def test_running_prompts_take_the_budget_least_served_tenant_first():
+    """With nothing queued, every running prompt goes before admissions; they take the budget
+    least-served tenant first, so the rest of a light tenant's prompt is not held behind a
+    flooding tenant's older prompt (in running order it waited until that one was done)."""
+    sim = Simulation("vtc", {})
+    sim.add("light", 16, 300)  # decodes all along: the light tenant stays active, its counter low
+    sim.add("heavy", 2000, 4)
+    while "heavy-1" in sim.unfinished:
+        sim.step()
+    sim.add("heavy", 2000, 4)
+    sim.step()  # heavy-2 runs, its prompt in chunks of the budget
+    sim.add("light", 1000, 4)
+    sim.step()  # light-3 starts with what the budget has left after one decode: 511 tokens
+    assert sim.unfinished["light-3"].num_computed_tokens == 511
+    sim.step()  # both prompts run; nothing is queued
+    assert "light-3" in sim.first_token, sim.last_plan.num_scheduled_tokens
+    assert sim.unfinished["heavy-2"].num_computed_tokens < 2000
+
+
+def test_the_most_served_tenant_leaves_kv_headroom_for_the_tenants_behind_it():
+    """The heavy tenant, far ahead, starts requests only while a quarter of the KV blocks stay
+    free; a light tenant's prompt then starts in them at once, without a fairness preemption.
+    Without the headroom the heavy tenant fills the cache and the light prompt starts by
+    swapping a heavy request out."""
+    def run(headroom: float) -> tuple[int, int, Simulation]:
+        sim = Simulation("vtc", {}, bound=64.0, kv_headroom=headroom)
+        sim.add("light", 16, 400)  # active all along, and far behind
+        for _ in range(40):
+            sim.add("heavy", 200, 24)
+        low = NUM_BLOCKS
+        for tick in range(40):
+            sim.step()
+            if tick >= 30:  # the heavy tenant is far ahead by now
+                low = min(low, sim.blocks.num_free_blocks)
+        sim.add("light", 200, 4)  # 13 blocks
+        arrived = sim.tick
+        while f"light-{sim.arrivals - 1}" not in sim.first_token:
+            sim.step()
+            sim.check_accounting()
+        return sim.first_token[f"light-{sim.arrivals - 1}"] - arrived, low, sim
+
+    wait, low, sim = run(0.25)
+    assert low >= 0.25 * NUM_BLOCKS - 12  # its running requests grow into a few of them
+    assert wait == 0 and sim.scheduler.preemptions["fairness", "swap"] == 0, sim.scheduler.preemptions
+    _, low_without, sim_without = run(0.0)
+    assert low_without < 8 and sim_without.scheduler.preemptions["fairness", "swap"] >= 1
