@@ -481,10 +481,23 @@ def paged_lora_bt(pool: torch.Tensor, b_pages: torch.Tensor, ranks: torch.Tensor
     return torch.cat(gather_pages(pool, b_pages, ranks, widths, max_rank), dim=2)
 
 
+def _used_slots(slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the slots slot_ids name, slot 0 first: sorted, unique; slot_ids renumbered into them).
+    The paged references gather only the pages of the slots a call uses: the engine's tables
+    have a row for every slot (hundreds on a small model), and gathering them all each call
+    made a CPU step take seconds."""
+    ids = slot_ids.long()
+    zero = torch.zeros(1, dtype=torch.long, device=ids.device)
+    used = torch.unique(torch.cat([zero, ids.reshape(-1)]))
+    return used, torch.searchsorted(used, ids).to(slot_ids.dtype)
+
+
 def lora_shrink_paged(x: torch.Tensor, pool: torch.Tensor, a_pages: torch.Tensor,
                       token_slots: torch.Tensor, ranks: torch.Tensor, max_rank: int) -> torch.Tensor:
     """lora_shrink with A in rank pages (kernels/lora_paged.py's layout)."""
-    return lora_shrink(x, paged_lora_a(pool, a_pages, ranks, x.shape[1], max_rank), token_slots, ranks)
+    used, local = _used_slots(token_slots)
+    return lora_shrink(x, paged_lora_a(pool, a_pages[used], ranks[used], x.shape[1], max_rank), local,
+                       ranks[used])
 
 
 def lora_expand_paged(
@@ -495,21 +508,24 @@ def lora_expand_paged(
 ) -> torch.Tensor:
     """lora_expand with B (transposed) in rank pages and the epilogue's vectors at scale_at,
     shift_at (-1: none) in vectors, the pool as float32 (kernels/lora_paged.py's layout)."""
-    lora_b = paged_lora_bt(pool, b_pages, ranks, slice_offsets, shrunk.shape[2]).transpose(1, 2)
+    used, local = _used_slots(token_slots)
+    ranks = ranks[used]
+    lora_b = paged_lora_bt(pool, b_pages[used], ranks, slice_offsets, shrunk.shape[2]).transpose(1, 2)
     scale = scaled = shift = None
     if scale_at is not None:
         out_features = slice_offsets[-1]
-        scale = gather_vectors(vectors, scale_at, out_features, 1.0)
-        scaled = (scale_at >= 0).to(torch.int32)
+        scale = gather_vectors(vectors, scale_at[used], out_features, 1.0)
+        scaled = (scale_at[used] >= 0).to(torch.int32)
         if shift_at is not None:
-            shift = gather_vectors(vectors, shift_at, out_features, 0.0)
-    return lora_expand(y, shrunk, lora_b, token_slots, ranks, slice_offsets, scale, scaled, shift)
+            shift = gather_vectors(vectors, shift_at[used], out_features, 0.0)
+    return lora_expand(y, shrunk, lora_b, local, ranks, slice_offsets, scale, scaled, shift)
 
 
 def scale_rows_paged(x: torch.Tensor, vectors: torch.Tensor, scale_at: torch.Tensor,
                      token_slots: torch.Tensor) -> torch.Tensor:
     """scale_rows with each slot's vector at scale_at[slot] in vectors (-1: all 1)."""
-    return scale_rows(x, gather_vectors(vectors, scale_at, x.shape[1], 1.0), token_slots)
+    used, local = _used_slots(token_slots)
+    return scale_rows(x, gather_vectors(vectors, scale_at[used], x.shape[1], 1.0), local)
 
 
 def flora_stack_paged(
@@ -517,8 +533,9 @@ def flora_stack_paged(
     row_tokens: torch.Tensor, row_slots: torch.Tensor, row_ranks: torch.Tensor, per_slice: bool,
 ) -> torch.Tensor:
     """flora_stack with FLoRA's A in rank pages."""
-    a = paged_lora_a(pool, a_pages, flora_ranks, x.shape[1], a_pages.shape[2] * PAGE_RANK)
-    return flora_stack(x, a, flora_ranks, row_tokens, row_slots, row_ranks, per_slice)
+    used, local = _used_slots(row_slots)
+    a = paged_lora_a(pool, a_pages[used], flora_ranks[used], x.shape[1], a_pages.shape[2] * PAGE_RANK)
+    return flora_stack(x, a, flora_ranks[used], row_tokens, local, row_ranks, per_slice)
 
 
 def flora_combine_paged(
@@ -527,8 +544,10 @@ def flora_combine_paged(
     per_slice: bool, bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """flora_combine with FLoRA's B (transposed, per slice) in rank pages."""
-    flora_b = paged_lora_bt(pool, b_pages, flora_ranks, slice_offsets, b_pages.shape[2] * PAGE_RANK)
-    return flora_combine(products, flora_b, token_slots, flora_ranks, bounds, slice_offsets, num_rows,
+    used, local = _used_slots(token_slots)
+    flora_b = paged_lora_bt(pool, b_pages[used], flora_ranks[used], slice_offsets,
+                            b_pages.shape[2] * PAGE_RANK)
+    return flora_combine(products, flora_b, local, flora_ranks[used], bounds, slice_offsets, num_rows,
                          per_slice, bias)
 
 

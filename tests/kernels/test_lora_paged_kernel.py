@@ -172,6 +172,32 @@ def test_paged_flora_stack_and_combine_match_the_slot_kernels(dtype, per_slice):
     torch.testing.assert_close(paged_ref, expected, atol=1e-6, rtol=1e-5)
 
 
+def test_the_paged_references_follow_only_the_slots_a_call_uses():
+    """The engine's tables have a row for every slot (hundreds on a small model); the CPU path
+    (these references) gathers only the rows that the call's tokens name: the others' entries,
+    pointing far past the pool here, are never followed, and the results are the same."""
+    a, b, ranks, offsets, pool, paged = _lora_case(RANKS, 40, (24, 8, 16), 8, torch.float32)
+    scale, scaled, _ = _scales(len(RANKS), offsets[-1], (1, 3), False, DEVICE)
+    _, scaled_paged = _page(a, b.transpose(1, 2), ranks, offsets, scale, None, scaled.tolist())
+    weights, vectors = pool.view(torch.float32), pool.view(torch.float32)
+    g = torch.Generator().manual_seed(8)
+    x, y = torch.randn(4, 40, generator=g), torch.randn(4, offsets[-1], generator=g)
+    slots = torch.tensor([2, 0, 2, 1], dtype=torch.int32)  # slot 3 unused
+    far = 10**12
+    a_pages, b_pages = paged.a_pages.clone(), paged.b_pages.clone()
+    a_pages[3], b_pages[3] = far, far
+    scale_at = scaled_paged.scale_at.clone()
+    scale_at[3] = far
+    shrunk = ref.lora_shrink_paged(x, weights, a_pages, slots, ranks, 8)
+    torch.testing.assert_close(shrunk, ref.lora_shrink(x, a, slots, ranks))
+    out = ref.lora_expand_paged(y.clone(), shrunk, weights, b_pages, slots, ranks, offsets)
+    torch.testing.assert_close(out, ref.lora_expand(y.clone(), shrunk, b, slots, ranks, offsets))
+    scaled_out = ref.scale_rows_paged(x, vectors, scale_at, slots)
+    assert torch.equal(scaled_out[1], x[1])  # slot 0: unscaled
+    with pytest.raises(IndexError):  # (the same call naming slot 3 does follow its rows)
+        ref.lora_shrink_paged(x, weights, a_pages, torch.tensor([3, 0, 1, 2], dtype=torch.int32), ranks, 8)
+
+
 def test_paged_wrappers_reject_bad_tables():
     *_, ranks, offsets, pool, paged = _lora_case(RANKS, 40, (24, 8, 16), 8, torch.float32)
     x = torch.randn(3, 40, device=DEVICE)
