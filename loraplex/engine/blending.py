@@ -230,8 +230,9 @@ def question_attention(model: LlamaForCausalLM, kv_cache: torch.Tensor, table: t
     mass = torch.zeros(n, dtype=torch.float32, device=kv_cache.device)
     for layer in model.layers[2:]:
         attn = layer.attn
-        h = hidden.float() + residual.float()
-        normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + layer.eps)).to(hidden.dtype) * layer.input_norm
+        h = hidden.float() + residual.float()  # the layer's input norm, as its fused_add_rms_norm
+        normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + layer.eps)).to(hidden.dtype)
+        normed = normed * layer.input_norm
         hidden, residual = _layer_chunks(layer, model, kv_cache, table, slots, probe, hidden, residual, lora)
         keys = kv_cache[rows, attn.layer, 0].flatten(0, 1)[:n].float()  # [tokens, kv_heads, d]
         keys = keys.repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=1)
@@ -247,7 +248,8 @@ def question_attention(model: LlamaForCausalLM, kv_cache: torch.Tensor, table: t
             q = torch.cat((q1 * cos[:, None] - q2 * sin[:, None], q2 * cos[:, None] + q1 * sin[:, None]), -1)
             scores = torch.einsum("qhd,khd->hqk", q, keys) * attn.scale  # [heads, chunk, tokens]
             later = torch.arange(n, device=kv_cache.device)[None, :] > chunk[:, None]
-            mass += scores.masked_fill(later, float("-inf")).softmax(-1).sum((0, 1)) / (attn.num_heads * len(probe))
+            weights = scores.masked_fill(later, float("-inf")).softmax(-1)
+            mass += weights.sum((0, 1)) / (attn.num_heads * len(probe))
     return mass
 
 
