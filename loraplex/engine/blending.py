@@ -5,11 +5,15 @@ A document's KV computed alone (positions from 0) differs from a full prefill's 
 keys sit at the wrong positions, and it never attended to what precedes it. The first is exact to
 fix: a rotary rotation composes with another, so rotating the keys on by the document's offset
 puts them where the prompt has them. The second is what the recompute is for. As CacheBlend
-does: layers 0 and 1 run every token (a layer-0 key depends on its token and position only, so
-layer 0 costs little and is exact); layer 1's fresh KV is set against the reused one, and the
-`share` of document tokens that deviate most, with every token that is no document's (the
-template, the question), go through the remaining layers, their KV replacing the reused one
-and attending to the blended cache. A share of 1.0 is a full prefill.
+does, layers 0 and 1 run every token (a layer-0 key depends on its token and position only, so
+layer 0 costs little and is exact, and so then is layer 1); then every token that is no
+document's (the template, the question) and the `share` of document tokens that matter most go
+through the remaining layers, their KV replacing the reused one and attending to the blended
+cache. A share of 1.0 is a full prefill. Which tokens matter most: by default those the
+prompt's own tokens attend to most past layer 1, reading the reused KV (a probe pass of the own
+tokens, whose KV the blend then computes again); CacheBlend's own rule, those whose layer-1 KV
+moved most from the reused, is `recompute_by="deviation"` (the two measured against each
+other: studies/cacheblend_select.py, README's documents section).
 
 Documents' KV lives in the prefix cache's pool under hashes of their own (`document_hashes`):
 evictable like any cached block, and found again by the next request that names the document
@@ -39,13 +43,17 @@ from loraplex.model.context import (
     LoraMetadata,
     forward_context,
 )
-from loraplex.model.llama import LlamaForCausalLM
+from loraplex.model.llama import LlamaForCausalLM, project
 
 DEFAULT_RECOMPUTE_SHARE = 0.2
 """Share of reused document tokens computed again. studies/results/cacheblend-share-cpu.json
 (SmolLM2-135M-Instruct, float32, 8 questions over 4 documents of 384 tokens): the first answer
 token's log-prob error against full prefill is 0.38 reused as is, 0.16 at 5%, 0.10 at 15%, 0.09
-at 20%, 0.07 at 30%; the answers' ROUGE-L stays 0.50-0.53 from 5% to 30%."""
+at 20%, 0.07 at 30%; the answers' ROUGE-L stays 0.50-0.53 from 5% to 30% (by deviation, the
+rule then). studies/results/cacheblend-select-cpu.json (10 questions, 4 documents of 1,025
+tokens): ranked by the question's attention, 20% takes the answer's log-prob error from 0.13
+(ranked by deviation) to 0.07, and 10% errs no more than 20% by deviation (0.12)."""
+RECOMPUTE_BY = ("question", "deviation")
 CHUNK_TOKENS = 64
 """Selected tokens attended at once past layer 1 (a sequence for each run of consecutive
 positions): bounds the CPU reference's gathered keys to CHUNK_TOKENS x prompt length."""
@@ -59,10 +67,17 @@ class DocumentBlend:
     """[start, end) of each document's tokens in the prompt, in order, not overlapping."""
     recompute_share: float = DEFAULT_RECOMPUTE_SHARE
     """Share of the reused document tokens whose KV is computed again (0 to 1)."""
+    recompute_by: str = "question"
+    """Which reused tokens are computed again: `question`, those the prompt's own tokens (the
+    template, the question) attend to most past layer 1, reading the reused KV (a probe pass of
+    the own tokens, `question_attention`); `deviation`, CacheBlend's: those whose layer-1 KV
+    moved most from the reused."""
 
     def check(self, num_prompt_tokens: int) -> None:
         if not 0.0 <= self.recompute_share <= 1.0:
             raise ValueError(f"recompute_share must be in [0, 1], not {self.recompute_share}")
+        if self.recompute_by not in RECOMPUTE_BY:
+            raise ValueError(f"recompute_by must be one of {RECOMPUTE_BY}, not {self.recompute_by!r}")
         end = 0
         for start, stop in self.spans:
             if not end <= start < stop <= num_prompt_tokens:
@@ -149,13 +164,13 @@ def _metadata(slots: torch.Tensor, table: torch.Tensor, positions: torch.Tensor)
 @torch.inference_mode()
 def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, block_ids: list[int],
                   token_ids: list[int], reused: torch.Tensor | None, share: float,
-                  lora: AdapterSlot | None = None) -> int:
+                  lora: AdapterSlot | None = None, by: str = "question") -> torch.Tensor:
     """Compute the KV of `token_ids` (a prompt's first tokens, every one in `block_ids`) into
     the cache, where `reused` [num_tokens] bool marks tokens whose KV the cache holds already
     (re-positioned documents): all of them go through layers 0 and 1, then every token not
-    reused and the `share` of reused ones whose layer-1 KV deviates most from the reused.
-    `reused` None: a full prefill. `lora`: the request's adapter. Returns how many tokens went
-    through every layer."""
+    reused and the `share` of reused ones ranked first `by` (DocumentBlend.recompute_by).
+    `reused` None: a full prefill. `lora`: the request's adapter. Returns the positions that
+    went through every layer (ascending)."""
     device, n = kv_cache.device, len(token_ids)
     block_size = kv_cache.shape[3]
     table = torch.tensor([block_ids], dtype=torch.int32, device=device)
@@ -164,44 +179,89 @@ def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, block_ids: li
     hidden = F.embedding(torch.tensor(token_ids, device=device), model.embed_tokens)
     residual = None
     selected = positions
+    is_blend = reused is not None and bool(reused.any())
     for index, layer in enumerate(model.layers):
-        if index == 1 and reused is not None and bool(reused.any()):
+        if index == 1 and is_blend and by == "deviation":
             before = kv_cache[table[0].long(), 1].clone()  # [blocks, 2, block_size, kv_heads, d]
         if index <= 1 or len(selected) == n:
             meta = _metadata(slots, table, positions)
             with forward_context(_context(kv_cache, meta, lora)):
                 hidden, residual = layer(positions, hidden, residual, model.cos_sin)
         else:
-            outputs = [_layer_chunk(layer, model, kv_cache, table, slots, selected, hidden, residual, lo,
-                                    lora) for lo in range(0, len(selected), CHUNK_TOKENS)]
-            hidden = torch.cat([h for h, _ in outputs])
-            residual = torch.cat([r for _, r in outputs])
-        if index == 1 and reused is not None and bool(reused.any()):
-            selected = _select(kv_cache[table[0].long(), 1], before, reused, share)
+            hidden, residual = _layer_chunks(layer, model, kv_cache, table, slots, selected, hidden, residual,
+                                             lora)
+        if index == 1 and is_blend:
+            if by == "deviation":
+                after = kv_cache[table[0].long(), 1]
+                score = (after.float() - before.float()).pow(2).sum((1, 3, 4)).flatten()[:n]  # [tokens]
+            else:
+                score = question_attention(model, kv_cache, table, slots, ~reused, hidden, residual, lora)
+            selected = _select(score, reused, share)
             hidden, residual = hidden[selected], residual[selected]
-    return len(selected)
+    return selected
 
 
-def _layer_chunk(layer: torch.nn.Module, model: LlamaForCausalLM, kv_cache: torch.Tensor,
-                 table: torch.Tensor, slots: torch.Tensor, selected: torch.Tensor, hidden: torch.Tensor,
-                 residual: torch.Tensor, lo: int, lora: AdapterSlot | None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer on selected tokens lo..lo + CHUNK_TOKENS (those before them are in the cache)."""
-    rows = slice(lo, lo + CHUNK_TOKENS)
-    chosen = selected[rows]
-    meta = _metadata(slots[chosen], table, chosen)
-    with forward_context(_context(kv_cache, meta, lora)):
-        return layer(chosen, hidden[rows], residual[rows], model.cos_sin)
+def _layer_chunks(layer: torch.nn.Module, model: LlamaForCausalLM, kv_cache: torch.Tensor,
+                  table: torch.Tensor, slots: torch.Tensor, selected: torch.Tensor, hidden: torch.Tensor,
+                  residual: torch.Tensor, lora: AdapterSlot | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer on the selected tokens, CHUNK_TOKENS at a time (those before a chunk are in the
+    cache)."""
+    outputs = []
+    for lo in range(0, len(selected), CHUNK_TOKENS):
+        rows = slice(lo, lo + CHUNK_TOKENS)
+        chosen = selected[rows]
+        meta = _metadata(slots[chosen], table, chosen)
+        with forward_context(_context(kv_cache, meta, lora)):
+            outputs.append(layer(chosen, hidden[rows], residual[rows], model.cos_sin))
+    return torch.cat([h for h, _ in outputs]), torch.cat([r for _, r in outputs])
 
 
-def _select(after: torch.Tensor, before: torch.Tensor, reused: torch.Tensor, share: float) -> torch.Tensor:
+def question_attention(model: LlamaForCausalLM, kv_cache: torch.Tensor, table: torch.Tensor,
+                       slots: torch.Tensor, own: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor,
+                       lora: AdapterSlot | None) -> torch.Tensor:
+    """Attention weight [num_tokens] (float32) each of a prompt's tokens gets from its `own`
+    tokens ([num_tokens] bool: the template, the question, what is no reused document's) past
+    layer 1, averaged over heads and own tokens, summed over layers: a probe pass of the own
+    tokens (hidden, residual [num_tokens, hidden] after layer 1) through the remaining layers,
+    attending to the cache as it stands (the documents' reused KV). The probe writes the own
+    tokens' KV, which the blend's pass writes again. (An IA3 adapter's query scaling is left out
+    of the weights.)"""
+    n = len(own)
+    probe = own.nonzero().flatten()
+    hidden, residual = hidden[probe], residual[probe]
+    rows = table[0].long()
+    mass = torch.zeros(n, dtype=torch.float32, device=kv_cache.device)
+    for layer in model.layers[2:]:
+        attn = layer.attn
+        h = hidden.float() + residual.float()  # the layer's input norm, as its fused_add_rms_norm
+        normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + layer.eps)).to(hidden.dtype)
+        normed = normed * layer.input_norm
+        hidden, residual = _layer_chunks(layer, model, kv_cache, table, slots, probe, hidden, residual, lora)
+        keys = kv_cache[rows, attn.layer, 0].flatten(0, 1)[:n].float()  # [tokens, kv_heads, d]
+        keys = keys.repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=1)
+        for lo in range(0, len(probe), CHUNK_TOKENS):
+            chunk = probe[lo:lo + CHUNK_TOKENS]
+            meta = _metadata(slots[chunk], table, chunk)
+            with forward_context(_context(kv_cache, meta, lora)):
+                qkv = project(attn.layer, "qkv", attn.ops, normed[lo:lo + CHUNK_TOKENS], attn.qkv_weight,
+                              attn.qkv_bias)
+            q = qkv[:, :attn.q_size].view(len(chunk), attn.num_heads, attn.head_dim)
+            cos, sin = model.cos_sin[chunk].float().chunk(2, dim=-1)  # [chunk, d / 2]
+            q1, q2 = q.float().chunk(2, dim=-1)
+            q = torch.cat((q1 * cos[:, None] - q2 * sin[:, None], q2 * cos[:, None] + q1 * sin[:, None]), -1)
+            scores = torch.einsum("qhd,khd->hqk", q, keys) * attn.scale  # [heads, chunk, tokens]
+            later = torch.arange(n, device=kv_cache.device)[None, :] > chunk[:, None]
+            weights = scores.masked_fill(later, float("-inf")).softmax(-1)
+            mass += weights.sum((0, 1)) / (attn.num_heads * len(probe))
+    return mass
+
+
+def _select(score: torch.Tensor, reused: torch.Tensor, share: float) -> torch.Tensor:
     """Token indices (ascending) to carry past layer 1: every token not reused, and the `share`
-    of reused ones whose layer-1 KV moved most. after, before [blocks, 2, block_size, kv_heads, d]."""
-    n = len(reused)
-    moved = (after.float() - before.float()).pow(2).sum((1, 3, 4)).flatten()[:n]  # [tokens]
+    of reused ones whose `score` [tokens] is highest."""
     rows = reused.nonzero().flatten()
     count = round(share * len(rows))
-    chosen = rows[moved[rows].topk(count).indices] if count else rows[:0]
+    chosen = rows[score[rows].topk(count).indices] if count else rows[:0]
     return torch.cat([(~reused).nonzero().flatten(), chosen]).sort().values
 
 
@@ -261,8 +321,8 @@ def prefill_with_documents(model: LlamaForCausalLM, kv_cache: torch.Tensor, bloc
             if count > 0:
                 copy_document_kv(kv_cache, found, prompt, start, count, model.cos_sin)
                 reused[start:start + count] = True
-        num_computed = blend_prefill(model, kv_cache, prompt, token_ids[:limit], reused,
-                                     documents.recompute_share, lora)
+        num_computed = len(blend_prefill(model, kv_cache, prompt, token_ids[:limit], reused,
+                                         documents.recompute_share, lora, documents.recompute_by))
         hashes = block_hashes(token_ids, block_size, salt, adapter, num_blocks)
         blocks.register(prompt, hashes)
         blocks.mark_computed(prompt)

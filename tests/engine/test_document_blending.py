@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from loraplex import LLM, SamplingParams
-from loraplex.engine.blending import DocumentBlend
+from loraplex.engine.blending import DocumentBlend, blend_prefill
 from loraplex.errors import InvalidRequestError
 from loraplex.types import StreamingWindow
 from tests.factories import (
@@ -152,6 +152,33 @@ def test_partial_share_reuses_documents(llm: LLM) -> None:
     reference, reference_logprobs = _run(llm, "full", "bca", None)
     _, reused_logprobs = _run(llm, "none", "bca", 0.0)
     assert max(abs(a - b) for a, b in zip(reused_logprobs, reference_logprobs)) > 1e-2
+
+
+def test_the_blend_recomputes_what_the_question_attends_to(llm: LLM, base) -> None:
+    """recompute_by="question" carries past layer 1 the reused tokens that the prompt's own
+    tokens attend to most past layer 1. With the cache holding full prefill's KV (the reused
+    KV exact), that is transformers' own attention: weights averaged over heads and own tokens,
+    summed over layers 2 and 3, top quarter of the documents' tokens."""
+    engine, hf = llm.engine, base[1]
+    tokens, spans = _prompt("cab")
+    n = len(tokens)
+    reused = torch.zeros(n, dtype=torch.bool)
+    for start, end in spans:
+        reused[start:end] = True
+    blocks = engine.blocks.allocate(-(-n // BLOCK_SIZE))
+    try:
+        blend_prefill(engine.model, engine.kv_cache, blocks, tokens, None, 1.0)  # full prefill's KV
+        selected = blend_prefill(engine.model, engine.kv_cache, blocks, tokens, reused, 0.25)
+    finally:
+        engine.blocks.free(blocks)
+    hf.set_attn_implementation("eager")
+    with torch.no_grad():
+        attentions = hf(torch.tensor([tokens]), output_attentions=True).attentions  # [1, heads, n, n] each
+    own = (~reused).nonzero().flatten()
+    mass = sum(a[0][:, own].mean((0, 1)) for a in attentions[2:])
+    rows = reused.nonzero().flatten()
+    chosen = rows[mass[rows].topk(round(0.25 * len(rows))).indices]
+    assert selected.tolist() == torch.cat([own, chosen]).sort().values.tolist()
 
 
 def test_a_sliding_window_request_is_not_blended(llm: LLM) -> None:

@@ -158,7 +158,8 @@ class SamplingFields(Request):
                                          "document in the prompt (default true).")
     documents_recompute_share: float | None = Field(
         None, ge=0, le=1, description="loraplex extension: the share of reused document tokens whose KV "
-        "is computed again, those that deviate most (default 0.2; 1 is a full prefill).")
+        "is computed again, those the prompt's own tokens (its question) attend to most (default 0.2; 1 is a "
+        "full prefill).")
     response_format: ResponseFormat | None = Field(
         None, description="`text`; `json_object` (the output is a JSON object); `json_schema` (it "
         "follows `json_schema.schema`). On completions too, as vLLM takes it.")
