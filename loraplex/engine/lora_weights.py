@@ -447,16 +447,13 @@ class LoraSlotBuffers:
                 self.pool[pages[first] * pb:(pages[i - 1] + 1) * pb].copy_(
                     packed.pages[first * pb:i * pb], non_blocking=True)
                 first = i
+        device_tables = self._tables_by_kind()
+        for (kind, group), table in tables.items():
+            device_tables[kind][group][:, slot].copy_(table, non_blocking=True)
         for group in LORA_GROUPS:
-            self.a_pages[group][:, slot].copy_(tables["a", group], non_blocking=True)
-            self.b_pages[group][:, slot].copy_(tables["b", group], non_blocking=True)
             additive, flora = self.ranks[group][:, slot], self.flora_ranks[group][:, slot]
             (flora if is_flora else additive).copy_(host.ranks[group], non_blocking=True)
             (additive if is_flora else flora).zero_()
-            for kind, vectors in (("scale", self.scale_at), ("shift", self.shift_at),
-                                  ("in_scale", self.in_scale_at), ("fused_scale", self.fused_scale_at)):
-                if group in vectors:
-                    vectors[group][:, slot].copy_(tables[kind, group], non_blocking=True)
         if host.family == "dora":  # (offsets from the host tables: no sync with the copy stream)
             for group in LORA_GROUPS:
                 shift_at = tables["shift", group].tolist() if group in self.shift_at else None
@@ -467,6 +464,12 @@ class LoraSlotBuffers:
         self.slot_input_scaled[slot] = any(bool(host.input_scaled(g).any()) for g in INPUT_SCALE_GROUPS
                                            if g not in FUSED_INPUT_GROUPS)
         self.slot_needs_expand[slot] = host.needs_expand
+
+    def _tables_by_kind(self) -> dict[str, dict[str, torch.Tensor]]:
+        """kind -> group -> the device table of an adapter's entries of that kind (the groups
+        that have one)."""
+        return {"a": self.a_pages, "b": self.b_pages, "scale": self.scale_at, "shift": self.shift_at,
+                "in_scale": self.in_scale_at, "fused_scale": self.fused_scale_at}
 
     def prepare(self, host: HostAdapter) -> PackedAdapter:
         """The adapter packed into pool-page layout for these buffers (built once, kept in
@@ -490,14 +493,10 @@ class LoraSlotBuffers:
         written = []  # byte ranges the adapter's data fills; the rest is zeroed
         L, max_pages = self.config.num_layers, num_rank_pages(self.max_rank)
         tables = {}
-        for group, modules in LORA_GROUPS.items():
-            for kind in ("a", "b"):
-                tables[kind, group] = (np.full((L, len(modules), max_pages), -1, dtype=np.int64),
-                                       np.zeros((L, len(modules), max_pages), dtype=np.int64))
-            for kind, vectors in (("scale", self.scale_at), ("shift", self.shift_at),
-                                  ("in_scale", self.in_scale_at), ("fused_scale", self.fused_scale_at)):
-                if group in vectors:
-                    tables[kind, group] = (np.full(L, -1, dtype=np.int64), np.zeros(L, dtype=np.int64))
+        for kind, by_group in self._tables_by_kind().items():
+            for group in by_group:
+                shape = (L, len(LORA_GROUPS[group]), max_pages) if kind in ("a", "b") else (L,)
+                tables[kind, group] = (np.full(shape, -1, dtype=np.int64), np.zeros(shape, dtype=np.int64))
         # Each source as bytes with a rank page's rows contiguous: A [L, slices, rank, in * e],
         # B transposed per slice [L, rank, width * e], vectors [L, n * 4].
         a_bytes = {g: _as_bytes(a) for g, a in host.a.items()}
