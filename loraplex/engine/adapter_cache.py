@@ -126,7 +126,8 @@ class AdapterCache:
         self.host_bytes = 0
         self._needed: Counter[str] = Counter()  # queued or running requests per digest
         self._failures: dict[str, BaseException] = {}
-        self._disk = load_worker or ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="loraplex-adapter-load")
+        self._disk = load_worker or ThreadPoolExecutor(LOAD_THREADS,
+                                                       thread_name_prefix="loraplex-adapter-load")
         self._copier = (None if self._is_cuda else
                         copy_worker or ThreadPoolExecutor(1, thread_name_prefix="loraplex-slot-copy"))
         self._stream = torch.cuda.Stream(buffers.device) if self._is_cuda else None
