@@ -102,6 +102,18 @@ class SchedulerConfig:
     fairness swaps with 32 slots and about 340 -> 0 with the pool, at 0.93-0.95x the simulated
     throughput, which does not count a swap's cost; off until measured on a GPU)."""
 
+    scheduler_delay_factor: float = 1.0
+    """Where pure decode steps replay CUDA graphs and a step that computes prompt tokens runs
+    eagerly (CUDA), new prompts start only once the time since the last step that computed
+    prompt tokens reaches this multiple of that step's duration (vLLM's name), so arrivals
+    gather into fewer eager steps and the decodes in between replay graphs; 0: every prompt
+    starts at the first step with room. No prompt waits when the step computes prompt tokens
+    anyway (a running prompt's next chunk), when no request decodes, or when the waiting
+    prompts would fill the step's budget; swapped requests resume without waiting. On the H100
+    (Llama-3-8B shape, 64 rank-16 adapters) an eager step of 32 decodes and one 256-token
+    prompt took 42.6 ms (its kernels 15 ms: the rest is host time), a graph replay of the
+    32 decodes 8.9 ms (scripts/profile-mixed-steps.py)."""
+
     def __post_init__(self) -> None:
         _check(self.max_num_seqs > 0, "max_num_seqs", "must be positive")
         _check(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be positive")
@@ -110,6 +122,7 @@ class SchedulerConfig:
         _check(self.fairness_bound >= 0, "fairness_bound", "must be >= 0")
         _check(0.0 <= self.fairness_kv_headroom < 1.0, "fairness_kv_headroom", "must be in [0, 1)")
         _check(self.max_capped_prefill_tokens >= 0, "max_capped_prefill_tokens", "must be >= 0 (0: no cap)")
+        _check(self.scheduler_delay_factor >= 0, "scheduler_delay_factor", "must be >= 0 (0: no delay)")
 
 
 @dataclass(frozen=True)

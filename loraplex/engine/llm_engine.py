@@ -207,6 +207,7 @@ class LLMEngine:
                 num_steps = self.runner.warm_up(config.scheduler.max_num_batched_tokens)
                 logger.info("warmed up %d prefill step shapes in %.1f s", num_steps,
                             time.perf_counter() - started)
+        self.scheduler.delays_prompts = use_graphs  # (prompt steps run eagerly, decodes from graphs)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device.type == "cuda")
         self._in_flight: InFlight | None = None

@@ -47,6 +47,10 @@ from loraplex.engine_config import SchedulerConfig
 from loraplex.types import FinishReason
 
 
+MAX_PROMPT_DELAY_S = 0.5
+"""The longest a prompt step's duration counts for SchedulerConfig.scheduler_delay_factor."""
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, adapters: AdapterCache,
                  policy: SchedulingPolicy, host_blocks: HostBlockPool | None = None,
@@ -74,6 +78,13 @@ class Scheduler:
         self._asked: list[Request] = []  # to preempt at the next step
         self._capped: set[str] = set()  # this step's tenants whose prompt chunks share the cap
         self._capped_left = 0  # prompt tokens the cap has left in this step
+        self.delays_prompts = False
+        """Whether new prompts wait by SchedulerConfig.scheduler_delay_factor: set by an engine
+        whose pure decode steps replay CUDA graphs (prompt steps run eagerly)."""
+        self._last_plan_at: float | None = None  # when the last plan was made
+        self._last_plan_computes_prompts = False
+        self._prompt_step_end: float | None = None  # the plan after the last one that computed
+        self._prompt_step_s = 0.0  # prompt tokens, and the time between the two
 
     @property
     def num_preemptions(self) -> int:
@@ -130,8 +141,12 @@ class Scheduler:
                 scheduled[request.request_id] = num_new
                 budget -= num_new
                 self._charge_cap(request, num_new)
+        now = self._clock()
+        if self._last_plan_computes_prompts:  # (an engine with requests running plans back to back)
+            self._prompt_step_s, self._prompt_step_end = min(now - self._last_plan_at, MAX_PROMPT_DELAY_S), now
+        prompts = not self._delays_prompts(now, decodes, prefills, budget)
         if not preempted:
-            budget, blocked = self._admit_waiting(budget, plan, scheduled)
+            budget, blocked = self._admit_waiting(budget, plan, scheduled, prompts=prompts)
             if blocked is not None:
                 freed = self._make_room(blocked, plan, scheduled)
                 if freed is not None:  # the victim's blocks and place are free now: admit again
@@ -149,7 +164,27 @@ class Scheduler:
                 budget -= num_new
                 self._charge_cap(request, num_new)
         self._fill(plan, scheduled)
+        self._last_plan_at = now
+        self._last_plan_computes_prompts = any(n > 1 for n in scheduled.values())
         return plan
+
+    def _delays_prompts(self, now: float, decodes: list[Request], prefills: list[Request],
+                        budget: int) -> bool:
+        """Whether waiting prompts stay waiting this step (SchedulerConfig.scheduler_delay_factor):
+        the step would replay a decode graph, less than the factor times the last step that
+        computed prompt tokens has passed since it ended, and the waiting prompts would not fill
+        the budget."""
+        factor = self.config.scheduler_delay_factor
+        if not self.delays_prompts or factor == 0 or not decodes or prefills or self._prompt_step_end is None:
+            return False
+        if now - self._prompt_step_end >= factor * self._prompt_step_s:
+            return False
+        waiting_tokens = 0
+        for request in self.policy.waiting():
+            waiting_tokens += request.num_tokens - request.num_computed_tokens
+            if waiting_tokens >= budget:
+                return False
+        return True
 
     def preempt(self, request: Request) -> None:
         """Preempt `request` at the next step if it still runs then (as the policy would)."""
@@ -189,8 +224,9 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, plan: StepPlan, scheduled: dict[str, int],
-                       skip: Collection[str] = ()) -> tuple[int, Request | None]:
-        """Admit waiting requests in the policy's order (but those in `skip`) while the budget,
+                       skip: Collection[str] = (), prompts: bool = True) -> tuple[int, Request | None]:
+        """Admit waiting requests in the policy's order (but those in `skip`, and without
+        `prompts` all but swapped requests, which resume without computing) while the budget,
         the running places and the KV cache allow; then start host loads for the adapters of
         those next in line. Returns the budget left and the first request kept out for want of
         a running place or KV blocks."""
@@ -209,6 +245,8 @@ class Scheduler:
                 return budget, request if full else None
             if request.num_pending or request.request_id in skip or request.tenant in held:
                 continue  # a token in flight, just preempted, or its tenant leaves the headroom
+            if not prompts and not request.is_swapped:
+                continue
             if request.documents is not None:  # the engine blends its documents first
                 continue
             if not self._share_prompt(request):  # its donor has not computed the shared blocks yet
