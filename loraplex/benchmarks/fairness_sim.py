@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,8 @@ class FairnessSimConfig:
     each run starts cold, its first requests waiting for host loads and for slot copies that
     queue behind the steps in flight (on seed 1 that wait was the light tenants' p99 TTFT)."""
     step: StepModel = field(default_factory=lambda: H100_OFFLINE_STEP)
+    scheduler_delay_factor: float = 1.0
+    """SchedulerConfig.scheduler_delay_factor (it acts only with the step model's eager floor)."""
 
 
 def simulate_run(config: FairnessSimConfig, policy: str, heavy: bool = True) -> dict[str, Any]:
@@ -72,7 +74,8 @@ def simulate_run(config: FairnessSimConfig, policy: str, heavy: bool = True) -> 
         max_num_batched_tokens=config.max_num_batched_tokens, num_kv_blocks=config.num_kv_blocks,
         num_host_blocks=config.num_host_blocks, policy=policy, fairness_bound=config.fairness_bound,
         max_capped_prefill_tokens=config.max_capped_prefill_tokens,
-        fairness_kv_headroom=config.fairness_kv_headroom, request_overhead_ms=0.0, step=config.step))
+        fairness_kv_headroom=config.fairness_kv_headroom, request_overhead_ms=0.0, step=config.step,
+        scheduler_delay_factor=config.scheduler_delay_factor))
     requests = make_arrivals(config.workload, heavy)
     if config.preload_adapters:
         sim.preload([r.adapter for r in requests])
@@ -123,6 +126,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="token budget of a step (default 8192, as the GPU benchmark's)")
     parser.add_argument("--fairness-kv-headroom", type=float, default=0.0,
                         help="SchedulerConfig.fairness_kv_headroom (default 0: none, as the engine)")
+    parser.add_argument("--eager-floor-ms", type=float, default=H100_OFFLINE_STEP.eager_floor_ms,
+                        help="the least a step with prompt tokens takes (StepModel.eager_floor_ms)")
+    parser.add_argument("--scheduler-delay-factor", type=float, default=1.0,
+                        help="SchedulerConfig.scheduler_delay_factor (acts with an eager floor)")
     parser.add_argument("--tag", default="", help="results file suffix")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"results folder (default {RESULTS})")
     args = parser.parse_args(argv)
@@ -131,7 +138,9 @@ def main(argv: list[str] | None = None) -> None:
         workload = FairnessWorkload(seed=seed, system_prompt_len=args.system_prompt_len)
         config = FairnessSimConfig(workload=workload, max_num_batched_tokens=args.max_num_batched_tokens,
                                    max_capped_prefill_tokens=args.max_capped_prefill_tokens,
-                                   fairness_kv_headroom=args.fairness_kv_headroom)
+                                   fairness_kv_headroom=args.fairness_kv_headroom,
+                                   step=replace(H100_OFFLINE_STEP, eager_floor_ms=args.eager_floor_ms),
+                                   scheduler_delay_factor=args.scheduler_delay_factor)
         result = simulate(config)
         for name, run in result["runs"].items():
             print(f"seed {seed} {name:28s} {json.dumps({k: run[k] for k in run if k != 'policy'})}")
