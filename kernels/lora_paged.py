@@ -30,6 +30,8 @@ remainder is one more dependent load (the page) in kernels of 3-5 us.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -220,8 +222,13 @@ def row_align(pool: torch.Tensor, lengths) -> int:
     aligned by contract: every rank page and vector the tables name starts on a 16-byte bound
     of the pool (adapter_pages.py packs them at PAGE_ALIGN = 256 bytes), and the pool is a
     whole allocation. Without the hint, loads through gathered addresses are one element wide."""
-    vec = max(16 // pool.element_size(), 1)
-    return vec if all(int(n) % vec == 0 for n in lengths) else 1
+    return _row_align(pool.element_size(), tuple(int(n) for n in lengths))
+
+
+@functools.lru_cache(maxsize=256)
+def _row_align(element_size: int, lengths: tuple[int, ...]) -> int:
+    vec = max(16 // element_size, 1)
+    return vec if all(n % vec == 0 for n in lengths) else 1
 
 
 def _check_pages(name: str, pages: torch.Tensor, num_slices: int, max_rank: int) -> None:
@@ -348,7 +355,12 @@ def paged_expand_config(num_tokens: int, max_rank: int) -> ExpandConfig:
     config = expand_config(num_tokens, max_rank)
     if config.block_m > 1:
         return config
-    return ExpandConfig(block_m=1, block_n=256 * GEMV_WARPS, num_warps=GEMV_WARPS, num_stages=2)
+    return _gemv_expand_config(GEMV_WARPS)
+
+
+@functools.cache
+def _gemv_expand_config(num_warps: int) -> ExpandConfig:
+    return ExpandConfig(block_m=1, block_n=256 * num_warps, num_warps=num_warps, num_stages=2)
 
 
 def expand_rank_chunk(config: ExpandConfig, max_rank: int) -> int:
