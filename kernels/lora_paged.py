@@ -268,6 +268,16 @@ def lora_shrink_paged(
     return _launch_shrink(x, pool, a_pages, token_slots, ranks, max_rank, config)
 
 
+def lora_shrink_paged_unchecked(
+    x: torch.Tensor, pool: torch.Tensor, a_pages: torch.Tensor, token_slots: torch.Tensor,
+    ranks: torch.Tensor, max_rank: int,
+) -> torch.Tensor:
+    """lora_shrink_paged without its argument checks, for inputs that meet its contract by
+    construction (the engine's forward: `triton_ops(check_inputs=False)`)."""
+    config = shrink_config(x.shape[0], ranks.shape[1], x.shape[1], max_rank, x.device)
+    return _launch_shrink(x, pool, a_pages, token_slots, ranks, max_rank, config)
+
+
 def _launch_shrink(x, pool, a_pages, token_slots, ranks, max_rank: int,
                    config: ShrinkConfig) -> torch.Tensor:
     num_tokens, in_features = x.shape
@@ -340,6 +350,18 @@ def lora_expand_paged(
     check_launchable(_expand_kernel, (y, shrunk, pool, b_pages, token_slots, ranks, *extra))
     return _launch_expand(y, shrunk, pool, b_pages, token_slots, ranks, offsets,
                           paged_expand_config(num_tokens, max_rank), vectors, scale_at, shift_at)
+
+
+def lora_expand_paged_unchecked(
+    y: torch.Tensor, shrunk: torch.Tensor, pool: torch.Tensor, b_pages: torch.Tensor,
+    token_slots: torch.Tensor, ranks: torch.Tensor, slice_offsets: tuple[int, ...],
+    vectors: torch.Tensor | None = None, scale_at: torch.Tensor | None = None,
+    shift_at: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """lora_expand_paged without its argument checks (as lora_shrink_paged_unchecked)."""
+    config = paged_expand_config(y.shape[0], shrunk.shape[2])
+    return _launch_expand(y, shrunk, pool, b_pages, token_slots, ranks, list(slice_offsets), config,
+                          vectors, scale_at, shift_at)
 
 
 GEMV_WARPS = 4

@@ -7,7 +7,9 @@ Triton interpreter, whose launches this script replaces by a function that does 
 
 Run: TRITON_INTERPRET=1 PYTHONPATH=. python scripts/wrapper-overhead.py [--calls N] [--json PATH]
 Prints microseconds a call (the best of `--repeats` runs of `--calls` calls) per wrapper, the
-sum for one layer and the estimate for a 32-layer step. The dense GEMMs (cuBLAS) are left out.
+sum for one layer and the estimate for a 32-layer step, for the op set with its argument checks
+(`triton_ops()`, what tests and direct callers get) and without (`triton_ops(check_inputs=False)`,
+the engine's forward). The dense GEMMs (cuBLAS) are left out.
 """
 
 from __future__ import annotations
@@ -129,18 +131,22 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     InterpretedFunction.__getitem__ = lambda self, grid: _no_launch
-    calls = layer_calls(triton_ops())
-    figures = {name: time_call(call, args.calls, args.repeats) for name, call in calls.items()}
-    layer = sum(us * CALLS_PER_LAYER[name] for name, us in figures.items())
-    for name, us in figures.items():
-        print(f"{name:32s} {us:8.2f} us x {CALLS_PER_LAYER[name]}")
-    print(f"{'one layer':32s} {layer:8.1f} us")
-    print(f"{'32 layers':32s} {layer * NUM_LAYERS / 1e3:8.2f} ms")
+    figures = {}
+    for label, check_inputs in (("checked", True), ("unchecked", False)):
+        calls = layer_calls(triton_ops(check_inputs))
+        figures[label] = {name: time_call(call, args.calls, args.repeats) for name, call in calls.items()}
+    layer = {label: sum(us * CALLS_PER_LAYER[name] for name, us in f.items()) for label, f in figures.items()}
+    print(f"{'us a call':32s} {'checked':>9s} {'unchecked':>9s}  (triton_ops(check_inputs=False))")
+    for name in figures["checked"]:
+        print(f"{name:32s} {figures['checked'][name]:9.2f} {figures['unchecked'][name]:9.2f}  "
+              f"x {CALLS_PER_LAYER[name]} a layer")
+    print(f"{'one layer (us)':32s} {layer['checked']:9.1f} {layer['unchecked']:9.1f}")
+    print(f"{'32 layers (ms)':32s} {layer['checked'] * NUM_LAYERS / 1e3:9.2f} "
+          f"{layer['unchecked'] * NUM_LAYERS / 1e3:9.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"per_call_us": figures, "layer_us": layer, "step_ms": layer * NUM_LAYERS / 1e3}, f,
-                      indent=1)
-
+            json.dump({"per_call_us": figures, "layer_us": layer,
+                       "step_ms": {k: v * NUM_LAYERS / 1e3 for k, v in layer.items()}}, f, indent=1)
 
 if __name__ == "__main__":
     main()
