@@ -72,11 +72,12 @@ def reference_ops() -> Ops:
     )
 
 
-def select_ops(device: torch.device | str, kind: str = "auto") -> Ops:
+def select_ops(device: torch.device | str, kind: str = "auto", check_inputs: bool = True) -> Ops:
     """The op set for `device`: by default Triton on CUDA, the torch reference elsewhere;
-    `kind` "triton" or "reference" forces one."""
+    `kind` "triton" or "reference" forces one. check_inputs=False: the Triton ops of every
+    layer skip their argument checks (for the engine's forward; see triton_ops.py)."""
     if kind == "triton" or (kind == "auto" and torch.device(device).type == "cuda"):
         from loraplex.kernels.triton_ops import triton_ops
 
-        return triton_ops()
+        return triton_ops(check_inputs)
     return reference_ops()

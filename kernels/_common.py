@@ -4,11 +4,11 @@ configs depend on. No Triton kernel lives here and importing it has no side effe
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 
 import torch
-import triton
 import triton.language as tl
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -25,7 +25,9 @@ def is_interpreting() -> bool:
 
 
 def next_pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    """The least power of 2 at or above n (1 for n <= 1): triton.next_power_of_2's value,
+    without its per-call overhead (a constexpr function's argument unwrapping)."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -33,10 +35,15 @@ def cdiv(a: int, b: int) -> int:
 
 
 def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of `device` (host-side, cached by torch; no sync)."""
+    """Streaming multiprocessors of `device` (host-side, cached per device; no sync)."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sms(torch.cuda.current_device() if device.index is None else device.index)
     return INTERPRETER_NUM_SMS
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def upcast_loads(dtype: torch.dtype) -> bool:
@@ -56,12 +63,13 @@ def tl_dtype(dtype: torch.dtype) -> tl.dtype:
 def check_launchable(kernel: object, tensors: Iterable[torch.Tensor]) -> torch.device:
     """All tensors on one device, and a device the kernel can run on: CUDA, or the CPU when the
     kernel was defined under `TRITON_INTERPRET=1`. Returns the device."""
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    device = devices.pop()
-    interpreted = type(kernel).__name__ == "InterpretedFunction"
-    if device.type != "cuda" and not interpreted:
+    tensors = iter(tensors)
+    device = next(tensors).device
+    for t in tensors:
+        if t.device != device:
+            devices = {device, t.device, *(u.device for u in tensors)}
+            raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if device.type != "cuda" and type(kernel).__name__ != "InterpretedFunction":
         raise ValueError(
             f"Triton kernels need CUDA tensors, got {device}; to run them on the CPU set "
             "TRITON_INTERPRET=1 before importing loraplex.kernels' Triton modules"
@@ -83,21 +91,22 @@ def check_tensor(
     and the layout asked for (fully contiguous, or at least a unit stride on the last dim)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    sizes = t.shape
+    if len(sizes) != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(sizes)}")
     if dtypes is not None and t.dtype not in dtypes:
         names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise ValueError(f"{name} must be one of ({names}), got {t.dtype}")
     if shape is not None:
-        for i, (want, got) in enumerate(zip(shape, t.shape)):
+        for i, (want, got) in enumerate(zip(shape, sizes)):
             if want is not None and want != got:
                 raise ValueError(
-                    f"{name} has shape {tuple(t.shape)}, expected {want} in dim {i} "
+                    f"{name} has shape {tuple(sizes)}, expected {want} in dim {i} "
                     f"(expected {tuple('*' if s is None else s for s in shape)})"
                 )
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (strides {t.stride()})")
-    if unit_last_stride and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+    if unit_last_stride and ndim > 0 and sizes[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must have unit stride in its last dim (strides {t.stride()})")
 
 

@@ -27,6 +27,7 @@ of A are read, and of B only the 16-column chunks that hold its first `rank` col
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -281,8 +282,15 @@ def shrink_config(num_tokens: int, num_slices: int, in_features: int, max_rank: 
     it for qkv, o, gate_up and down; 8 or 16 rows, or plain loads, were slower).
     Tiles of 32 tokens above, the input dim split until there are about four programs per SM
     (chunks of at least 256)."""
-    sms = num_sms(device)
-    if num_tokens <= MAX_GEMV_TOKENS:
+    return _shrink_config(num_tokens, num_slices, in_features, max_rank, num_sms(device),
+                          MAX_GEMV_TOKENS)
+
+
+@functools.lru_cache(maxsize=1024)
+def _shrink_config(num_tokens: int, num_slices: int, in_features: int, max_rank: int, sms: int,
+                   max_gemv_tokens: int) -> ShrinkConfig:
+    """shrink_config of its integers (cached: a step's wrappers ask for the same few shapes)."""
+    if num_tokens <= max_gemv_tokens:
         typical_rank = min(max(max_rank, 1), 16)
         block_r = min(4, next_pow2(typical_rank))
         while block_r > 1 and cdiv(typical_rank, block_r) * num_tokens * num_slices < 2 * sms:
@@ -297,13 +305,15 @@ def shrink_config(num_tokens: int, num_slices: int, in_features: int, max_rank: 
                         k_splits=k_splits, num_warps=4, num_stages=3)
 
 
+_GEMV_EXPAND = ExpandConfig(block_m=1, block_n=256, num_warps=4, num_stages=2)
+_TILE_EXPAND = ExpandConfig(block_m=32, block_n=64, num_warps=4)
+
+
 def expand_config(num_tokens: int, max_rank: int) -> ExpandConfig:
     """Per-token path: 256 columns a program, 4 warps, async copies (the fastest on the H100 for
     qkv and gate_up at 64 tokens, rank 16, and within 2% for o and down). Tiles of 32 tokens by
     64 columns above."""
-    if num_tokens <= MAX_GEMV_TOKENS:
-        return ExpandConfig(block_m=1, block_n=256, num_warps=4, num_stages=2)
-    return ExpandConfig(block_m=32, block_n=64, num_warps=4)
+    return _GEMV_EXPAND if num_tokens <= MAX_GEMV_TOKENS else _TILE_EXPAND
 
 
 def _check_slots(token_slots: torch.Tensor, ranks: torch.Tensor, num_tokens: int,

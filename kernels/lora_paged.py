@@ -30,6 +30,8 @@ remainder is one more dependent load (the page) in kernels of 3-5 us.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -220,8 +222,13 @@ def row_align(pool: torch.Tensor, lengths) -> int:
     aligned by contract: every rank page and vector the tables name starts on a 16-byte bound
     of the pool (adapter_pages.py packs them at PAGE_ALIGN = 256 bytes), and the pool is a
     whole allocation. Without the hint, loads through gathered addresses are one element wide."""
-    vec = max(16 // pool.element_size(), 1)
-    return vec if all(int(n) % vec == 0 for n in lengths) else 1
+    return _row_align(pool.element_size(), tuple(int(n) for n in lengths))
+
+
+@functools.lru_cache(maxsize=256)
+def _row_align(element_size: int, lengths: tuple[int, ...]) -> int:
+    vec = max(16 // element_size, 1)
+    return vec if all(n % vec == 0 for n in lengths) else 1
 
 
 def _check_pages(name: str, pages: torch.Tensor, num_slices: int, max_rank: int) -> None:
@@ -258,6 +265,16 @@ def lora_shrink_paged(
     _check_slots(token_slots, ranks, num_tokens, a_pages.shape[0], num_slices)
     device = check_launchable(_shrink_rows_kernel, (x, pool, a_pages, token_slots, ranks))
     config = shrink_config(num_tokens, num_slices, in_features, max_rank, device)
+    return _launch_shrink(x, pool, a_pages, token_slots, ranks, max_rank, config)
+
+
+def lora_shrink_paged_unchecked(
+    x: torch.Tensor, pool: torch.Tensor, a_pages: torch.Tensor, token_slots: torch.Tensor,
+    ranks: torch.Tensor, max_rank: int,
+) -> torch.Tensor:
+    """lora_shrink_paged without its argument checks, for inputs that meet its contract by
+    construction (the engine's forward: `triton_ops(check_inputs=False)`)."""
+    config = shrink_config(x.shape[0], ranks.shape[1], x.shape[1], max_rank, x.device)
     return _launch_shrink(x, pool, a_pages, token_slots, ranks, max_rank, config)
 
 
@@ -335,6 +352,18 @@ def lora_expand_paged(
                           paged_expand_config(num_tokens, max_rank), vectors, scale_at, shift_at)
 
 
+def lora_expand_paged_unchecked(
+    y: torch.Tensor, shrunk: torch.Tensor, pool: torch.Tensor, b_pages: torch.Tensor,
+    token_slots: torch.Tensor, ranks: torch.Tensor, slice_offsets: tuple[int, ...],
+    vectors: torch.Tensor | None = None, scale_at: torch.Tensor | None = None,
+    shift_at: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """lora_expand_paged without its argument checks (as lora_shrink_paged_unchecked)."""
+    config = paged_expand_config(y.shape[0], shrunk.shape[2])
+    return _launch_expand(y, shrunk, pool, b_pages, token_slots, ranks, list(slice_offsets), config,
+                          vectors, scale_at, shift_at)
+
+
 GEMV_WARPS = 4
 """Warps of the per-token expand (256 columns each); scripts/paged-kernels-per-kernel.py sweeps it."""
 
@@ -348,7 +377,12 @@ def paged_expand_config(num_tokens: int, max_rank: int) -> ExpandConfig:
     config = expand_config(num_tokens, max_rank)
     if config.block_m > 1:
         return config
-    return ExpandConfig(block_m=1, block_n=256 * GEMV_WARPS, num_warps=GEMV_WARPS, num_stages=2)
+    return _gemv_expand_config(GEMV_WARPS)
+
+
+@functools.cache
+def _gemv_expand_config(num_warps: int) -> ExpandConfig:
+    return ExpandConfig(block_m=1, block_n=256 * num_warps, num_warps=num_warps, num_stages=2)
 
 
 def expand_rank_chunk(config: ExpandConfig, max_rank: int) -> int:

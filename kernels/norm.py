@@ -88,3 +88,16 @@ def fused_add_rms_norm(
     check_launchable(_rms_norm_kernel, (x, residual, weight))
     out, residual_out = _launch(x, residual, weight, eps)
     return out, residual_out
+
+
+def rms_norm_unchecked(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm without its argument checks, for inputs that meet its contract by construction
+    (the engine's forward: `triton_ops(check_inputs=False)`)."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm_unchecked(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_add_rms_norm without its argument checks (as rms_norm_unchecked)."""
+    return _launch(x, residual, weight, eps)

@@ -146,6 +146,18 @@ def paged_attention(
                    config)
 
 
+def paged_attention_unchecked(
+    q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    return_lse: bool = False, max_query_len: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """paged_attention without its argument checks, for inputs that meet its contract by
+    construction (the engine's forward: `triton_ops(check_inputs=False)`)."""
+    config = prefill_config(q.shape[1] // kv_layer.shape[3], q.shape[2])
+    return _launch(q, kv_layer, block_tables, query_start_loc, seq_lens, scale, return_lse,
+                   config)
+
+
 def _launch(q, kv_layer, block_tables, query_start_loc, seq_lens, scale, return_lse,
             config: PrefillConfig):
     num_tokens, num_heads, head_dim = q.shape

@@ -135,7 +135,7 @@ class LLMEngine:
             self.model_config = ModelConfig.load(config.model)
             self.tokenizer = None if random_weights else load_tokenizer(config.model)
             self.max_model_len = resolve_max_model_len(config, self.model_config)
-            ops = select_ops(self.device, config.kernels)
+            ops = select_ops(self.device, config.kernels, check_inputs=False)
         else:
             self.model_config, self.tokenizer, self.model, ops = model.config, None, model, model.ops
             self.max_model_len = min(config.max_model_len or model.max_positions, model.max_positions)

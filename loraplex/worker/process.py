@@ -116,7 +116,7 @@ class Worker:
             torch.cuda.empty_cache()
         dtype = resolve_dtype(spec.dtype, self.device)
         layout = ShardLayout(ModelConfig.load(spec.model), self.group.rank, self.group.world_size)
-        ops = select_ops(self.device, spec.kernels)
+        ops = select_ops(self.device, spec.kernels, check_inputs=False)
         if spec.random_weights:
             self.model = random_shard(layout, ops, dtype, self.device, spec.max_model_len, self.group,
                                       spec.seed)

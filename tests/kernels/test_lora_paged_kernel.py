@@ -95,6 +95,27 @@ def test_paged_ranks_1_to_64_across_page_bounds(path, monkeypatch):
     _check_lora(path, monkeypatch, ranks, 48, (24, 40), 64, [4, 1, 3, 0, 2, 1], seed=3)
 
 
+@pytest.mark.parametrize("path", ["gemv", "tiles"])
+def test_unchecked_shrink_expand_give_the_checked_results(path, monkeypatch):
+    """The engine's forward (triton_ops(check_inputs=False)) launches what the wrappers launch."""
+    if path == "tiles":
+        monkeypatch.setattr(lora_paged, "shrink_config", _tiles(lora.shrink_config))
+        monkeypatch.setattr(lora_paged, "expand_config", _tiles(lora.expand_config))
+    *_, ranks_t, offsets, pool, paged = _lora_case(RANKS, 40, (24, 8, 16), 8, torch.float32)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 40, generator=g).to(DEVICE)
+    y = torch.randn(6, offsets[-1], generator=g).to(DEVICE)
+    slots = torch.tensor([0, 2, 1, 2, 3, 1], dtype=torch.int32, device=DEVICE)
+    weights = pool.view(torch.float32)
+    shrunk = lora_paged.lora_shrink_paged(x, weights, paged.a_pages, slots, ranks_t, 8)
+    fast = lora_paged.lora_shrink_paged_unchecked(x, weights, paged.a_pages, slots, ranks_t, 8)
+    assert torch.equal(fast, shrunk)
+    want = lora_paged.lora_expand_paged(y.clone(), shrunk, weights, paged.b_pages, slots, ranks_t, offsets)
+    got = lora_paged.lora_expand_paged_unchecked(y.clone(), shrunk, weights, paged.b_pages, slots, ranks_t,
+                                                 tuple(offsets))
+    assert torch.equal(got, want)
+
+
 def test_paged_ranks_take_pages_for_their_own_rank():
     ranks = [[0, 0], [8, 8], [16, 16], [64, 64], [3, 3]]
     *_, paged = _lora_case(ranks, 64, (32, 32), 64, torch.float32)
