@@ -81,3 +81,9 @@ def select_ops(device: torch.device | str, kind: str = "auto", check_inputs: boo
 
         return triton_ops(check_inputs)
     return reference_ops()
+
+
+def engine_ops(device: torch.device | str, kind: str = "auto") -> Ops:
+    """The op set that the engine's forward runs on `device` (select_ops without the layer ops'
+    argument checks on Triton): what benchmarks that build their own model should pass it."""
+    return select_ops(device, kind, check_inputs=False)

@@ -23,7 +23,7 @@ import torch
 from loraplex.benchmarks import synthetic
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine_config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
-from loraplex.kernels import select_ops
+from loraplex.kernels import engine_ops
 from loraplex.types import SamplingParams
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -44,11 +44,12 @@ def main() -> None:
     dtype = torch.float32 if args.cpu else torch.bfloat16
     config = synthetic.model_config(TINY if args.cpu else None)
     max_len = 2048
-    model = synthetic.random_model(config, select_ops(device), dtype, device, max_len, seed=0)
+    model = synthetic.random_model(config, engine_ops(device), dtype, device, max_len, seed=0)
     engine = LLMEngine(EngineConfig(
         model="synthetic-llama-3-8b", device=device.type, dtype=str(dtype).removeprefix("torch."),
         max_model_len=max_len, cache=CacheConfig(block_size=16, num_kv_blocks=4096 if not args.cpu else 512),
-        scheduler=SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=2048),
+        scheduler=SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=2048,
+                                  scheduler_delay_factor=0.0),  # every step here takes its prompt
         lora=LoRAConfig(max_lora_rank=16)), model=model)
     names = [f"a{i}" for i in range(args.adapters)]
     for i, name in enumerate(names):
@@ -109,7 +110,8 @@ def main() -> None:
         gpu_ms = sum(getattr(e, "self_device_time_total", 0) for e in events) / args.steps / 1e3
         text.write(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
     summary = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-               "running": args.running, "prompt": args.prompt, "adapters": 0 if args.no_adapters else args.adapters,
+               "running": args.running, "prompt": args.prompt,
+               "adapters": 0 if args.no_adapters else args.adapters,
                "decode_step_ms": round(decode_ms, 3), "mixed_step_ms": round(mixed_ms, 3),
                "mixed_step_gpu_ms": None if gpu_ms is None else round(gpu_ms, 3)}
     print(json.dumps(summary))

@@ -20,7 +20,7 @@ from loraplex.benchmarks import synthetic
 from loraplex.benchmarks.device_floors import DeviceFloors, measure
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine_config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
-from loraplex.kernels import select_ops
+from loraplex.kernels import engine_ops
 from loraplex.model.llama import LlamaForCausalLM
 from loraplex.model.loader import load_model
 from loraplex.model.model_config import ModelConfig
@@ -63,7 +63,7 @@ class DecodeBenchConfig:
 def run(config: DecodeBenchConfig) -> dict[str, Any]:
     device, dtype = torch.device(config.device), getattr(torch, config.dtype)
     max_len = config.prompt_len + config.new_tokens + 16
-    ops = select_ops(device)
+    ops = engine_ops(device)
     floors = device_floors(config)  # before the model and KV cache take the memory
     started = time.perf_counter()
     model_config, model = load_or_random_model(config.model_path, config.model, ops, dtype, device, max_len,
@@ -168,7 +168,7 @@ def profile(config: DecodeBenchConfig, steps: int = 8) -> str:
 
     device, dtype = torch.device(config.device), getattr(torch, config.dtype)
     max_len = config.prompt_len + steps + 32
-    model_config, model = load_or_random_model(config.model_path, config.model, select_ops(device), dtype,
+    model_config, model = load_or_random_model(config.model_path, config.model, engine_ops(device), dtype,
                                                device, max_len, config.seed)
     num_adapters = max(config.batch_sizes)
     engine = _engine(config, model, max_len)

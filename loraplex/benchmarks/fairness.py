@@ -37,7 +37,7 @@ from loraplex.benchmarks.serve_workload import FIRST_TOKEN, BenchRequest
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.policy import FcfsPolicy, VtcPolicy
 from loraplex.engine_config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
-from loraplex.kernels import select_ops
+from loraplex.kernels import engine_ops
 from loraplex.types import SamplingParams
 
 
@@ -129,7 +129,7 @@ def run(config: FairnessBenchConfig) -> dict[str, Any]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model_config = synthetic.model_config(config.model)
     max_len = max(config.prompt_len[1] + config.output_len[1], config.resume_tokens + 1) + 16
-    model = synthetic.random_model(model_config, select_ops(device), dtype, device, max_len, seed=config.seed)
+    model = synthetic.random_model(model_config, engine_ops(device), dtype, device, max_len, seed=config.seed)
     engine = LLMEngine(EngineConfig(
         model="synthetic-llama-3-8b", device=config.device, dtype=str(dtype).removeprefix("torch."),
         max_model_len=max_len,

@@ -23,7 +23,7 @@ import torch
 
 from loraplex.benchmarks import decode, synthetic
 from loraplex.engine.lora_weights import HostAdapter, group_dims
-from loraplex.kernels import select_ops
+from loraplex.kernels import engine_ops
 from loraplex.model.llama import LORA_GROUPS
 from loraplex.model.model_config import ModelConfig
 
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace, save: Any = None) -> dict[str, Any]:
     pin = device.type == "cuda"
     model_config = synthetic.model_config(config.model)
     max_len = config.prompt_len + config.new_tokens + 16
-    model = synthetic.random_model(model_config, select_ops(device), dtype, device, max_len, seed=0)
+    model = synthetic.random_model(model_config, engine_ops(device), dtype, device, max_len, seed=0)
     started = time.perf_counter()
     engine = decode._engine(config, model, max_len, flora_graphs=True)
     print(f"engine built in {time.perf_counter() - started:.1f} s "

@@ -16,7 +16,7 @@ from loraplex.benchmarks import synthetic
 from loraplex.benchmarks.decode import _device_name, _sync
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine_config import CacheConfig, EngineConfig, SchedulerConfig
-from loraplex.kernels import select_ops
+from loraplex.kernels import engine_ops
 from loraplex.types import SamplingParams
 
 GOAL = 0.80
@@ -52,7 +52,7 @@ def run(config: PromptLogprobsBenchConfig) -> dict[str, Any]:
     model_config = synthetic.model_config(config.model)
     max_len = config.prompt_len + 16
     started = time.perf_counter()
-    model = synthetic.random_model(model_config, select_ops(device), dtype, device, max_len, seed=config.seed)
+    model = synthetic.random_model(model_config, engine_ops(device), dtype, device, max_len, seed=config.seed)
     engine = LLMEngine(EngineConfig(
         model="synthetic-llama-3-8b", device=config.device, dtype=config.dtype, max_model_len=max_len,
         seed=config.seed,

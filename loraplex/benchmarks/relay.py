@@ -32,7 +32,7 @@ from loraplex.benchmarks.results import RESULTS, write
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.relay_groups import RelayRule
 from loraplex.engine_config import EngineConfig
-from loraplex.kernels import select_ops
+from loraplex.kernels import engine_ops
 from loraplex.types import SamplingParams
 
 NUM_TENANTS = 4
@@ -67,7 +67,7 @@ def make_engine(args: argparse.Namespace, max_len: int, max_num_seqs: int) -> tu
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     config = synthetic.model_config(args.model_overrides)
-    model = synthetic.random_model(config, select_ops(device, "auto"), dtype, device, max_len,
+    model = synthetic.random_model(config, engine_ops(device), dtype, device, max_len,
                                    scaled_residual=True)
     engine = LLMEngine(EngineConfig.from_kwargs(
         "synthetic-llama-3-8b", device=device.type, dtype=args.dtype, max_model_len=max_len,

@@ -33,7 +33,7 @@ import torch
 
 from loraplex.benchmarks import decode, device_floors, results, synthetic
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.kernels import select_ops
+from loraplex.kernels import engine_ops
 from loraplex.types import SamplingParams, StructuredOutput
 
 ALPHABET = string.ascii_letters + string.digits + ' {}[]":,.-_'
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     overrides = json.loads(args.model_overrides or "{}")
     model_config = synthetic.model_config(overrides)
     max_len = args.prompt_len + args.max_tokens + 16
-    model = synthetic.random_model(model_config, select_ops(device), dtype, device, max_len, seed=0)
+    model = synthetic.random_model(model_config, engine_ops(device), dtype, device, max_len, seed=0)
     floors = device_floors.measure(args.device, args.dtype)
     config = decode.DecodeBenchConfig(batch_sizes=(args.batch,), prompt_len=args.prompt_len,
                                       new_tokens=args.max_tokens, rank=args.rank, hf_batch_sizes=(),

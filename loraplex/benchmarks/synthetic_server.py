@@ -48,7 +48,7 @@ from loraplex.benchmarks.serve_workload import (
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.lora_weights import HostAdapter
 from loraplex.engine_config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
-from loraplex.kernels import select_ops
+from loraplex.kernels import engine_ops
 from loraplex.registry.records import AdapterRecord
 from loraplex.registry.registry_errors import AdapterNotFoundError
 from loraplex.types import SamplingParams
@@ -126,7 +126,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model_config = synthetic.model_config(args.model_overrides)
     started = time.perf_counter()
-    model = synthetic.random_model(model_config, select_ops(device), dtype, device, args.max_model_len)
+    model = synthetic.random_model(model_config, engine_ops(device), dtype, device, args.max_model_len)
     engine = LLMEngine(EngineConfig(
         model=MODEL_ID, device=args.device, dtype=str(dtype).removeprefix("torch."),
         max_model_len=args.max_model_len, seed=0, cache=CacheConfig(block_size=16),

@@ -24,7 +24,7 @@ from loraplex.benchmarks import synthetic
 from loraplex.benchmarks.results import RESULTS, write
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine_config import EngineConfig
-from loraplex.kernels import select_ops
+from loraplex.kernels import engine_ops
 from loraplex.model.model_config import ModelConfig
 from loraplex.types import SamplingParams
 
@@ -59,7 +59,7 @@ def _run_engine(args: argparse.Namespace, folder: str, model_config: ModelConfig
         max_lora_rank=args.rank, enforce_eager=args.enforce_eager, enable_prefix_caching=False)
     started, model = time.perf_counter(), None
     if size == 1:
-        ops = select_ops(device)
+        ops = engine_ops(device)
         model = synthetic.random_model(model_config, ops, dtype, device, max_len, seed=args.seed)
         engine = LLMEngine(config, model=model)
     else:

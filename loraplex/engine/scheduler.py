@@ -46,7 +46,6 @@ from loraplex.engine.streaming import blocks_to_drop, max_cached_tokens, sink_bl
 from loraplex.engine_config import SchedulerConfig
 from loraplex.types import FinishReason
 
-
 MAX_PROMPT_DELAY_S = 0.5
 """The longest a prompt step's duration counts for SchedulerConfig.scheduler_delay_factor."""
 
@@ -143,7 +142,8 @@ class Scheduler:
                 self._charge_cap(request, num_new)
         now = self._clock()
         if self._last_plan_computes_prompts:  # (an engine with requests running plans back to back)
-            self._prompt_step_s, self._prompt_step_end = min(now - self._last_plan_at, MAX_PROMPT_DELAY_S), now
+            self._prompt_step_s = min(now - self._last_plan_at, MAX_PROMPT_DELAY_S)
+            self._prompt_step_end = now
         prompts = not self._delays_prompts(now, decodes, prefills, budget)
         if not preempted:
             budget, blocked = self._admit_waiting(budget, plan, scheduled, prompts=prompts)
