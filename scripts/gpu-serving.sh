@@ -3,9 +3,12 @@
 # 600 s device command: the serving benchmark through HTTP on a Llama-3-8B-shaped model with random bf16 weights, 1,000 rank-16
 # adapters on all seven projections over 40 tenants, at most MAX_LORAS adapters resident (default
 # 32, issue 14's runs; MAX_LORAS= sets no cap: as many as the device pool holds, issue 27).
+# RANKS=8,16,64 mixes ranks instead of rank 16 alone (synthetic_server --ranks: of n ranks, adapter j
+# has the (j mod n)-th, equal shares, each rank its own random adapters; max_lora_rank the largest).
 #
 #   scripts/gpu-serving.sh            (from the repository root; the lead runs it with carry: wheels)
 #   MAX_LORAS= scripts/gpu-serving.sh (no --max-loras)
+#   RANKS=8,16,64 MAX_LORAS= scripts/gpu-serving.sh (mixed ranks, no cap)
 #
 # 1. installs the server's wheels from ./wheels (no network there; see the README's "Serving
 #    benchmark" section for how the folder is made) and the project (scripts/gpu-pass.sh install);
@@ -16,7 +19,10 @@
 #    over 1,000 adapters (Zipf alpha 1.0) and over 32 (all resident: throughput, TTFT and the
 #    cold loads' effect on ITL); a rate sweep for the highest rate at which p99 TTFT stays under
 #    1 s, with 1,000 adapters and with one, the two interleaved;
-# 4. sends SIGTERM (a drain: exit 0 expected) and writes serve-summary.json.
+# 4. sends SIGTERM (a drain: exit 0 expected) and writes serve-summary.json; its
+#    device_bytes_by_rank states, by rank, the adapters resident after the drain, their mean device
+#    bytes and the bytes per rank unit (the same for every rank when bytes are proportional to rank;
+#    the figures after the offline pass if the server did not drain).
 # The whole pass has BUDGET seconds (510, install included): every stage gets a time limit from
 # what is left (a bench run past its limit drops its unfinished requests as failures and still
 # writes its JSON), stages that no longer fit are skipped, and serve-summary.json is rewritten
@@ -45,6 +51,7 @@ left() { echo $(( BUDGET - ($(date +%s) - start) )); }
 RESERVE=25  # drain and the summary at the end
 
 MAX_LORAS=${MAX_LORAS-32}
+RANKS=${RANKS:-}
 SERVER_OPTS=(${MAX_LORAS:+--max-loras "$MAX_LORAS"} --max-num-seqs 128 --max-num-batched-tokens 8192 --max-model-len 4096)
 N_SAT=600; N_RATE=250; START_LIMIT=180; SAT_LIMIT=60; POISSON_LIMIT=60; RATE_LIMIT=35
 if [ "${SMOKE:-0}" = 1 ]; then
@@ -77,8 +84,8 @@ SAT_JSON='{"num_prompts": '$N_SAT', "num_tenants": 40, "num_adapters": 1000, "pr
 
 stamp "server start (engine build + offline pass)"
 python3 -m loraplex.benchmarks.synthetic_server --port "$PORT" --setup "$WORK/setup.json" \
-    --num-adapters 1000 --num-tenants 40 --rank 16 "${SERVER_OPTS[@]}" --offline "$SAT_JSON" --out "$RES" \
-    --shutdown-timeout 15 > "$RES/server.log" 2>&1 &
+    --num-adapters 1000 --num-tenants 40 --rank 16 ${RANKS:+--ranks "$RANKS"} "${SERVER_OPTS[@]}" \
+    --offline "$SAT_JSON" --out "$RES" --shutdown-timeout 15 > "$RES/server.log" 2>&1 &
 SERVER=$!
 ready_by=$(( $(date +%s) + START_LIMIT ))
 until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/ready', timeout=1)" \

@@ -5,7 +5,9 @@ file per run of `loraplex bench serve`, and the synthetic server's offline pass)
   p99 TTFT within 2x; cold loads move p99 ITL by less than 10%;
 - HTTP at saturation against the offline engine on the same requests: at least 90%; the server's
   CPU time per generated token;
-- the highest rate tried at which p99 TTFT stays under 1 s, with 1,000 adapters and with one.
+- the highest rate tried at which p99 TTFT stays under 1 s, with 1,000 adapters and with one;
+- device bytes per resident adapter by rank (the synthetic server's adapter-device-bytes.json:
+  with mixed ranks, device bytes per rank unit should be the same for every rank).
 
     python -m loraplex.benchmarks.serve_report DIR [--plot]
 
@@ -21,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 TTFT_LIMIT_MS = 1000.0
+DEVICE_BYTES_FILE = "adapter-device-bytes.json"
+"""The synthetic server's device bytes per resident adapter by rank, in the results folder."""
 
 
 def _load(folder: Path, name: str) -> dict[str, Any] | None:
@@ -63,6 +67,10 @@ def summarize(folder: Path) -> dict[str, Any]:
         summary[f"max_rate_ttft_p99_under_1s_{adapters}_adapters"] = {
             "max_rate_tried_within": max(within, default=None),
             "is_lower_bound": bool(within) and max(within) == table[-1]["rate"], "runs": table}
+    device_bytes = _load(folder, DEVICE_BYTES_FILE)
+    if device_bytes:
+        summary["device_bytes_by_rank"] = {name: device_bytes[name]
+                                           for name in ("when", "pool_page_bytes", "by_rank")}
     return summary
 
 

@@ -2,24 +2,29 @@
 downloaded: a Llama-3-8B-shaped model with random weights built on the device, a word-level
 tokenizer over its whole vocabulary (one word, one token), a SQLite registry with the
 workload's tenants (`t000`...) and a key each, and `--num-adapters` random adapters of `--rank`
-on all seven projections (`a0000`..., adapter j owned by tenant j % num_tenants).
+on all seven projections (`a0000`..., adapter j owned by tenant j % num_tenants). With
+`--ranks 8,16,64`, adapter j has rank ranks[j % 3] instead (equal shares; the workload's Zipf
+popularity is shuffled over the indices, so each rank has hot and cold adapters) and the engine's
+max_lora_rank is the largest.
 
     python -m loraplex.benchmarks.synthetic_server --port 8000 --setup setup.json \
-        [--num-adapters 1000 --num-tenants 40 --rank 16 --max-loras 32 --max-num-seqs 128] \
-        [--offline WORKLOAD_JSON --out bench/results]
+        [--num-adapters 1000 --num-tenants 40 --rank 16 | --ranks 8,16,64] \
+        [--max-loras 32 --max-num-seqs 128] [--offline WORKLOAD_JSON --out bench/results]
 
 1,000 rank-16 adapters of that shape are 84 GB, more than the machine's disk; so adapter names
 resolve here without the registry (the server's name cache makes the registry's part of it a
 dictionary read either way), and the engine's loader, asked for adapter j, copies one of a few
-random adapters made at start-up into fresh pinned host memory under j's own digest: the engine
-does all its usual work (host tier, slots, copies on the side stream, eviction), only the blob
-store's file read is left out. Keys, tenants, limits and usage go through the real registry.
+random adapters of j's rank made at start-up into fresh pinned host memory under j's own digest:
+the engine does all its usual work (host tier, slots, copies on the side stream, eviction), only
+the blob store's file read is left out. Keys, tenants, limits and usage go through the real registry.
 
 `--offline` first runs the workload (WorkloadConfig's fields as JSON) through the engine
 directly, all at once, and writes `<out>/serve-offline-<device>.json` (the offline engine's
 throughput on the same requests as `loraplex bench serve` with the same workload). Then the
 server writes `--setup` (url, model_id, keys, vocab_size, admin_key; what `bench serve --setup`
-reads) and serves until SIGTERM, which drains it (exit 0)."""
+reads) and serves until SIGTERM, which drains it (exit 0). After the offline pass and again after
+the drain it writes `<out>/adapter-device-bytes.json`: by rank, the adapters resident on the
+device then and their mean device bytes (what serve_report folds into serve-summary.json)."""
 
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import argparse
 import hashlib
 import json
 import logging
+import statistics
 import sys
 import tempfile
 import time
@@ -38,6 +44,7 @@ from typing import Any
 import torch
 
 from loraplex.benchmarks import synthetic
+from loraplex.benchmarks.serve_report import DEVICE_BYTES_FILE
 from loraplex.benchmarks.serve_workload import (
     WorkloadConfig,
     adapter_name,
@@ -55,7 +62,8 @@ from loraplex.types import SamplingParams
 
 MODEL_ID = "synthetic-llama-3-8b"
 POOL_SIZE = 4
-"""Distinct random adapters made at start-up; adapter j's tensors are a copy of pool[j % 4]."""
+"""Distinct random adapters made at start-up for each rank; adapter j (of rank r, the k-th of
+that rank) is a copy of pools[r][k % 4]."""
 logger = logging.getLogger("loraplex.synthetic_server")
 
 
@@ -63,27 +71,52 @@ def synthetic_digest(index: int) -> str:
     return hashlib.sha256(f"loraplex-synthetic-adapter-{index}".encode()).hexdigest()
 
 
+def parse_ranks(text: str) -> tuple[int, ...]:
+    """`--ranks`: "8,16,64" -> (8, 16, 64), distinct positive ranks."""
+    try:
+        ranks = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of ranks: {text!r}") from None
+    if any(rank <= 0 for rank in ranks) or len(set(ranks)) != len(ranks):
+        raise argparse.ArgumentTypeError(f"ranks must be positive and distinct: {text!r}")
+    return ranks
+
+
 class SyntheticAdapters:
     """What the server's AdapterNames does (names -> digests, digests -> adapters), for
-    adapters that exist only as seeds."""
+    adapters that exist only as seeds. `pools` maps each rank to its random adapters, in the
+    order that shares the adapters out: adapter j has the (j % len(pools))-th rank."""
 
-    def __init__(self, num_adapters: int, num_tenants: int, pool: list[HostAdapter]) -> None:
-        self._pool = pool
+    def __init__(self, num_adapters: int, num_tenants: int, pools: dict[int, list[HostAdapter]]) -> None:
+        self._pools = pools
+        self.ranks = tuple(pools)
         self._num_tenants = num_tenants
         self._index = {synthetic_digest(j): j for j in range(num_adapters)}
-        self._records = {(adapter_owner(j, num_tenants), adapter_name(j)): self._record(j, pool[0].rank)
+        self._records = {(adapter_owner(j, num_tenants), adapter_name(j)): self._record(j)
                          for j in range(num_adapters)}
         self.num_loads = 0
 
-    def _record(self, j: int, rank: int) -> AdapterRecord:
-        digest = synthetic_digest(j)
+    def rank_of(self, j: int) -> int:
+        return self.ranks[j % len(self.ranks)]
+
+    def rank_of_digest(self, digest: str) -> int | None:
+        """The rank of the synthetic adapter with `digest` (None for any other digest)."""
+        j = self._index.get(digest)
+        return None if j is None else self.rank_of(j)
+
+    def _source(self, j: int) -> HostAdapter:
+        pool = self._pools[self.rank_of(j)]
+        return pool[j // len(self.ranks) % len(pool)]
+
+    def _record(self, j: int) -> AdapterRecord:
+        digest, rank = synthetic_digest(j), self.rank_of(j)
         nowhere = Path("/nonexistent")
         return AdapterRecord(
             id=j, tenant=adapter_owner(j, self._num_tenants), name=adapter_name(j), digest=digest,
             weights_sha256=digest, config_sha256=digest, weights_path=nowhere, config_path=nowhere,
             base_model=MODEL_ID, rank=rank, alpha=float(rank), target_modules=(
                 "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-            size_bytes=self._pool[0].num_bytes, created_at=datetime.now(timezone.utc), num_requests_served=0)
+            size_bytes=self.weight_bytes(rank), created_at=datetime.now(timezone.utc), num_requests_served=0)
 
     async def lookup(self, tenant: str, name: str) -> AdapterRecord:
         record = self._records.get((tenant, name))
@@ -99,9 +132,8 @@ class SyntheticAdapters:
         return (digest,) if j is None else (adapter_name(j),)
 
     def load(self, digest: str) -> HostAdapter:
-        """Runs on the engine's loader thread: a fresh pinned copy of a pool adapter."""
-        j = self._index[digest]
-        source = self._pool[j % len(self._pool)]
+        """Runs on the engine's loader thread: a fresh pinned copy of a pool adapter of j's rank."""
+        source = self._source(self._index[digest])
         self.num_loads += 1
 
         def copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -109,6 +141,10 @@ class SyntheticAdapters:
                     for group, t in tensors.items()}
 
         return HostAdapter(digest, source.rank, copy(source.a), copy(source.b), copy(source.ranks))
+
+    def weight_bytes(self, rank: int) -> int:
+        """Bytes of the A and B weights of an adapter of `rank` (host memory, unpadded)."""
+        return self._pools[rank][0].num_bytes
 
 
 def word_tokenizer(vocab_size: int) -> Any:
@@ -132,17 +168,52 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         max_model_len=args.max_model_len, seed=0, cache=CacheConfig(block_size=16),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens),
-        lora=LoRAConfig(max_lora_rank=args.rank, max_loras=args.max_loras),
+        lora=LoRAConfig(max_lora_rank=max(args.ranks), max_loras=args.max_loras),
     ), model=model)
     engine.tokenizer = word_tokenizer(model_config.vocab_size)
     logger.info("engine built in %.1f s: %s", time.perf_counter() - started, engine.memory.describe())
     return engine
 
 
-def make_pool(engine: LLMEngine, rank: int) -> list[HostAdapter]:
+def make_pools(engine: LLMEngine, ranks: tuple[int, ...]) -> dict[int, list[HostAdapter]]:
+    """POOL_SIZE random adapters of each rank; the first rank's seeds are 5000... (a single
+    `--rank` gets the adapters it always had)."""
     pin = engine.device.type == "cuda"
-    return [synthetic.random_adapter(engine.model_config, rank, engine.dtype, engine.device, f"pool-{i}",
-                                     seed=5000 + i, pin=pin) for i in range(POOL_SIZE)]
+    return {rank: [synthetic.random_adapter(engine.model_config, rank, engine.dtype, engine.device,
+                                            f"pool-r{rank}-{i}", seed=5000 + 100 * k + i, pin=pin)
+                   for i in range(POOL_SIZE)] for k, rank in enumerate(ranks)}
+
+
+def device_bytes_by_rank(engine: LLMEngine, adapters: SyntheticAdapters, when: str) -> dict[str, Any]:
+    """The adapters resident on the device now, by rank: how many, their mean device bytes (their
+    slots' pool pages), the mean over the rank (bytes per rank unit: the same for every rank
+    when device bytes are proportional to rank) and the mean against the smallest rank's (None
+    where either has no adapter resident)."""
+    stats = engine.stats()
+    sizes: dict[int, list[int]] = {rank: [] for rank in sorted(adapters.ranks)}
+    for digest, num_bytes in (stats.adapter_device_bytes or {}).items():
+        rank = adapters.rank_of_digest(digest)
+        if rank is not None:
+            sizes[rank].append(num_bytes)
+    means = {rank: statistics.mean(values) for rank, values in sizes.items() if values}
+    smallest = means.get(min(adapters.ranks))
+    by_rank = {}
+    for rank, values in sizes.items():
+        mean = means.get(rank)
+        by_rank[str(rank)] = {
+            "num_resident": len(values), "mean_device_bytes": None if mean is None else round(mean),
+            "device_bytes_per_rank": None if mean is None else round(mean / rank),
+            "ratio_to_smallest_rank": None if mean is None or smallest is None else round(mean / smallest, 3),
+            "weight_bytes": adapters.weight_bytes(rank)}
+    return {"benchmark": "adapter-device-bytes", "when": when, "pool_page_bytes": stats.pool_page_bytes,
+            "max_lora_rank": engine.config.lora.max_lora_rank, "by_rank": by_rank}
+
+
+def write_device_bytes(engine: LLMEngine, adapters: SyntheticAdapters, out: Path, when: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    result = device_bytes_by_rank(engine, adapters, when)
+    (out / DEVICE_BYTES_FILE).write_text(json.dumps(result, indent=1) + "\n")
+    logger.info("device bytes by rank (%s): %s", when, json.dumps(result["by_rank"]))
 
 
 def run_offline(engine: LLMEngine, workload: WorkloadConfig) -> dict[str, Any]:
@@ -205,7 +276,8 @@ def set_up_registry(data_dir: Path, engine: LLMEngine, num_tenants: int) -> tupl
     return registry, keys, registry.keys.create(admin=True).secret
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; `ranks` is always set (`--ranks`, or the single `--rank`)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -214,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-adapters", type=int, default=1000)
     parser.add_argument("--num-tenants", type=int, default=40)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--ranks", type=parse_ranks, help="comma-separated ranks shared out in turn "
+                        "(adapter j has ranks[j %% len(ranks)]), each with its own random adapters; "
+                        "default: --rank alone")
     parser.add_argument("--max-loras", type=int, default=None,
                         help="most adapters resident at once (default: no cap, as many as the pool holds)")
     parser.add_argument("--max-num-seqs", type=int, default=128)
@@ -230,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
                         "process (default: Python's 5 ms): how long the engine thread may wait for the "
                         "GIL while the event loop holds it")
     args = parser.parse_args(argv)
+    args.ranks = args.ranks or (args.rank,)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
 
@@ -242,8 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging()
     logging.getLogger("loraplex.server.usage_recorder").setLevel(logging.WARNING)  # names not in the registry
     engine = build_engine(args)
-    pool = make_pool(engine, args.rank)
-    adapters = SyntheticAdapters(args.num_adapters, args.num_tenants, pool)
+    adapters = SyntheticAdapters(args.num_adapters, args.num_tenants, make_pools(engine, args.ranks))
     engine.set_adapter_loader(adapters.load)
     if args.offline is not None:
         workload = WorkloadConfig(**(args.offline | {"vocab_size": engine.model_config.vocab_size}))
@@ -252,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         path = args.out / f"serve-offline-{result['device'].replace(' ', '-').lower()}.json"
         path.write_text(json.dumps(result, indent=1) + "\n")
         print(json.dumps(result), flush=True)
+        write_device_bytes(engine, adapters, args.out, "after the offline pass")
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="loraplex-synthetic-"))
     registry, keys, admin_key = set_up_registry(data_dir, engine, args.num_tenants)
     url = f"http://{args.host}:{args.port}"
@@ -261,9 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            timeout_graceful_shutdown=args.shutdown_timeout),
                             drain_timeout_s=args.shutdown_timeout)
-    logger.info("serving %s on %s with %d adapters over %d tenants", MODEL_ID, url, args.num_adapters,
-                args.num_tenants)
+    logger.info("serving %s on %s with %d adapters of rank %s over %d tenants", MODEL_ID, url,
+                args.num_adapters, "/".join(map(str, args.ranks)), args.num_tenants)
     server.run()
+    write_device_bytes(engine, adapters, args.out, "after the drain")
     registry.close()
     engine.close()
     return 0

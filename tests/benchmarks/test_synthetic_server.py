@@ -1,0 +1,88 @@
+"""The serving benchmark's synthetic server with mixed ranks, on a tiny model on CPU: adapters of
+each rank in equal shares, device bytes per resident adapter in proportion to rank, and the
+figures in serve-summary.json."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from loraplex.benchmarks import serve_report
+from loraplex.benchmarks import synthetic_server as server
+from loraplex.benchmarks.serve_workload import adapter_name, adapter_owner
+from loraplex.types import SamplingParams
+
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 1000}
+NUM_ADAPTERS, NUM_TENANTS = 30, 4
+
+
+def _args(*ranks: str) -> list[str]:
+    return ["--setup", "unused.json", "--device", "cpu", "--max-model-len", "256", "--max-num-seqs", "16",
+            "--max-num-batched-tokens", "512", "--model-overrides", json.dumps(TINY), *ranks]
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    args = server.parse_args(_args("--ranks", "8,16,64"))
+    engine = server.build_engine(args)
+    adapters = server.SyntheticAdapters(NUM_ADAPTERS, NUM_TENANTS, server.make_pools(engine, args.ranks))
+    engine.set_adapter_loader(adapters.load)
+    yield engine, adapters
+    engine.close()
+
+
+def test_ranks_default_to_the_single_rank_and_must_be_distinct():
+    assert server.parse_args(_args()).ranks == (16,)
+    assert server.parse_args(_args("--rank", "8")).ranks == (8,)
+    assert server.parse_args(_args("--ranks", "8,16,64")).ranks == (8, 16, 64)
+    for bad in ("8,x", "8,8", "0,16"):
+        with pytest.raises(SystemExit):
+            server.parse_args(_args("--ranks", bad))
+
+
+def test_the_ranks_come_in_equal_shares_and_records_carry_each_adapters_own(mixed):
+    engine, adapters = mixed
+    assert engine.config.lora.max_lora_rank == 64
+    records = [asyncio.run(adapters.lookup(adapter_owner(j, NUM_TENANTS), adapter_name(j)))
+               for j in range(NUM_ADAPTERS)]
+    assert Counter(r.rank for r in records) == {8: 10, 16: 10, 64: 10}
+    assert [r.rank for r in records[:6]] == [8, 16, 64, 8, 16, 64]  # shared out in turn
+    for j in (0, 1, 2, 5, 29):
+        host = adapters.load(records[j].digest)
+        assert host.rank == records[j].rank == adapters.rank_of_digest(records[j].digest)
+        assert records[j].size_bytes == host.num_bytes == adapters.weight_bytes(host.rank)
+        assert all(int(r.max()) == host.rank for r in host.ranks.values())
+    # each rank has its own pool: the k-th adapter of a rank copies pool adapter k % POOL_SIZE
+    first, next_of_rank = adapters.load(records[0].digest), adapters.load(records[3].digest)
+    again = adapters.load(records[3 * server.POOL_SIZE].digest)
+    assert not torch.equal(first.a["qkv"], next_of_rank.a["qkv"])
+    assert torch.equal(first.a["qkv"], again.a["qkv"])
+
+
+def test_device_bytes_per_resident_adapter_are_proportional_to_rank(mixed, tmp_path):
+    engine, adapters = mixed
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for j in range(9):  # three of each rank
+        engine.add_request(f"r{j}", prompt_token_ids=[5, 6, 7, 8], params=params,
+                           adapter=server.synthetic_digest(j))
+    while engine.has_unfinished_requests():
+        engine.step()
+    server.write_device_bytes(engine, adapters, tmp_path, "after the test")
+    result = json.loads((tmp_path / serve_report.DEVICE_BYTES_FILE).read_text())
+    by_rank = result["by_rank"]
+    assert {rank: row["num_resident"] for rank, row in by_rank.items()} == {"8": 3, "16": 3, "64": 3}
+    page = result["pool_page_bytes"]
+    for rank, row in by_rank.items():  # whole pages: at most one more than the weights need
+        assert row["weight_bytes"] <= row["mean_device_bytes"] <= row["weight_bytes"] + page, rank
+    assert by_rank["16"]["ratio_to_smallest_rank"] == pytest.approx(2, rel=0.05)
+    assert by_rank["64"]["ratio_to_smallest_rank"] == pytest.approx(8, rel=0.05)
+    per_rank = [row["device_bytes_per_rank"] for row in by_rank.values()]
+    assert max(per_rank) <= 1.05 * min(per_rank)
+
+    summary = serve_report.summarize(tmp_path)["device_bytes_by_rank"]
+    assert summary["by_rank"] == by_rank and summary["when"] == "after the test"
