@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--adapters", type=int, default=64)
     parser.add_argument("--no-adapters", action="store_true")
+    parser.add_argument("--mixed-graphs", action="store_true", help="EngineConfig.mixed_step_graphs")
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
@@ -47,7 +48,8 @@ def main() -> None:
     model = synthetic.random_model(config, engine_ops(device), dtype, device, max_len, seed=0)
     engine = LLMEngine(EngineConfig(
         model="synthetic-llama-3-8b", device=device.type, dtype=str(dtype).removeprefix("torch."),
-        max_model_len=max_len, cache=CacheConfig(block_size=16, num_kv_blocks=4096 if not args.cpu else 512),
+        max_model_len=max_len, mixed_step_graphs=args.mixed_graphs,
+        cache=CacheConfig(block_size=16, num_kv_blocks=4096 if not args.cpu else 512),
         scheduler=SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=2048,
                                   scheduler_delay_factor=0.0),  # every step here takes its prompt
         lora=LoRAConfig(max_lora_rank=16)), model=model)
@@ -110,12 +112,13 @@ def main() -> None:
         gpu_ms = sum(getattr(e, "self_device_time_total", 0) for e in events) / args.steps / 1e3
         text.write(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
     summary = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "mixed_step_graphs": args.mixed_graphs,
                "running": args.running, "prompt": args.prompt,
                "adapters": 0 if args.no_adapters else args.adapters,
                "decode_step_ms": round(decode_ms, 3), "mixed_step_ms": round(mixed_ms, 3),
                "mixed_step_gpu_ms": None if gpu_ms is None else round(gpu_ms, 3)}
     print(json.dumps(summary))
-    tag = "none" if args.no_adapters else "lora"
+    tag = ("none" if args.no_adapters else "lora") + ("-mixed-graphs" if args.mixed_graphs else "")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"mixed-steps-{tag}.txt").write_text(json.dumps(summary) + "\n" + text.getvalue())
     print(text.getvalue()[:6000])

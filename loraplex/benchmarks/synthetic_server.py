@@ -166,8 +166,10 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     engine = LLMEngine(EngineConfig(
         model=MODEL_ID, device=args.device, dtype=str(dtype).removeprefix("torch."),
         max_model_len=args.max_model_len, seed=0, cache=CacheConfig(block_size=16),
+        mixed_step_graphs=args.mixed_step_graphs,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens),
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  scheduler_delay_factor=args.scheduler_delay_factor),
         lora=LoRAConfig(max_lora_rank=max(args.ranks), max_loras=args.max_loras),
     ), model=model)
     engine.tokenizer = word_tokenizer(model_config.vocab_size)
@@ -301,6 +303,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "run through the engine directly before serving")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--shutdown-timeout", type=int, default=60)
+    parser.add_argument("--mixed-step-graphs", action="store_true",
+                        help="EngineConfig.mixed_step_graphs: capture steps with prompt tokens too")
+    parser.add_argument("--scheduler-delay-factor", type=float,
+                        default=SchedulerConfig.scheduler_delay_factor,
+                        help="SchedulerConfig.scheduler_delay_factor (default %(default)s)")
     parser.add_argument("--switch-interval-ms", type=float, help="sys.setswitchinterval for this "
                         "process (default: Python's 5 ms): how long the engine thread may wait for the "
                         "GIL while the event loop holds it")

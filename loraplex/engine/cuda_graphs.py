@@ -18,6 +18,16 @@ members and prefixes live in fixed-size step inputs, so one graph replays any gr
 graph is captured up front (`capture_all`), largest first so that the smaller ones reuse its
 memory pool; a request never waits on a capture.
 
+With `mixed` (EngineConfig.mixed_step_graphs), steps that compute prompt tokens beside decodes
+are captured too, at padded (tokens, sequences): tokens in MIXED_TOKEN_BUCKETS (up to the step
+budget), sequences in MIXED_SEQ_BUCKETS (up to max_batch, and max_batch itself), without
+adapters or with the LoRA shrink and expand, greedy or not; such a step otherwise runs eagerly,
+bound by the host's launches (on the H100 32 decodes and a 256-token prompt with 64 adapters:
+42.6 ms, its kernels 15). The prefill attention kernel's grid depends on the token and sequence
+counts alone, so one graph serves any split of its tokens between sequences. Steps with
+FLoRA rows, IA3 alone or on o's input, scored prompt positions, or more tokens than the largest
+bucket run eagerly.
+
 Beside them, one small graph per (padded batch size, greedy or not) draws a step's samples
 again under its token masks (structured outputs: ModelRunner.sample with `masked`): a copy of
 the logits that the step's graph left, the mask kernel on the rows whose flag (`mask_rows`)
@@ -41,6 +51,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+MIXED_TOKEN_BUCKETS = (64, 128, 256, 512, 1024)
+"""Token counts of the mixed-step graphs: past about 1,024 tokens a step's kernels take longer
+than its launches (the H100, Llama-3-8B: 1,024 tokens are about 16 TFLOP, 25 ms)."""
+MIXED_SEQ_BUCKETS = (8, 32, 128)
+"""Sequence counts of the mixed-step graphs (with max_batch): a step's sample rows are padded to
+one (each padding row computes logits that are thrown away)."""
+
+
 def graph_batch_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then steps of 8, up to max_batch (included)."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_batch] + list(range(16, max_batch, 8))
@@ -59,12 +77,14 @@ class CaptureReport:
 
 class DecodeGraphs:
     def __init__(self, runner: ModelRunner, max_batch: int, vocab_size: int, capture: bool = True,
-                 flora: bool = True) -> None:
-        """Without `capture` (CPU) padded decode steps run the same forward eagerly, so the
-        padding is tested where no GPU is present. Without `flora` no graph has FLoRA rows
-        (such steps run eagerly)."""
-        self.runner, self.capture, self.flora = runner, capture, flora
+                 flora: bool = True, mixed: bool = False) -> None:
+        """Without `capture` (CPU) padded steps run the same forward eagerly, so the padding is
+        tested where no GPU is present. Without `flora` no graph has FLoRA rows (such steps run
+        eagerly). With `mixed`, steps that compute prompt tokens are padded and captured too."""
+        self.runner, self.capture, self.flora, self.mixed = runner, capture, flora, mixed
         self.sizes = graph_batch_sizes(max_batch)
+        self.mixed_tokens = [t for t in MIXED_TOKEN_BUCKETS if t <= runner.inputs.max_tokens] if mixed else []
+        self.mixed_seqs = sorted({s for s in MIXED_SEQ_BUCKETS if s < max_batch} | {max_batch})
         device = runner.device
         # Outputs live in static buffers, so the graphs' temporaries can share one pool.
         self.logits = torch.zeros(max_batch, vocab_size, dtype=torch.float32, device=device)
@@ -73,18 +93,33 @@ class DecodeGraphs:
         self._masked: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.report: CaptureReport | None = None
+        self.num_mixed_replays = 0
+        """Steps with prompt tokens that replayed a graph."""
 
     def padded_size(self, num_seqs: int) -> int | None:
         """The graph batch size a decode step of `num_seqs` sequences runs at (None: too big)."""
         index = bisect.bisect_left(self.sizes, num_seqs)
         return self.sizes[index] if index < len(self.sizes) else None
 
+    def mixed_padding(self, num_tokens: int, num_seqs: int) -> tuple[int, int] | None:
+        """The padded (tokens, sequences) of the graph that a step computing prompt tokens runs
+        (None: none, it runs eagerly): the fewest sequences that hold its own, then the fewest
+        tokens that hold its own and one for each padding sequence."""
+        if not self.mixed_tokens:
+            return None
+        seqs = next((s for s in self.mixed_seqs if s >= num_seqs), None)
+        if seqs is None:
+            return None
+        tokens = next((t for t in self.mixed_tokens if t >= num_tokens + seqs - num_seqs and t > seqs), None)
+        return None if tokens is None else (tokens, seqs)
+
     def has(self, shape: StepShape) -> bool:
         return shape.graph_key in self._graphs
 
     def replay(self, shape: StepShape) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [size, vocab], tokens [size]) of a filled padded decode step."""
+        """(logits [size, vocab], tokens [size]) of a filled padded step (size: its sequences)."""
         self._graphs[shape.graph_key].replay()
+        self.num_mixed_replays += shape.is_padded_mixed
         return self.logits[:shape.num_seqs], self.tokens[:shape.num_seqs]
 
     def has_masked(self, shape: StepShape) -> bool:
@@ -104,6 +139,15 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
         started, reserved = time.perf_counter(), torch.cuda.memory_reserved(device)
         relay = (False, True) if self.runner.inputs.relay.mode != "off" else (False,)
+        for tokens in reversed(self.mixed_tokens):  # the largest first: the others reuse its pool
+            for seqs in reversed(self.mixed_seqs):
+                if seqs >= tokens:
+                    continue
+                for has_lora in (False, True):
+                    for is_greedy in (False, True):
+                        shape = self.runner.inputs.fill_dummy_mixed(tokens, seqs, is_greedy, has_lora)
+                        self.runner.inputs.upload()
+                        self._graphs[shape.graph_key] = self._capture(shape)
         for size in reversed(self.sizes):
             for variant in self.variants(size):
                 for is_greedy in (False, True):
@@ -125,9 +169,10 @@ class DecodeGraphs:
             pool_bytes=torch.cuda.memory_reserved(device) - reserved,
             output_bytes=self.logits.numel() * 4 + self.tokens.numel() * 8)
         logger.info("captured %d decode graphs (batch sizes %d to %d, with and without adapters, "
-                    "greedy and sampling, and masked sampling) in %.1f s; they hold %.0f MiB",
-                    self.report.num_graphs,
-                    self.sizes[0], self.sizes[-1], self.report.seconds,
+                    "greedy and sampling, and masked sampling%s) in %.1f s; they hold %.0f MiB",
+                    self.report.num_graphs, self.sizes[0], self.sizes[-1],
+                    f"; and steps with prompt tokens up to {self.mixed_tokens[-1]} tokens"
+                    if self.mixed_tokens else "", self.report.seconds,
                     (self.report.pool_bytes + self.report.output_bytes) / 2**20)
         return self.report
 

@@ -200,14 +200,16 @@ class LLMEngine:
                 self.model, self.kv_cache, self.lora, ops, config.scheduler.max_num_seqs,
                 config.scheduler.max_num_batched_tokens, self.max_model_len,
                 use_cuda_graphs=use_graphs, num_host_blocks=num_host_blocks,
-                flora_graphs=config.lora.flora_graphs, relay=RelayRule(config.relay_attention))
+                flora_graphs=config.lora.flora_graphs, relay=RelayRule(config.relay_attention),
+                mixed_graphs=config.mixed_step_graphs)
             self.graphs = self.runner.graphs.capture_all() if use_graphs else None
             if self.device.type == "cuda":  # compiles kernels now, not on the first requests' time
                 started = time.perf_counter()
                 num_steps = self.runner.warm_up(config.scheduler.max_num_batched_tokens)
                 logger.info("warmed up %d prefill step shapes in %.1f s", num_steps,
                             time.perf_counter() - started)
-        self.scheduler.delays_prompts = use_graphs  # (prompt steps run eagerly, decodes from graphs)
+        # (prompt steps run eagerly, decodes from graphs; with mixed-step graphs most run as graphs too)
+        self.scheduler.delays_prompts = use_graphs and not config.mixed_step_graphs
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device.type == "cuda")
         self._in_flight: InFlight | None = None
@@ -266,7 +268,8 @@ class LLMEngine:
                                config.cache.cpu_kv_cache_bytes)
         activations, graphs = measure_step_bytes(
             self.model, ops, self._kv_block_shape(), config.lora.max_lora_rank, config.scheduler.max_num_seqs,
-            config.scheduler.max_num_batched_tokens, self.max_model_len, use_graphs)
+            config.scheduler.max_num_batched_tokens, self.max_model_len, use_graphs,
+            mixed_graphs=config.mixed_step_graphs)
         budget = cuda_budget(config.cache.gpu_memory_utilization, self.device, activations, graphs)
         return plan_memory(config, model, self.dtype, self.max_model_len, slot_bytes, budget,
                            activations, graphs)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from loraplex.engine import prompt_logprobs
-from loraplex.engine.cuda_graphs import DecodeGraphs
+from loraplex.engine.cuda_graphs import MIXED_TOKEN_BUCKETS, DecodeGraphs
 from loraplex.engine.input_batch import InputBatch
 from loraplex.engine.kv_swap import KvSwapper
 from loraplex.engine.lora_weights import LoraSlotBuffers
@@ -97,11 +97,12 @@ class ModelRunner:
         self, model: LlamaForCausalLM, kv_cache: torch.Tensor, lora: LoraSlotBuffers, ops: Ops,
         max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
         use_cuda_graphs: bool = False, num_host_blocks: int = 0, flora_graphs: bool = False,
-        relay: RelayRule | None = None,
+        relay: RelayRule | None = None, mixed_graphs: bool = False,
     ) -> None:
         """`num_host_blocks`: the host pool that preempted requests' KV is swapped to;
         `flora_graphs`: capture the decode graphs of steps with FLoRA rows too; `relay`: when
-        decode steps read shared prefixes once per relay group (None: never)."""
+        decode steps read shared prefixes once per relay group (None: never); `mixed_graphs`:
+        capture steps that compute prompt tokens too (EngineConfig.mixed_step_graphs)."""
         self.model, self.kv_cache, self.lora, self.ops = model, kv_cache, lora, ops
         self.swapper = KvSwapper(kv_cache, num_host_blocks) if num_host_blocks else None
         self.device = kv_cache.device
@@ -119,7 +120,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if use_cuda_graphs:
             self.graphs = DecodeGraphs(self, max_num_seqs, model.config.vocab_size,
-                                       capture=self.device.type == "cuda", flora=flora_graphs)
+                                       capture=self.device.type == "cuda", flora=flora_graphs,
+                                       mixed=mixed_graphs)
 
     # A step -------------------------------------------------------------------------------
     def launch(self, plan: StepPlan) -> LaunchedStep:
@@ -177,16 +179,23 @@ class ModelRunner:
     def prepare(self, plan: StepPlan) -> FilledStep:
         """Fill the step inputs from the plan (padded for a graph where one will run) and queue
         their copy to the device."""
-        pad_to = None
+        pad_to = pad_mixed = None
         if self.graphs is not None and max(plan.num_scheduled_tokens) == 1:
             pad_to = self.graphs.padded_size(len(plan.request_ids))
-        filled = self.inputs.fill(plan, self.batch, pad_to)
+        elif self.graphs is not None:
+            pad_mixed = self.graphs.mixed_padding(sum(plan.num_scheduled_tokens), len(plan.request_ids))
+        filled = self.inputs.fill(plan, self.batch, pad_to, pad_mixed)
+        shape = filled.shape
+        no_graph = self.graphs is not None and self.graphs.capture and not self.graphs.has(shape)
+        if shape.is_padded_mixed and (shape.has_flora or no_graph):
+            filled = self.inputs.fill(plan, self.batch, None)  # no graph for it: eagerly, unpadded
         if self.batch.num_scoring_rows:
             batch, rows = self.batch, filled.rows
             prompt = prompt_logprobs.select(rows, filled.start, filled.num_new, filled.query_start,
                                             batch.num_prompt_tokens[rows], batch.prompt_logprobs[rows],
                                             batch.tokens)
-            if prompt is not None and filled.shape.is_padded_decode:  # scoring steps run eagerly
+            padded = filled.shape.is_padded_decode or filled.shape.is_padded_mixed
+            if prompt is not None and padded:  # scoring steps run eagerly
                 filled = self.inputs.fill(plan, self.batch, None)
             filled.prompt = prompt
         self.inputs.upload()
@@ -211,8 +220,9 @@ class ModelRunner:
             ) -> tuple[torch.Tensor, torch.Tensor, prompt_logprobs.QueuedPromptLogprobs | None]:
         """(logits [num_samples, vocab] float32, tokens [num_samples], the prompt logprobs
         queued to the host if the step scores any) of a filled step: a graph replay for a padded
-        decode step, else the forward pass run eagerly."""
-        if shape.is_padded_decode and self.graphs is not None and self.graphs.has(shape):
+        step that has one, else the forward pass run eagerly."""
+        padded = shape.is_padded_decode or shape.is_padded_mixed
+        if padded and self.graphs is not None and self.graphs.has(shape):
             return *self.graphs.replay(shape), None
         with torch.inference_mode():
             return self.forward(shape, prompt)
@@ -269,6 +279,9 @@ class ModelRunner:
             else:  # a prompt chunk of one token that does not sample yet ran as a decode row
                 keep = torch.from_numpy(np.flatnonzero(filled.samples)).to(logits.device)
                 logits, tokens = logits[keep], tokens[keep]
+        elif filled.shape.is_padded_mixed:  # the real samples first, then padding rows
+            num_samples = int(filled.samples.sum())
+            logits, tokens = logits[:num_samples], tokens[:num_samples]
         sample_rows = filled.rows[filled.samples]
         sampled_ids = [r for r, s in zip(plan.request_ids, plan.samples) if s]
         if self.on_logits is not None:
@@ -382,6 +395,7 @@ class ModelRunner:
 def measure_step_bytes(
     model: LlamaForCausalLM, ops: Ops, kv_block_shape: tuple[int, ...], max_lora_rank: int,
     max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, use_graphs: bool,
+    mixed_graphs: bool = False,
 ) -> tuple[int, int]:
     """(activation bytes, decode graph bytes) of `model` on CUDA, measured by dummy steps on
     scratch buffers (one KV block of `kv_block_shape`, one adapter slot): the largest eager
@@ -397,6 +411,10 @@ def measure_step_bytes(
     if use_graphs:
         graphs = max(scratch.measure_peak_bytes(max_num_seqs, 1),
                      scratch.measure_peak_bytes(max_num_seqs, 1, flora_rows=FLORA_ROW_BUCKETS[-1]))
+        mixed = [t for t in MIXED_TOKEN_BUCKETS if t <= max(max_num_batched_tokens, max_num_seqs)]
+        if mixed_graphs and mixed:  # the largest mixed-step graph's, its sample rows all sequences
+            seqs = min(max_num_seqs, mixed[-1] // 2)
+            graphs = max(graphs, scratch.measure_peak_bytes(seqs, mixed[-1] // seqs))
         graphs += max_num_seqs * model.config.vocab_size * 4
     return activations, graphs
 

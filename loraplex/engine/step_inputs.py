@@ -107,15 +107,19 @@ class StepShape:
     padded to a FLORA_ROW_BUCKETS count); 0: no FLoRA token."""
     has_relay: bool = False
     """A decode step with relay groups (prefix_lens, relay_members, group_starts)."""
+    is_padded_mixed: bool = False
+    """A step that computes prompt tokens laid out for a graph (`StepInputs.fill`'s pad_mixed):
+    num_tokens and num_seqs padded, every sequence a sample row (padding ones sample nothing
+    that is kept)."""
 
     @property
     def has_flora(self) -> bool:
         return self.flora_rows > 0
 
     @property
-    def graph_key(self) -> tuple[int, bool, bool, bool, bool, int, bool]:
+    def graph_key(self) -> tuple[int, bool, bool, bool, bool, int, bool, int]:
         return (self.num_seqs, self.has_lora, self.is_greedy, self.has_input_scale, self.has_expand,
-                self.flora_rows, self.has_relay)
+                self.flora_rows, self.has_relay, self.num_tokens if self.is_padded_mixed else 0)
 
     @property
     def num_group_starts(self) -> int:
@@ -233,9 +237,15 @@ class StepInputs:
             setattr(self, f.name, self._device[dtype][lo:hi])
 
     # Filling ------------------------------------------------------------------------------
-    def fill(self, plan: StepPlan, batch: InputBatch, pad_to: int | None) -> FilledStep:
+    def fill(self, plan: StepPlan, batch: InputBatch, pad_to: int | None,
+             pad_mixed: tuple[int, int] | None = None) -> FilledStep:
         """Write the plan's inputs into the host buffers. `pad_to`: lay a decode step out for
-        a graph of that many sequences (every sequence samples; padding after the real ones)."""
+        a graph of that many sequences (every sequence samples; padding after the real ones).
+        `pad_mixed` (num_tokens, num_seqs): lay any other step out for a graph of that many
+        tokens and sequences (at least its own, and tokens for one a padding sequence): each
+        padding sequence owns one padding token and has length 0 (attention gives it zeros),
+        the tokens past them belong to no sequence, and the sample rows are padded to the
+        sequences (the real samples first)."""
         host = self._next_host_set()
         bs = self.block_size
         rows = np.fromiter((batch.row_of[r] for r in plan.request_ids), np.int64, len(plan.request_ids))
@@ -281,8 +291,15 @@ class StepInputs:
             "group_starts": groups.group_starts,
         }
         size = pad_to if decode else n
-        counts = {TOKENS: (num_tokens, size if decode else num_tokens), SEQS: (n, size),
-                  QUERY_STARTS: (n + 1, size + 1), SAMPLES: (len(sample_rows), size),
+        padded_tokens = size if decode else num_tokens
+        if pad_mixed is not None and not decode:
+            padded_tokens, size = pad_mixed
+            if size < n or padded_tokens < num_tokens + size - n:
+                raise ValueError(f"a step of {num_tokens} tokens over {n} sequences does not fit a "
+                                 f"padded layout of {padded_tokens} tokens and {size} sequences")
+        counts = {TOKENS: (num_tokens, padded_tokens), SEQS: (n, size),
+                  QUERY_STARTS: (n + 1, size + 1),
+                  SAMPLES: (len(sample_rows), size if decode or pad_mixed is not None else len(sample_rows)),
                   MEMBERS: (len(groups.members), size),
                   GROUP_STARTS: (groups.num_groups + 1, size // 2 + 1)}
         for name, value in values.items():
@@ -304,17 +321,18 @@ class StepInputs:
             has_expand = has_input_scale or bool(self.families.needs_expand[token_slots].any())
             ranks = self.families.flora_rank[token_slots]
             if ranks.any():
-                flora_rows = self._fill_flora(host, token_slots, ranks, size if decode else num_tokens,
+                flora_rows = self._fill_flora(host, token_slots, ranks, padded_tokens,
                                               decode)
                 # a decode step of FLoRA with the expand replays the graph that scales inputs too
                 # (DecodeGraphs.variants); scaling by 1 where no adapter has IA3's vectors
                 has_input_scale = has_input_scale or (decode and has_expand)
+        mixed = pad_mixed is not None and not decode
         shape = StepShape(
-            num_tokens=size if decode else num_tokens, num_seqs=size,
-            num_samples=size if decode else len(sample_rows), max_query_len=max_query_len,
+            num_tokens=padded_tokens, num_seqs=size,
+            num_samples=size if decode or mixed else len(sample_rows), max_query_len=max_query_len,
             has_lora=has_lora, is_greedy=not batch.temperature[sample_rows].any(),
             is_padded_decode=decode, has_input_scale=has_input_scale, has_expand=has_expand,
-            flora_rows=flora_rows, has_relay=groups.num_groups > 0)
+            flora_rows=flora_rows, has_relay=groups.num_groups > 0, is_padded_mixed=mixed)
         return FilledStep(shape, rows, samples, n, start, num_new, query_start)
 
     def _fill_flora(self, host: dict[str, np.ndarray], token_slots: np.ndarray, ranks: np.ndarray,
@@ -426,6 +444,37 @@ class StepInputs:
                          has_expand=has_lora and (has_expand or has_input_scale),
                          flora_rows=flora_rows if has_lora else 0,
                          has_relay=has_relay and tokens_per_seq == 1 and num_seqs >= 2)
+
+    def fill_dummy_mixed(self, num_tokens: int, num_seqs: int, is_greedy: bool, has_lora: bool) -> StepShape:
+        """A padded mixed step of dummy sequences that store nothing, to capture its graph:
+        `num_tokens` tokens spread evenly over `num_seqs` sequences whose lengths are their
+        tokens (attention reads block 0 over and over), adapter slot 0 (the kernels read no
+        adapter), every sequence sampling."""
+        lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)
+        lens[:num_tokens % num_seqs] += 1
+        if num_seqs > self.max_seqs or num_tokens > self.max_tokens or lens.max() > self.max_seq_tokens:
+            raise ValueError(f"a dummy step of {num_tokens} tokens over {num_seqs} sequences does not fit "
+                             f"{self.max_tokens} tokens, {self.max_seqs} sequences of {self.max_seq_tokens}")
+        host = self._next_host_set()
+        ends = np.cumsum(lens)
+        values = {
+            "input_ids": 0, "positions": np.arange(num_tokens) - np.repeat(ends - lens, lens),
+            "slot_mapping": -1, "token_rows": self.max_seqs, "token_slots": 0, "seq_lens": lens,
+            "query_start_loc": np.concatenate(([0], ends)), "logits_indices": ends - 1,
+            "sample_rows": self.max_seqs, "temperature": 0.0 if is_greedy else 1.0, "top_k": 0,
+            "top_p": 1.0, "seeds": 0, "offsets": 0, "prefix_lens": 0, "relay_members": 0,
+            "group_starts": 0,
+        }
+        counts = {TOKENS: num_tokens, SEQS: num_seqs, QUERY_STARTS: num_seqs + 1, SAMPLES: num_seqs,
+                  MEMBERS: num_seqs, GROUP_STARTS: num_seqs // 2 + 1}
+        for name, value in values.items():
+            host[name][:counts[self._axes[name]]] = value
+        self._host_blocks[self._turn][:num_seqs] = 0
+        self._num_block_rows = num_seqs
+        self.flora = None
+        return StepShape(num_tokens, num_seqs, num_seqs, int(lens.max()), has_lora=has_lora,
+                         is_greedy=is_greedy, is_padded_decode=False, has_expand=has_lora,
+                         is_padded_mixed=True)
 
     def _next_host_set(self) -> dict[str, np.ndarray]:
         self._turn ^= 1

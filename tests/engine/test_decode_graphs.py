@@ -68,6 +68,82 @@ def test_static_decode_path_matches_plain_path(tiny_llama, num_requests, async_s
     assert llm.engine.blocks.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_padded_mixed_steps_match_plain_path(tiny_llama, async_scheduling):
+    """EngineConfig.mixed_step_graphs: steps that compute prompt chunks beside decodes, laid out
+    at padded (tokens, sequences) for a graph and run eagerly on CPU, give exactly the tokens of
+    the plain path, with adapters, seeded sampling and chunked prompts; padding sequences and
+    sample rows come after the real ones."""
+    model, adapters = tiny_llama
+
+    def run(mixed: bool):
+        llm = LLM(model, device="cpu", block_size=4, max_num_seqs=20, max_num_batched_tokens=64,
+                  async_scheduling=async_scheduling)
+        for name, path in adapters.items():
+            llm.add_adapter(name, path)
+        llm.generate(prompt_token_ids=[[5]] * len(adapters), adapters=list(adapters),
+                     sampling_params=SamplingParams(max_tokens=1))
+        runner, shapes = llm.engine.runner, []
+        if mixed:
+            runner.graphs = DecodeGraphs(runner, max_batch=20, vocab_size=runner.model.config.vocab_size,
+                                         capture=False, mixed=True)
+            original = runner.forward
+
+            def forward(shape, prompt=None):
+                if shape.is_padded_mixed:
+                    real = int((runner.inputs.seq_lens[:shape.num_seqs] > 0).sum())
+                    shapes.append((shape.num_tokens, shape.num_seqs, real))
+                return original(shape, prompt)
+
+            runner.forward = forward
+        names = [None, *adapters]
+        params = [SamplingParams(max_tokens=4 + i % 5, temperature=0.0 if i % 2 else 0.9, seed=i,
+                                 ignore_eos=True) for i in range(12)]
+        outs = llm.generate(prompt_token_ids=[[5 + i] * (3 + 7 * i) for i in range(12)],
+                            sampling_params=params, adapters=[names[i % len(names)] for i in range(12)])
+        return [o.token_ids for o in outs], shapes, llm
+
+    plain, _, _ = run(mixed=False)
+    padded, shapes, llm = run(mixed=True)
+    assert padded == plain
+    assert len(shapes) >= 3  # prompts of up to 80 tokens in steps of 64: several mixed steps
+    assert all(tokens == 64 and seqs in (8, 20) and 0 < real <= seqs for tokens, seqs, real in shapes)
+    assert any(real < seqs for _, seqs, real in shapes)
+    assert llm.engine.blocks.num_used_blocks == 0
+
+
+def test_mixed_capture_steps_store_nothing(tiny_llama):
+    """The dummy steps that mixed-step graphs are captured from write no KV and take the
+    prefill attention path (more than one token a sequence)."""
+    model, _ = tiny_llama
+    llm = LLM(model, device="cpu", block_size=4, max_num_batched_tokens=64, max_num_seqs=8)
+    runner = llm.engine.runner
+    runner.kv_cache.normal_()
+    before = runner.kv_cache.clone()
+    for seqs in (8, 7, 3):
+        shape = runner.inputs.fill_dummy_mixed(64, seqs, is_greedy=seqs % 2 == 0, has_lora=True)
+        assert shape.is_padded_mixed and shape.max_query_len > 1 and shape.num_samples == seqs
+        assert shape.graph_key[-1] == 64
+        logits, tokens, _ = runner.forward(shape)
+        assert logits.shape[0] == tokens.shape[0] == seqs
+    assert torch.equal(runner.kv_cache, before)
+
+
+def test_mixed_padding_picks_the_smallest_graph():
+    runner = SimpleNamespace(device=torch.device("cpu"), lora=SimpleNamespace(max_rank=16),
+                             inputs=SimpleNamespace(max_tokens=2048))
+    graphs = DecodeGraphs(runner, max_batch=128, vocab_size=8, capture=False, mixed=True)
+    assert graphs.mixed_tokens == [64, 128, 256, 512, 1024] and graphs.mixed_seqs == [8, 32, 128]
+    assert graphs.mixed_padding(40, 3) == (64, 8)  # 40 tokens and 5 padding sequences' tokens
+    assert graphs.mixed_padding(60, 3) == (128, 8)  # 60 + 5 > 64
+    assert graphs.mixed_padding(300, 33) == (512, 128)
+    assert graphs.mixed_padding(1020, 3) is None  # past the largest bucket: eagerly
+    assert graphs.mixed_padding(100, 129) is None
+    off = DecodeGraphs(runner, max_batch=128, vocab_size=8, capture=False)
+    assert off.mixed_padding(40, 3) is None
+    assert not EngineConfig(model="m").mixed_step_graphs
+
+
 def test_warm_up_and_memory_steps_store_nothing(tiny_llama):
     """The dummy steps run at start-up (kernel warm-up; on CUDA also the memory measurement)
     write no KV, whatever the cache held."""

@@ -45,6 +45,26 @@ def test_triton_engine_with_graphs_matches_reference(tiny_llama, dtype, min_agre
     assert llm.engine.blocks.num_used_blocks == 0
 
 
+def test_mixed_step_graphs_match_reference(tiny_llama):
+    """EngineConfig.mixed_step_graphs: steps with prompt chunks (64 tokens a step) replay their
+    graphs, and the tokens agree with the CPU float32 reference as the eager steps' do."""
+    model, adapters = tiny_llama
+    _, reference = _generate(model, adapters, "cpu", "float32")
+    llm, ours = _generate(model, adapters, "cuda", "float32", mixed_step_graphs=True)
+    graphs = llm.engine.runner.graphs
+    assert graphs.mixed_tokens == [64] and graphs.num_mixed_replays > 0
+    agree = total = 0
+    for a, b in zip(ours, reference):
+        for x, y, lx, ly in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs):
+            total += 1
+            if x != y:
+                break
+            agree += 1
+            assert abs(lx.logprob - ly.logprob) < 0.02
+    assert agree / total >= 0.9
+    assert llm.engine.blocks.num_used_blocks == 0
+
+
 def test_seeded_sampling_on_gpu_is_reproducible(tiny_llama):
     model, adapters = tiny_llama
     params = SamplingParams(max_tokens=16, temperature=0.9, top_k=50, top_p=0.9, seed=5, ignore_eos=True)
