@@ -70,6 +70,7 @@ from loraplex.engine_config import ConfigError, EngineConfig
 from loraplex.errors import InvalidRequestError, UnknownAdapterError
 from loraplex.json_limits import loads_bounded
 from loraplex.kernels import Ops, select_ops
+from loraplex.kernels.reference import PAGE_RANK
 from loraplex.model.llama import LlamaForCausalLM
 from loraplex.model.loader import load_model
 from loraplex.model.model_config import MAX_CONFIG_DEPTH, ModelConfig
@@ -263,16 +264,20 @@ class LLMEngine:
         config, model = self.config, self.model_config
         page_bytes = kv_block_bytes(model, config.cache.block_size, self.dtype)
         slot_bytes = max_adapter_pool_bytes(model, config.lora.max_lora_rank, self.dtype, page_bytes)
+        # as many table rows as adapters of one rank page on every module fit (rank 8: a rank-64
+        # adapter's slot's pages hold eight); the rows cost little (7 KiB each at rank 16, 8B)
+        smallest = max_adapter_pool_bytes(model, min(PAGE_RANK, config.lora.max_lora_rank), self.dtype,
+                                          page_bytes)
         if self.device.type != "cuda":
             return plan_memory(config, model, self.dtype, self.max_model_len, slot_bytes,
-                               config.cache.cpu_kv_cache_bytes)
+                               config.cache.cpu_kv_cache_bytes, min_adapter_bytes=smallest)
         activations, graphs = measure_step_bytes(
             self.model, ops, self._kv_block_shape(), config.lora.max_lora_rank, config.scheduler.max_num_seqs,
             config.scheduler.max_num_batched_tokens, self.max_model_len, use_graphs,
             mixed_graphs=config.mixed_step_graphs)
         budget = cuda_budget(config.cache.gpu_memory_utilization, self.device, activations, graphs)
         return plan_memory(config, model, self.dtype, self.max_model_len, slot_bytes, budget,
-                           activations, graphs)
+                           activations, graphs, min_adapter_bytes=smallest)
 
     def _kv_block_shape(self) -> tuple[int, ...]:
         m = self.model_config

@@ -59,7 +59,8 @@ class MemoryPlan:
     """Pages of the one device pool that KV blocks and adapter slots share (a page is a KV
     block; an adapter slot takes `slot_blocks` of them)."""
     num_lora_slots: int
-    """Adapter slots the pool has views for: the most adapters resident at once."""
+    """Adapter slots the pool has views for (rows of the page tables): the most adapters resident
+    at once, as many as the pool holds of the smallest adapter that plan_memory was given."""
     kv_block_bytes: int
     lora_slot_bytes: int
     """Bytes a slot takes in the pool (whole pages)."""
@@ -86,7 +87,7 @@ class MemoryPlan:
         mib = 2**20
         text = (f"one pool of {self.num_pool_blocks} pages of {self.kv_block_bytes / mib:.2f} MiB "
                 f"({self.num_pool_blocks * self.kv_block_bytes / mib:.0f} MiB) for KV blocks and "
-                f"up to {self.num_lora_slots} adapter slots of {self.slot_blocks} pages")
+                f"up to {self.num_lora_slots} adapters ({self.slot_blocks} pages at the largest rank)")
         if self.activation_bytes or self.graph_bytes:
             text += (f"; set aside: activations {self.activation_bytes / mib:.0f} MiB, "
                      f"decode graphs {self.graph_bytes / mib:.0f} MiB")
@@ -96,6 +97,7 @@ class MemoryPlan:
 def plan_memory(
     config: EngineConfig, model: ModelConfig, dtype: torch.dtype, max_model_len: int,
     lora_slot_bytes: int, budget_bytes: int, activation_bytes: int = 0, graph_bytes: int = 0,
+    min_adapter_bytes: int | None = None,
 ) -> MemoryPlan:
     """Size the pool that KV blocks and adapter slots (`lora_slot_bytes` each, whole KV blocks)
     share: all of `budget_bytes`, but no more than the KV cache that every running request can
@@ -103,7 +105,8 @@ def plan_memory(
     set) needs. `num_kv_blocks`, when set, is a fixed KV cache (the KV cache never holds more)
     beside room for slot 0 and as many of those adapters as the rest of the budget buys (at
     least one), as benchmarks and tests that set it expect. The slots are as many as the pool
-    holds (at most max_loras)."""
+    holds (at most max_loras): of adapters of `min_adapter_bytes` when given (an adapter takes
+    pages for its own rank, so smaller ones are more), else of the largest."""
     block_bytes = kv_block_bytes(model, config.cache.block_size, dtype)
     slot_blocks = -(-lora_slot_bytes // block_bytes)
     max_loras = config.lora.max_loras
@@ -120,7 +123,7 @@ def plan_memory(
             f"no memory is left for the KV cache ({budget_bytes / 2**20:.0f} MiB for the cache and "
             f"adapters of {slot_blocks * block_bytes / 2**20:.0f} MiB): raise gpu_memory_utilization "
             "(or cpu_kv_cache_bytes), or lower max_lora_rank or max_num_batched_tokens")
-    num_slots = num_blocks // slot_blocks - 1
+    num_slots = num_blocks // -(-(min_adapter_bytes or lora_slot_bytes) // block_bytes) - 1
     if max_loras is not None:
         num_slots = min(num_slots, max_loras)
     return MemoryPlan(num_blocks, num_slots, block_bytes, slot_blocks * block_bytes, budget_bytes,

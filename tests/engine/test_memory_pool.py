@@ -349,12 +349,12 @@ def test_max_kv_blocks_caps_the_kv_cache_and_its_cached_blocks():
 def test_device_bytes_follow_each_adapters_rank_and_mixed_ranks_page_in_and_out_exactly(case, tmp_path):
     """Adapters of ranks 8, 16 and 64 on all seven modules take pool pages in proportion to
     their rank (1:2:8, up to a partly filled last page), device_bytes says so, every page is
-    accounted for; requests over the three, in waves through a pool that holds the rank-64
-    adapter and little more, page them in and out and match transformers + PEFT."""
+    accounted for; requests over the three, in waves with at most two resident (max_loras),
+    page them in and out and match transformers + PEFT."""
     hf, model_dir, adapters = case
     mixed = {f"r{r}": make_adapter(hf, AdapterSpec(f"r{r}", ALL_SEVEN, rank=r, alpha=r), tmp_path,
                                    seed=20 + r) for r in (8, 16, 64)}
-    llm = _llm(model_dir, mixed, num_slots=1, num_kv_pages=24, max_num_seqs=2)
+    llm = _llm(model_dir, mixed, num_slots=1, num_kv_pages=24, max_num_seqs=2, max_loras=2)
     engine, cache = llm.engine, llm.engine.adapters
     page = engine.memory.kv_block_bytes
     device_bytes = {}
@@ -377,6 +377,24 @@ def test_device_bytes_follow_each_adapters_rank_and_mixed_ranks_page_in_and_out_
     assert cache.num_evictions > 0
     for request_id, name, prompt in requests:
         assert outputs[request_id] == _reference(hf, {**adapters, **mixed}, name, prompt), request_id
+
+
+def test_small_adapters_are_resident_by_their_pages_not_by_max_rank_slots(case, tmp_path):
+    """A pool with the pages of two adapters of the largest rank (64) holds rank-8, rank-16 and
+    rank-64 adapters at once: the page tables have rows for as many adapters as the pool holds of
+    one rank page a module (MemoryPlan.num_lora_slots), not of the largest rank."""
+    hf, model_dir, _ = case
+    mixed = {f"r{r}": make_adapter(hf, AdapterSpec(f"r{r}", ALL_SEVEN, rank=r, alpha=r), tmp_path,
+                                   seed=40 + r) for r in (8, 16, 64)}
+    llm = _llm(model_dir, mixed, num_slots=1, num_kv_pages=24, max_num_seqs=2)
+    engine, cache = llm.engine, llm.engine.adapters
+    assert engine.memory.num_lora_slots > engine.memory.num_pool_blocks // engine.memory.slot_blocks - 1
+    for i, name in enumerate(mixed):
+        engine.add_request(f"q{i}", prompt_token_ids=_prompt(300 + i, 4), params=GREEDY, adapter=name)
+        _drive(engine)
+    assert all(cache.device_bytes(engine.local_adapters.resolve(name)) > 0 for name in mixed)
+    assert cache.num_evictions == 0
+    assert engine.blocks.num_used_blocks == 0
 
 
 def test_the_triton_kernels_read_the_same_pages_as_the_reference(case):
