@@ -77,9 +77,9 @@ class GroupLog:
         self._ids: list[str] = []
         fill, find = step_inputs.StepInputs.fill, step_inputs.find_groups
 
-        def logged_fill(inputs, plan, batch, pad_to):
+        def logged_fill(inputs, plan, batch, *padding):
             self._ids = plan.request_ids
-            return fill(inputs, plan, batch, pad_to)
+            return fill(inputs, plan, batch, *padding)
 
         def logged_find(*args) -> RelayGroups:
             groups = find(*args)
