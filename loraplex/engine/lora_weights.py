@@ -28,6 +28,7 @@ copied in, from the base weights (the row norms of W0 + s B A)."""
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -325,6 +326,22 @@ def _as_bytes(tensor: torch.Tensor) -> np.ndarray:
     return tensor.contiguous().view(torch.uint8).numpy()
 
 
+@dataclass(frozen=True)
+class _PackPlan:
+    """How an adapter of one layout is packed (LoraSlotBuffers._pack_plan): its pages, and for
+    each source the rows (of `unit` bytes) it gives and where they go in the pages."""
+
+    num_pages: int
+    unit: int
+    """Bytes a row of the gathers: the greatest common divisor of every offset and length."""
+    copies: dict[tuple, tuple[np.ndarray, np.ndarray]]
+    """source -> (its rows, the pages' rows)."""
+    gaps: np.ndarray
+    """The pages' rows that no source fills (zeroed)."""
+    tables: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]
+    """(kind, group) -> (page, start) of each table entry (-1: none)."""
+
+
 class LoraSlotBuffers:
     """The page tables of every layer and group over `pool` (a uint8 vector of pages of
     page_bytes that the KV cache shares), and on the host what each slot holds (its family,
@@ -365,6 +382,7 @@ class LoraSlotBuffers:
         self.weights, self.vectors = pool.view(dtype), pool.view(torch.float32)
         self._pack_key = (repr(config), dtype, self.page_bytes)
         """HostAdapter.packed's key (a tensor-parallel rank's shard has a config of its own)."""
+        self._plans: dict[tuple, _PackPlan] = {}  # layout of an adapter -> how it is packed
         L, S, max_pages = config.num_layers, num_slots + 1, num_rank_pages(max_rank)
         self.a_pages, self.b_pages, self.ranks, self.flora_ranks = {}, {}, {}, {}
         self.scale_at, self.shift_at, self.in_scale_at, self.fused_scale_at = {}, {}, {}, {}
@@ -483,31 +501,62 @@ class LoraSlotBuffers:
     def _pack(self, host: HostAdapter) -> PackedAdapter:
         """The adapter's rank pages (A's rows, B's rows transposed) and IA3's vectors written into
         pool pages on the host, and where each table entry points; DoRA's row scales are
-        computed on the device at each load. Byte copies through numpy (about a thousand blocks
-        on Llama-3-8B: a few milliseconds of Python, most of it without the GIL)."""
+        computed on the device at each load. A few numpy gathers, one per source (_PackPlan, made
+        once for each layout of adapter), so that the load thread holds the GIL for little of
+        it: block by block (about a thousand on Llama-3-8B) its Python took the GIL from the
+        engine's thread at every switch interval."""
+        plan = self._pack_plan(host)
+        pages = torch.empty(plan.num_pages * self.page_bytes, dtype=torch.uint8,
+                            pin_memory=self.device.type == "cuda")
+        unit = plan.unit
+        out = pages.numpy().reshape(-1, unit)
+        sources = self._pack_sources(host)
+        for key, (src, dst) in plan.copies.items():
+            out[dst] = sources[key].reshape(-1, unit)[src]
+        out[plan.gaps] = 0  # (a pinned block from torch's cache holds an earlier adapter)
+        tables = {key: (torch.from_numpy(page_of.copy()), torch.from_numpy(start_of.copy()))
+                  for key, (page_of, start_of) in plan.tables.items()}
+        return PackedAdapter(pages, tables)
+
+    def _pack_sources(self, host: HostAdapter) -> dict[tuple, np.ndarray]:
+        """Each source as bytes with a rank page's rows contiguous: A [L, slices, rank, in * e],
+        B transposed per slice [L, rank, width * e], IA3's vectors [L, n * 4]."""
+        sources: dict[tuple, np.ndarray] = {("a", g): _as_bytes(a) for g, a in host.a.items()}
+        for g, b in host.b.items():
+            _, offsets = group_dims(self.config, g)
+            for s, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
+                sources["b", g, s] = _as_bytes(b[:, lo:hi].transpose(1, 2))
+        sources.update({("out_scale", g): _as_bytes(v) for g, v in (host.out_scale or {}).items()})
+        sources.update({("in_scale", g): _as_bytes(v) for g, v in (host.in_scale or {}).items()})
+        return sources
+
+    def _pack_plan(self, host: HostAdapter) -> _PackPlan:
+        """Where each of the adapter's bytes goes in its pages, and its table entries: the same
+        for every adapter of one family, ranks and vectors (kept for the next)."""
+        ranks = {g: r.tolist() for g, r in host.ranks.items()}
+        key = (host.family, host.rank, tuple((g, str(r)) for g, r in ranks.items()),
+               tuple(str(host.scaled(g).tolist()) for g in LORA_GROUPS),
+               tuple(str(host.input_scaled(g).tolist()) for g in INPUT_SCALE_GROUPS))
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
         blocks = adapter_blocks(self.config, self.dtype, host)
         num_pages, placed = _placement(tuple(b.size for b in blocks), self.page_bytes)
-        pages = torch.empty(num_pages * self.page_bytes, dtype=torch.uint8,
-                            pin_memory=self.device.type == "cuda")
-        out = pages.numpy()
-        written = []  # byte ranges the adapter's data fills; the rest is zeroed
         L, max_pages = self.config.num_layers, num_rank_pages(self.max_rank)
         tables = {}
         for kind, by_group in self._tables_by_kind().items():
             for group in by_group:
                 shape = (L, len(LORA_GROUPS[group]), max_pages) if kind in ("a", "b") else (L,)
                 tables[kind, group] = (np.full(shape, -1, dtype=np.int64), np.zeros(shape, dtype=np.int64))
-        # Each source as bytes with a rank page's rows contiguous: A [L, slices, rank, in * e],
-        # B transposed per slice [L, rank, width * e], vectors [L, n * 4].
-        a_bytes = {g: _as_bytes(a) for g, a in host.a.items()}
-        b_bytes = {}
-        for g, b in host.b.items():
-            _, offsets = group_dims(self.config, g)
-            b_bytes[g] = [_as_bytes(b[:, lo:hi].transpose(1, 2)) for lo, hi in zip(offsets, offsets[1:])]
-        out_scale = {g: _as_bytes(v) for g, v in (host.out_scale or {}).items()}
-        in_scale = {g: _as_bytes(v) for g, v in (host.in_scale or {}).items()}
-        ranks = {g: r.tolist() for g, r in host.ranks.items()}
+        rank, element = host.rank, self.element
+        row_bytes = {}  # source -> bytes of one row (a rank row, or a layer's vector)
+        for g in host.a:
+            in_features, offsets = group_dims(self.config, g)
+            row_bytes["a", g] = in_features * element
+            for s, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
+                row_bytes["b", g, s] = (hi - lo) * element
         is_ia3 = host.family == "ia3"
+        runs: dict[tuple, list[tuple[int, int, int]]] = {}  # source -> (source byte, out byte, bytes)
         for block, (page, start) in zip(blocks, placed):
             at, g, layer = page * self.page_bytes + start, block.group, block.layer
             source = None
@@ -515,28 +564,39 @@ class LoraSlotBuffers:
                 entry, kind = (layer, block.slice, block.page), block.kind
                 lo = block.page * PAGE_RANK
                 hi = min(ranks[g][layer][block.slice], lo + PAGE_RANK)
-                rows = a_bytes[g][layer, block.slice] if kind == "a" else b_bytes[g][block.slice][layer]
-                source = rows[lo:hi]
+                if kind == "a":
+                    source = ("a", g)
+                    num_slices = len(LORA_GROUPS[g])
+                    first_row = (layer * num_slices + block.slice) * rank + lo
+                else:
+                    source = ("b", g, block.slice)
+                    first_row = layer * rank + lo
+                width = row_bytes[source]
+                runs.setdefault(source, []).append((first_row * width, at, (hi - lo) * width))
             else:
                 entry, kind = layer, block.kind
                 if kind == "scale" and is_ia3:
-                    source = out_scale[g][layer]
+                    source = ("out_scale", g)
                     if g in FUSED_OUTPUT_GROUPS:  # q/k/v and gate/up: for the rotary and activation kernels
                         kind = "fused_scale"
                 elif kind == "in_scale":
-                    source = in_scale[g][layer]
-            if source is not None:
-                out[at:at + source.size] = source.reshape(-1)
-                written.append((at, at + source.size))
+                    source = ("in_scale", g)
+                if source is not None:
+                    size = block.size
+                    runs.setdefault(source, []).append((layer * size, at, size))
             page_of, start_of = tables[kind, g]
             page_of[entry], start_of[entry] = page, start
-        end = 0  # (zeroing only the gaps: a pinned block from torch's cache holds an earlier adapter)
-        for lo, hi in sorted(written) + [(len(out), len(out))]:
-            if lo > end:
-                out[end:lo] = 0
-            end = max(end, hi)
-        return PackedAdapter(pages, {key: (torch.from_numpy(page_of), torch.from_numpy(start_of))
-                                     for key, (page_of, start_of) in tables.items()})
+        total = num_pages * self.page_bytes
+        unit = functools.reduce(math.gcd, [total, *(n for rs in runs.values() for r in rs for n in r)])
+        copies, covered = {}, np.zeros(total // unit, dtype=bool)
+        for source, rs in runs.items():
+            src_start, dst_start, length = (np.array(column, dtype=np.int64) // unit for column in zip(*rs))
+            within = np.arange(int(length.sum())) - np.repeat(np.cumsum(length) - length, length)
+            src, dst = np.repeat(src_start, length) + within, np.repeat(dst_start, length) + within
+            copies[source] = (src, dst)
+            covered[dst] = True
+        plan = self._plans[key] = _PackPlan(num_pages, unit, copies, np.flatnonzero(~covered), tables)
+        return plan
 
     def set_row_scale(self, slot: int, group: str, scale: torch.Tensor) -> None:
         """scale [num_layers, out] float32 into the slot's output scale vectors of `group` (the
