@@ -88,8 +88,6 @@ class StepModel:
     one adapter a row). The H100's decode graphs, batch 1 to 128, one rank-16 adapter a request
     against none: 0.76 to 4.56 ms more, about 0.03 ms an adapter
     (bench/results/decode-nvidia-h100-80gb-hbm3.json; studies/serving_sim_pool.py fits it)."""
-    eager_floor_per_adapter_ms: float = 0.0
-    """What a distinct adapter among its rows adds to the eager floor (0: the floor is fixed)."""
     eager_floor_ms: float = 0.0
     """The least a step that computes prompt tokens takes: such a step runs eagerly, bound by
     the host's kernel launches, while pure decode steps replay CUDA graphs (0: no floor, as if
@@ -110,8 +108,7 @@ class StepModel:
         device_ms = (self.base_ms + self.per_decode_ms * decodes + self.per_prefill_token_ms * prefill
                      + self.per_adapter_ms * num_adapters + self.per_sampled_token_ms * sum(plan.samples)
                      + self.per_swapped_out_block_ms * len(plan.swap_out))
-        floor = self.eager_floor_ms + self.eager_floor_per_adapter_ms * num_adapters
-        return max(device_ms, floor if prefill else 0.0) / 1000
+        return max(device_ms, self.eager_floor_ms if prefill else 0.0) / 1000
 
 
 @dataclass(frozen=True)
@@ -360,7 +357,7 @@ class SlotSimulation:
                     if start <= self.now < start + share), default=self.now)
 
     def _num_adapters(self, plan: StepPlan) -> int:
-        if not (self.config.step.per_adapter_ms or self.config.step.eager_floor_per_adapter_ms):
+        if not self.config.step.per_adapter_ms:
             return 0
         return len({self.requests[i].adapter for i in plan.request_ids} - {None})
 
