@@ -10,10 +10,14 @@ while step N runs; step N's tokens reach the host (first tokens, finishes) when 
 finished request's slot frees at the plan after that. A host load takes `host_load_ms` on one
 worker (one at a time, as the loader thread); a slot copy takes `slot_copy_ms` and starts after
 the steps already launched (the side stream waits for them), and the scheduler sees it done at
-the first plan after that.
+the first plan after that. A step that runs eagerly (`StepModel.eager_floor_ms`) holds the host
+for its whole duration, its kernel launches being what takes the time, so the next plan is made
+when it ends (as the CUDA engine's scheduler_delay_factor measures a prompt step).
 
 Step time (`StepModel`), in ms: base + per_decode x decode rows + per_prefill_token x prompt
-tokens + per_sampled_token x tokens sampled.
+tokens + per_sampled_token x tokens sampled (+ per_adapter x distinct adapters, and at least
+eager_floor for a step with prompt tokens: both 0 by default, the defaults below; the values
+calibrated to the H100 pool runs of 2026-11-28 are in studies/results/serving-sim-pool-h100.md).
 - per_decode 0.062 and 6.8 of the base: a least-squares line through the H100's decode steps
   with one rank-16 adapter a request (bench/results/decode-nvidia-h100-80gb-hbm3.json, batch 1
   to 128: 6.59, 7.53, 8.96, 10.76, 14.79 ms);
@@ -79,6 +83,11 @@ class StepModel:
     per_swapped_out_block_ms: float = 0.0
     """A KV block copied to the host pool before the step's compute may reuse it (2 MiB of
     Llama-3-8B at the H100's 52 GB/s: 0.040; the serving runs swap too rarely to count)."""
+    per_adapter_ms: float = 0.0
+    """A distinct adapter among the step's rows (0: the decode line's per_decode_ms includes
+    one adapter a row). The H100's decode graphs, batch 1 to 128, one rank-16 adapter a request
+    against none: 0.76 to 4.56 ms more, about 0.03 ms an adapter
+    (bench/results/decode-nvidia-h100-80gb-hbm3.json; studies/serving_sim_pool.py fits it)."""
     eager_floor_ms: float = 0.0
     """The least a step that computes prompt tokens takes: such a step runs eagerly, bound by
     the host's kernel launches, while pure decode steps replay CUDA graphs (0: no floor, as if
@@ -87,11 +96,17 @@ class StepModel:
     With a floor the simulated engine delays prompts as a graph-replaying engine does
     (SchedulerConfig.scheduler_delay_factor)."""
 
-    def step_s(self, plan: StepPlan) -> float:
+    def is_eager(self, plan: StepPlan) -> bool:
+        """Whether `plan` runs eagerly with the host's launches as its bound (the host makes the
+        next plan when it ends)."""
+        return self.eager_floor_ms > 0 and any(n > 1 for n in plan.num_scheduled_tokens)
+
+    def step_s(self, plan: StepPlan, num_adapters: int = 0) -> float:
+        """`plan`'s wall time in seconds; `num_adapters`: the distinct adapters of its rows."""
         decodes = sum(1 for n in plan.num_scheduled_tokens if n == 1)
         prefill = sum(n for n in plan.num_scheduled_tokens if n > 1)
         device_ms = (self.base_ms + self.per_decode_ms * decodes + self.per_prefill_token_ms * prefill
-                     + self.per_sampled_token_ms * sum(plan.samples)
+                     + self.per_adapter_ms * num_adapters + self.per_sampled_token_ms * sum(plan.samples)
                      + self.per_swapped_out_block_ms * len(plan.swap_out))
         return max(device_ms, self.eager_floor_ms if prefill else 0.0) / 1000
 
@@ -132,6 +147,12 @@ class SlotSimConfig:
     host_load_ms: float = 40.0
     """One adapter read into the host tier (the synthetic server copies 84 MB into fresh pinned
     memory: not measured on its own; the default is an estimate, see the sensitivity runs)."""
+    host_load_holds_engine: float = 0.0
+    """The share of a host load, from its start, during which the engine loop cannot plan or
+    launch (the loader thread holding the GIL; 0: none, as if the load ran beside it). The H100
+    serving runs of 2026-11-28 suggest most of it: their loader thread spent 110 to 210 ms of CPU
+    a host load, and the steps of the 1,000-adapter runs took three times the one-adapter runs'
+    while the loads of a run's first seconds ran (studies/results/serving-sim-pool-h100.md)."""
     slot_copy_ms: float = 4.0
     """84 MB host to device at about 20 GB/s."""
     request_overhead_ms: float = 70.0
@@ -166,6 +187,10 @@ class VirtualWorker:
                 future.set_result(fn(*args))
             except Exception as exc:  # noqa: BLE001 - the cache reads it from the future
                 future.set_exception(exc)
+
+    def busy_intervals(self) -> list[tuple[float, float]]:
+        """(start, end) of the jobs not yet done."""
+        return [(end - self._latency_s, end) for end, *_ in self._jobs]
 
     @property
     def next_done(self) -> float:
@@ -290,6 +315,10 @@ class SlotSimulation:
                 unfinished.add(self._add(arrivals[next_arrival]))
                 next_arrival += 1
             self._run_workers()
+            held = self._engine_held_until()
+            if held > self.now:
+                self._advance_clock(held)
+                continue
             if self.now > arrival_s[-1] + MAX_DRAIN_S:
                 raise RuntimeError(f"{len(unfinished)} requests unfinished {MAX_DRAIN_S:.0f} s after "
                                    "the last arrival")
@@ -300,7 +329,8 @@ class SlotSimulation:
             if not plan.is_empty:
                 self._note_admitted(plan)
                 sampling = self.scheduler.advance(plan)
-                end = max(self.now, self._device_free_at) + self.config.step.step_s(plan)
+                end = max(self.now, self._device_free_at) + self.config.step.step_s(
+                    plan, self._num_adapters(plan))
                 self._device_free_at = end
                 launched = (sampling, end)
                 self.num_steps += 1
@@ -309,6 +339,8 @@ class SlotSimulation:
                 self._advance_clock(in_flight[1])
                 unfinished -= self._commit(*in_flight)
             in_flight = launched
+            if launched is not None and self.config.step.is_eager(plan):
+                self._advance_clock(max(launched[1], self.now))  # its launches hold the host
             if launched is None and not collected:  # only loads or arrivals to wait for
                 upcoming = arrival_s[next_arrival] if next_arrival < len(arrivals) else math.inf
                 wake = min(upcoming, self.loads.next_done, self.copies.next_done)
@@ -318,14 +350,26 @@ class SlotSimulation:
                     break
                 self._advance_clock(max(wake, self.now))
 
+    def _engine_held_until(self) -> float:
+        """When the host load running now stops holding the engine loop (or now)."""
+        share = self.config.host_load_holds_engine * self.config.host_load_ms / 1000
+        return max((start + share for start, _ in self.loads.busy_intervals()
+                    if start <= self.now < start + share), default=self.now)
+
+    def _num_adapters(self, plan: StepPlan) -> int:
+        if not self.config.step.per_adapter_ms:
+            return 0
+        return len({self.requests[i].adapter for i in plan.request_ids} - {None})
+
     def _start_run(self) -> None:
         self.num_runs += 1
         self.start_s = self.now
         self.timings: dict[str, _Timing] = {}
+        self.requests: dict[str, Request] = {}
         self._slot_waiters: set[str] = set()  # requests that waited for a held slot at some plan
         self.num_steps = 0
         self._loads_before = (self.adapters.num_slot_loads, self.adapters.num_host_loads,
-                              self.scheduler.num_preemptions)
+                              self.scheduler.num_preemptions, self._num_fairness_preemptions())
         # Time-weighted occupancy: adapters with a running request, and with any request.
         self._area_running = self._area_needed = 0.0
         self.max_running_adapters = self.max_needed_adapters = 0
@@ -339,6 +383,7 @@ class SlotSimulation:
                           arrival=bench.index, tenant=bench.tenant, adapter=bench.adapter,
                           max_num_tokens=len(prompt) + bench.max_tokens)
         self.scheduler.add(request)
+        self.requests[request_id] = request
         return request_id
 
     def _note_admitted(self, plan: StepPlan) -> None:
@@ -362,6 +407,9 @@ class SlotSimulation:
                 timing.finished_s = end
                 finished.add(request.request_id)
         return finished
+
+    def _num_fairness_preemptions(self) -> int:
+        return sum(n for (cause, _), n in self.scheduler.preemptions.items() if cause == "fairness")
 
     def _run_workers(self) -> None:
         self.loads.run_until(self.now)
@@ -390,9 +438,9 @@ class SlotSimulation:
         e2e = np.array([t.finished_s - t.arrival_s for t in timings]) * 1000
         duration = max(t.finished_s for t in timings) - min(t.arrival_s for t in timings)
         num_lora = sum(a.adapter is not None for a in arrivals)
-        slot_loads, host_loads, preemptions = (now - before for now, before in zip(
-            (self.adapters.num_slot_loads, self.adapters.num_host_loads, self.scheduler.num_preemptions),
-            self._loads_before))
+        slot_loads, host_loads, preemptions, fairness_preemptions = (now - before for now, before in zip(
+            (self.adapters.num_slot_loads, self.adapters.num_host_loads, self.scheduler.num_preemptions,
+             self._num_fairness_preemptions()), self._loads_before))
         elapsed = self.now - self.start_s
         return {
             "completed": len(timings), "duration_s": round(duration, 3),
@@ -403,6 +451,7 @@ class SlotSimulation:
             "mean_running_s": round(float(running_s.mean()), 3),
             "adapter_slot_loads": slot_loads, "adapter_host_loads": host_loads,
             "adapter_slot_hits": max(0, num_lora - slot_loads), "preemptions": preemptions,
+            "fairness_preemptions": fairness_preemptions,
             "requests_waited_for_slot": len(self._slot_waiters),
             "num_steps": self.num_steps,
             "adapters_running": {"mean": round(self._area_running / elapsed, 2),
