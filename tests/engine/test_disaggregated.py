@@ -253,3 +253,33 @@ def test_copy_kv_blocks_copies_block_by_block():
     assert not target[1:3].any()
     with pytest.raises(ValueError, match="cannot be copied"):
         copy_kv_blocks(source, [0], torch.zeros(2, 2, 2, 4, 2), [0])
+
+
+@pytest.mark.parametrize("swap_space", [4.0, 0.0], ids=["swap", "recompute"])
+def test_a_request_preempted_while_its_first_token_is_in_flight_is_computed_on_the_decode_side(
+        case, swap_space):
+    """Async scheduling: the step that samples its first token is still in flight when the
+    prefill side preempts it; it leaves with no blocks, and the decode side computes it again."""
+    _, _, prompts = case
+    colocated = _colocated(case)
+    _add_all(colocated, prompts, _greedy())
+    expected = _run(colocated)
+    engine = _disaggregated(case, async_scheduling=True, swap_space=swap_space)
+    _add_all(engine, prompts, _greedy())
+    preempted = []
+
+    def preempt_in_flight(engine):
+        for request in engine.prefill.scheduler.running:
+            if request.num_pending and not preempted:
+                engine.prefill.preempt(request.request_id)
+                preempted.append(request)
+
+    assert _run(engine, preempt_in_flight) == expected
+    assert preempted and engine.prefill.scheduler.num_preemptions == 1
+    (request,) = preempted
+    # The decode side computed its prompt and first token (tokens that sample are not counted),
+    # and nothing of it was sent.
+    assert engine.decode.num_prompt_tokens == request.num_prompt_tokens
+    num_prompt_blocks = sum(-(-len(p) // BLOCK_SIZE) for p in prompts)
+    assert engine.num_blocks_sent == num_prompt_blocks - -(-request.num_prompt_tokens // BLOCK_SIZE)
+    _assert_nothing_held(engine)
