@@ -203,6 +203,19 @@ class DisaggregatedEngine:
         self._release(request_id)
         return found
 
+    def abort_all(self) -> int:
+        """Stop every request on both sides and between them, and unpin every prompt: both
+        engines are left idle, every block free. Returns how many requests were stopped."""
+        count = self.prefill.abort_all()
+        for prefilled in self.prefill.take_prefilled():  # (handed off by the step it collected)
+            self.prefill.blocks.free(prefilled.block_ids)
+            count += 1
+        self._pins_to_send.clear()
+        count += self.decode.abort_all()
+        for request_id in list(self._transit):
+            self._release(request_id)
+        return count
+
     def has_unfinished_requests(self) -> bool:
         return self.prefill.has_unfinished_requests() or self.decode.has_unfinished_requests()
 

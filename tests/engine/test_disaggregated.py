@@ -106,8 +106,12 @@ def test_greedy_outputs_match_the_colocated_engine_for_every_family(case, async_
     charges = []  # (tenant, prompt tokens, output tokens) the decode side's VTC counted
     policy = engine.decode.scheduler.policy
     charge = policy.charge
-    policy.charge = lambda request, prompt, output: (charges.append((request.tenant, prompt, output)),
-                                                     charge(request, prompt, output))
+
+    def recording(request, prompt_tokens, output_tokens):
+        charges.append((request.tenant, prompt_tokens, output_tokens))
+        charge(request, prompt_tokens, output_tokens)
+
+    policy.charge = recording
     _add_all(engine, prompts, _greedy())
     assert _run(engine) == expected
     # Every prompt block crossed once; the decode side computed no prompt token.
@@ -282,4 +286,22 @@ def test_a_request_preempted_while_its_first_token_is_in_flight_is_computed_on_t
     assert engine.decode.num_prompt_tokens == request.num_prompt_tokens
     num_prompt_blocks = sum(-(-len(p) // BLOCK_SIZE) for p in prompts)
     assert engine.num_blocks_sent == num_prompt_blocks - -(-request.num_prompt_tokens // BLOCK_SIZE)
+    _assert_nothing_held(engine)
+
+
+def test_abort_all_leaves_both_sides_idle(case):
+    _, _, prompts = case
+    engine = _disaggregated(case, async_scheduling=True, decode_options=dict(max_num_seqs=2))
+    engine.pin_prompt("desk", prompts[2][:2 * BLOCK_SIZE], tenant=TENANTS[0], adapter="lora16")
+    _add_all(engine, prompts, _greedy())
+    for _ in range(30):
+        engine.step()
+        if engine._transit and engine.decode.scheduler.running and engine.decode.pinned_prompts():
+            break
+    assert engine._transit and engine.decode.scheduler.running
+    num_unfinished = engine.num_requests
+    assert 0 < num_unfinished <= len(prompts)
+    assert engine.abort_all() == num_unfinished
+    assert engine.prefill.pinned_prompts() == engine.decode.pinned_prompts() == {}
+    assert not engine.has_unfinished_requests()
     _assert_nothing_held(engine)
