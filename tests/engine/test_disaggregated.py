@@ -305,3 +305,37 @@ def test_abort_all_leaves_both_sides_idle(case):
     assert engine.prefill.pinned_prompts() == engine.decode.pinned_prompts() == {}
     assert not engine.has_unfinished_requests()
     _assert_nothing_held(engine)
+
+
+def _generate_text(case, disaggregate, prompts, params):
+    model_dir, adapters, _ = case
+    llm = LLM(model_dir, device="cpu", dtype="float32", disaggregate=disaggregate, **OPTIONS)
+    for name, path in adapters.items():
+        llm.add_adapter(name, path)
+    return llm, llm.generate(prompts, params, adapters=["lora16", None, "flora4-all"])
+
+
+def test_text_stops_and_logprobs_carry_across(case):
+    """The detokenizer, stop tokens, sampled and prompt log-probs continue on the decode side as
+    on one engine."""
+    prompts = ["Hello there, how", "The quick brown fox", "x"]
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    _, first = _generate_text(case, None, prompts, plain)
+    tokens = first[0].token_ids
+    stop = next(t for i, t in enumerate(tokens) if i >= 2 and t not in tokens[:i])  # (on the decode side)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[stop],
+                            logprobs=2, prompt_logprobs=1)
+    _, expected = _generate_text(case, None, prompts, params)
+    llm, outputs = _generate_text(case, "1:1", prompts, params)
+    assert expected[0].finish_reason == "stop"
+    for ours, theirs in zip(outputs, expected):
+        assert (ours.token_ids, ours.text, ours.finish_reason) == (theirs.token_ids, theirs.text,
+                                                                    theirs.finish_reason)
+        pairs = zip(ours.logprobs + ours.prompt_logprobs[1:], theirs.logprobs + theirs.prompt_logprobs[1:])
+        for got, want in pairs:
+            assert got.token_id == want.token_id and list(got.top) == list(want.top)
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+        assert len(ours.logprobs) == len(ours.token_ids)
+        assert len(ours.prompt_logprobs) == len(theirs.prompt_logprobs)
+    assert any(output.text for output in outputs)
+    _assert_nothing_held(llm.engine)
