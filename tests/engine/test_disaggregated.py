@@ -8,6 +8,8 @@ and recompute). After every run no block is held on either side but the pinned o
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -338,4 +340,25 @@ def test_text_stops_and_logprobs_carry_across(case):
         assert len(ours.logprobs) == len(ours.token_ids)
         assert len(ours.prompt_logprobs) == len(theirs.prompt_logprobs)
     assert any(output.text for output in outputs)
+    _assert_nothing_held(llm.engine)
+
+
+def test_structured_outputs_continue_their_grammar_on_the_decode_side(case):
+    """The grammar matcher, past the first token, goes with the request: seeded sampling under
+    the same masks gives the colocated engine's tokens."""
+    from loraplex.types import StructuredOutput
+
+    prompts = ["Pick:", "Code:"]
+    params = [SamplingParams(max_tokens=30, temperature=1.0, seed=5, structured=StructuredOutput(regex=regex))
+              for regex in (r"[0-9]{3}-[a-c]{2}", r"\((yes|no|maybe)\)")]
+    outputs = {}
+    for disaggregate in (None, "1:1"):
+        model_dir, adapters, _ = case
+        llm = LLM(model_dir, device="cpu", dtype="float32", disaggregate=disaggregate, **OPTIONS)
+        llm.add_adapter("lora16", adapters["lora16"])
+        generated = llm.generate(prompts, params, adapters=["lora16", None])
+        outputs[disaggregate] = [(o.token_ids, o.text, o.finish_reason) for o in generated]
+    assert outputs["1:1"] == outputs[None]
+    assert re.fullmatch(r"[0-9]{3}-[a-c]{2}", outputs[None][0][1])
+    assert re.fullmatch(r"\((yes|no|maybe)\)", outputs[None][1][1])
     _assert_nothing_held(llm.engine)
