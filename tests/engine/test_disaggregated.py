@@ -17,6 +17,7 @@ from loraplex import LLM, SamplingParams
 from loraplex.engine.disaggregated import DisaggregatedEngine, copy_kv_blocks
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine_config import ConfigError, EngineConfig
+from loraplex.types import StructuredOutput
 from tests.engine.test_adapter_families import _make_adapters
 from tests.factories import make_hf_model
 
@@ -346,8 +347,6 @@ def test_text_stops_and_logprobs_carry_across(case):
 def test_structured_outputs_continue_their_grammar_on_the_decode_side(case):
     """The grammar matcher, past the first token, goes with the request: seeded sampling under
     the same masks gives the colocated engine's tokens."""
-    from loraplex.types import StructuredOutput
-
     prompts = ["Pick:", "Code:"]
     params = [SamplingParams(max_tokens=30, temperature=1.0, seed=5, structured=StructuredOutput(regex=regex))
               for regex in (r"[0-9]{3}-[a-c]{2}", r"\((yes|no|maybe)\)")]
