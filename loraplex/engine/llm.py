@@ -14,9 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from loraplex.engine.disaggregated import DisaggregatedEngine
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.offline_batch import BatchRequest, run_batch
-from loraplex.engine_config import EngineConfig
+from loraplex.engine_config import ConfigError, EngineConfig
 from loraplex.errors import InvalidRequestError
 from loraplex.types import RequestOutput, SamplingParams
 
@@ -27,12 +28,22 @@ class LLM:
     `max_num_batched_tokens`, `tensor_parallel_size`, ...: the fields of
     loraplex.engine_config, the same as `loraplex serve`'s flags). With tensor_parallel_size > 1
     the model runs in that many spawned worker processes: a script that makes one needs an
-    `if __name__ == "__main__":` guard."""
+    `if __name__ == "__main__":` guard. `disaggregate="1:1"` prefills each request on one engine
+    core and decodes it on another, each on its own KV pool (loraplex/engine/disaggregated.py;
+    CPU, one process)."""
 
     def __init__(
-        self, model: str | Path, *, device: str = "auto", dtype: str = "auto", **options: Any
+        self, model: str | Path, *, device: str = "auto", dtype: str = "auto",
+        disaggregate: str | None = None, **options: Any
     ) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(str(model), device=device, dtype=dtype, **options))
+        config = EngineConfig.from_kwargs(str(model), device=device, dtype=dtype, **options)
+        if disaggregate is None:
+            self.engine: LLMEngine | DisaggregatedEngine = LLMEngine(config)
+        elif disaggregate == "1:1":
+            self.engine = DisaggregatedEngine(config)
+        else:
+            raise ConfigError("disaggregate", f"{disaggregate!r}: one process runs one prefill and one "
+                              "decode side, \"1:1\"")
         self._ids = itertools.count()
 
     def close(self) -> None:

@@ -17,10 +17,11 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from loraplex.adapter_format import LoraAdapter
 from loraplex.engine.adapter_cache import AdapterCache, AdapterLoader, Wait
@@ -29,6 +30,7 @@ from loraplex.engine.block_manager import BlockManager, HostBlockPool
 from loraplex.engine.cuda_graphs import CaptureReport
 from loraplex.engine.detokenizer import Detokenizer
 from loraplex.engine.grammar import CompiledGrammar, GrammarCompiler, allocate_masks
+from loraplex.engine.handoff import PrefilledRequest
 from loraplex.engine.kv_swap import KvSwapper, SwapStats
 from loraplex.engine.local_adapters import LocalAdapters
 from loraplex.engine.lora_weights import (
@@ -120,9 +122,10 @@ class PinnedPrompt:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM | None = None,
-                 random_weights: bool = False) -> None:
+                 random_weights: bool = False, tokenizer: Any = None) -> None:
         """Load the model folder `config.model`, or serve `model` (already on its device, e.g.
-        random weights for a benchmark; it must use the op set its device and config select).
+        random weights for a benchmark; it must use the op set its device and config select)
+        with `tokenizer` (None: prompts come as token ids).
         With `tensor_parallel_size` > 1 the model's shards live in worker processes
         (loraplex/worker/executor.py), and `random_weights` fills them with random weights
         (benchmarks: the folder needs config.json only)."""
@@ -138,7 +141,7 @@ class LLMEngine:
             self.max_model_len = resolve_max_model_len(config, self.model_config)
             ops = select_ops(self.device, config.kernels, check_inputs=False)
         else:
-            self.model_config, self.tokenizer, self.model, ops = model.config, None, model, model.ops
+            self.model_config, self.tokenizer, self.model, ops = model.config, tokenizer, model, model.ops
             self.max_model_len = min(config.max_model_len or model.max_positions, model.max_positions)
         use_graphs = not config.enforce_eager and self.device.type == "cuda"
         max_rank = config.lora.max_lora_rank
@@ -231,6 +234,12 @@ class LLMEngine:
         """Requests whose documents are blended under their adapter once it is in a slot."""
         self._pins: dict[str, PinnedPrompt] = {}
         self._pin_by_request: dict[str, str] = {}  # warm-up request id -> pin key
+        self._prefilled: list[PrefilledRequest] = []
+        """Prefill-only requests that sampled their first token, for `take_prefilled`."""
+        self.receive_kv: Callable[[str, int, list[int]], None] | None = None
+        """Disaggregated decode: fills, before the step after their admission, the blocks of
+        requests admitted with their KV on the prefill engine: (request id, index in its prompt's
+        blocks of the first block to fill, this engine's blocks from there)."""
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
         self._constrained: set[str] = set()
@@ -339,6 +348,7 @@ class LLMEngine:
         adapter: str | None = None, prompt_token_ids: list[int] | None = None,
         tenant: str | None = None, sample_of: str | None = None,
         grammar: CompiledGrammar | None = None, documents: DocumentBlend | None = None,
+        prefill_only: bool = False,
     ) -> Request:
         """Queue a request. Exactly one of `prompt` (text) and `prompt_token_ids` is given;
         `adapter` names an added adapter (or, with an adapter loader, gives a digest) or is None
@@ -348,7 +358,8 @@ class LLMEngine:
         `params.structured`, `grammar` is its compiled grammar (compiled here when not given:
         the server compiles beforehand, off the engine thread). `documents` marks where
         registered documents lie in the prompt: their KV is reused and blended (CacheBlend, see
-        loraplex.engine.blending) before the request is queued."""
+        loraplex.engine.blending) before the request is queued. `prefill_only`: the request leaves
+        this engine once its first token is sampled, unless that ends it (`take_prefilled`)."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         params = params or SamplingParams()
@@ -372,6 +383,7 @@ class LLMEngine:
             arrival=self._arrivals, tenant=tenant, adapter=digest, adapter_name=adapter,
             max_num_tokens=min(len(token_ids) + params.max_tokens, room), block_hashes=hashes,
             streaming=streaming, documents=documents if digest is not None else None,
+            is_prefill_only=prefill_only,
         )
         if sample_of is not None and streaming is None:
             request.prompt_donor = self._prompt_donor(request, sample_of)
@@ -558,6 +570,10 @@ class LLMEngine:
             self.blocks.free(pin.block_ids)
             pin.block_ids = []
 
+    def pinned_prompt(self, key: str) -> PinnedPrompt | None:
+        """The pinned prompt under `key` (its blocks empty while its warm-up runs), or None."""
+        return self._pins.get(key)
+
     def pinned_prompts(self) -> dict[str, int]:
         """Each pinned prompt's key -> the KV blocks it holds (0 while its warm-up runs)."""
         return {key: len(pin.block_ids) for key, pin in list(self._pins.items())}
@@ -603,12 +619,77 @@ class LLMEngine:
                 request.max_num_tokens = min(request.max_num_tokens, room)
         return failed
 
+    # Disaggregated prefill (loraplex/engine/disaggregated.py) ----------------------------
+    def take_prefilled(self) -> list[PrefilledRequest]:
+        """The prefill-only requests that have left this engine since the last call, their first
+        token sampled; their block references are the caller's to free."""
+        taken, self._prefilled = self._prefilled, []
+        return taken
+
+    def admit_prefilled(self, prefilled: PrefilledRequest) -> Request:
+        """Queue a request that another engine prefilled, its first token sampled. It waits as a
+        swapped request does, its KV on the other engine: admitted, it receives the KV of its
+        prompt blocks that this engine has not cached (`receive_kv`) and decodes from its first
+        token on, with its sampling state (seed, token index) and its prompt already charged to
+        its tenant (with no blocks in `prefilled`, it computes its tokens again here). Raises
+        UnknownAdapterError if its adapter is not servable here, InvalidRequestError if it does
+        not fit beside the pinned prompts."""
+        source = prefilled.request
+        if source.request_id in self._requests:
+            raise InvalidRequestError(f"request id {source.request_id!r} is already in use",
+                                      param="request_id")
+        adapter = source.adapter_name or source.adapter
+        if source.adapter is not None and self.adapter_digest(adapter) != source.adapter:
+            raise UnknownAdapterError(f"adapter {source.adapter_name!r} is not loaded here", param="adapter")
+        room = self._room_beside_pins(source.block_hashes)
+        if source.num_tokens >= room:
+            raise self._no_room_error(source.num_prompt_tokens, room)
+        request = Request(
+            request_id=source.request_id, prompt_token_ids=source.prompt_token_ids, params=source.params,
+            seed=source.seed, arrival=self._arrivals, tenant=source.tenant, adapter=source.adapter,
+            adapter_name=source.adapter_name, token_ids=list(source.token_ids),
+            max_num_tokens=min(source.max_num_tokens, room), block_hashes=source.block_hashes,
+            num_computed_tokens=prefilled.num_cached_tokens, has_remote_kv=bool(prefilled.block_ids),
+            num_prompt_charged=source.num_prompt_charged, logprobs=source.logprobs,
+            prompt_logprobs=source.prompt_logprobs, matcher=source.matcher,
+        )
+        self._arrivals += 1
+        self._requests[request.request_id] = request
+        if prefilled.detokenizer is not None:
+            self._detokenizers[request.request_id] = prefilled.detokenizer
+        if request.matcher is not None:
+            self._constrained.add(request.request_id)
+        self.scheduler.add(request)
+        return request
+
+    def _receive(self, receive: dict[str, tuple[int, list[int]]]) -> None:
+        """Fill admitted prefilled requests' blocks; their full prompt blocks join the prefix
+        cache."""
+        for request_id, (first, block_ids) in receive.items():
+            self.receive_kv(request_id, first, block_ids)
+            self.blocks.register(block_ids, self._requests[request_id].block_hashes[first:])
+            self.blocks.mark_computed(block_ids)
+
+    def hold_prompt(self, key: str, pin: PinnedPrompt) -> list[RequestOutput]:
+        """Pin a system prompt whose full blocks another engine computed: `pin.block_ids` hold
+        their KV, cached under `pin.hashes` (references it takes over; freed if `key` is pinned
+        already). Returns the outputs of the requests that no longer fit beside it (failed)."""
+        if key in self._pins:
+            self.blocks.free(pin.block_ids)
+            return []
+        self._pins[key] = pin
+        return self._refit_beside_pins()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._in_flight is not None
 
     @property
     def num_requests(self) -> int:
         return len(self._requests)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether `request_id` names a request of this engine (queued or running)."""
+        return request_id in self._requests
 
     # The step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -658,6 +739,8 @@ class LLMEngine:
         computes, and last the masked draw is queued (ModelRunner.begin / finish)."""
         if not plan.has_work:
             return None
+        if plan.receive:
+            self._receive(plan.receive)
         try:
             started = self.runner.begin(plan)
         except Exception as exc:
@@ -787,7 +870,16 @@ class LLMEngine:
             if detokenizer is not None:
                 new_text += detokenizer.flush()
                 self._detokenizers.pop(request.request_id, None)
-        return self._output(request, [token], new_text, detokenizer)
+        output = self._output(request, [token], new_text, detokenizer)
+        if reason is None and request.is_prefill_only:
+            self._hand_off(request)
+        return output
+
+    def _hand_off(self, request: Request) -> None:
+        self._forget(request.request_id)
+        block_ids = self.scheduler.hand_off(request)
+        self._prefilled.append(PrefilledRequest(request, block_ids,
+                                                self._detokenizers.pop(request.request_id, None)))
 
     def _output(self, request: Request, new_ids: list[int], new_text: str,
                 detokenizer: Detokenizer | None) -> RequestOutput:

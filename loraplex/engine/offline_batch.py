@@ -33,7 +33,7 @@ def prefix_groups(engine: LLMEngine, requests: Sequence[BatchRequest]) -> list[P
     """The batch's prefix groups, in submission order."""
     digests = _digests(engine, requests)
     keys = [PromptKey(r.tenant or DEFAULT_TENANT, digests.get(r.adapter), r.token_ids) for r in requests]
-    return group_by_prefix(keys, engine.blocks.block_size)
+    return group_by_prefix(keys, engine.config.cache.block_size)
 
 
 def _digests(engine: LLMEngine, requests: Sequence[BatchRequest]) -> dict[str, str]:

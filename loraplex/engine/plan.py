@@ -66,6 +66,10 @@ class StepPlan:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     """(host block, device block) pairs to copy back; the requests they belong to run from the
     next step on, so the copies overlap this step."""
+    receive: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    """Disaggregated decode: request -> (index of its first block to fill, blocks) that its KV,
+    computed on the prefill engine, is received into before the next step; it computes from
+    then on."""
     token_masks: TokenMasks | None = None
     """Allowed tokens of the samples that are constrained (None: none is)."""
 
@@ -81,7 +85,8 @@ class StepPlan:
     @property
     def has_work(self) -> bool:
         """Anything for the runner: tokens to compute, records to update or blocks to copy."""
-        return bool(self.request_ids or self.forgotten_ids or self.new or self.swap_out or self.swap_in)
+        return bool(self.request_ids or self.forgotten_ids or self.new or self.swap_out or self.swap_in
+                    or self.receive)
 
 
 @dataclass

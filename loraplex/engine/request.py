@@ -76,6 +76,12 @@ class Request:
     """With `params.structured`: its GrammarMatcher (loraplex.engine.grammar), advanced by each
     token committed. Never ahead of `token_ids`: a constrained request is planned only once its
     tokens are all on the host, so preemption (recompute or swap) leaves it where it is."""
+    is_prefill_only: bool = False
+    """Disaggregated prefill: the request computes its prompt and samples its first token on this
+    engine, then leaves it with its KV blocks to decode on another (loraplex/engine/handoff.py)."""
+    has_remote_kv: bool = False
+    """Disaggregated decode: waiting with its computed tokens' KV on the prefill engine; once
+    admitted it receives it into its blocks (StepPlan.receive) instead of computing it."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -100,9 +106,12 @@ class Request:
     @property
     def has_tokens_to_compute(self) -> bool:
         """A generating request computes until it has sampled its last token (which nothing
-        reads); one that only scores its prompt, until its whole prompt is in."""
+        reads); one that only scores its prompt, until its whole prompt is in; a prefill-only one,
+        until it has sampled its first token."""
         if self.params.is_scoring_only:
             return self.num_computed_tokens < self.num_tokens
+        if self.is_prefill_only and self.num_tokens > self.num_prompt_tokens:
+            return False
         return not self.will_end_by_length
 
     @property

@@ -300,7 +300,10 @@ class Scheduler:
                     self.adapters.release(request.adapter)
                 self._return_cached_prefix(request, cached, swapped)
                 return budget, request
-            if swapped:  # copied back beside this step (all but its cached prefix); it computes from the next
+            if swapped and request.has_remote_kv:  # received before the next step (but its cached prefix)
+                plan.receive[request.request_id] = (cached, request.block_ids[cached:])
+                request.has_remote_kv = False
+            elif swapped:  # copied back beside this step (but its cached prefix); it computes from the next
                 plan.swap_in += zip(request.host_block_ids, request.block_ids[cached:])
                 self.num_blocks_swapped_in += len(request.block_ids) - cached
             self._start(request, slot, plan)
@@ -401,6 +404,9 @@ class Scheduler:
         again."""
         if request.block_ids or not request.block_hashes:
             return 0
+        if request.is_swapped and request.has_remote_kv:  # (what this engine has cached it need not receive)
+            request.block_ids = self.blocks.match(request.block_hashes, len(request.block_hashes))
+            return len(request.block_ids)
         if request.is_swapped:
             num_prefix = request.num_swap_prefix_blocks
             if num_prefix == 0:
@@ -539,22 +545,30 @@ class Scheduler:
         """End a request (done, aborted or failed): every block and its adapter slot return."""
         if request.is_finished:
             return
+        self.blocks.free(self.hand_off(request))
+        request.finish_reason = reason
+
+    def hand_off(self, request: Request) -> list[int]:
+        """Take a request out of this scheduler as `finish` does, but for another engine to
+        continue (disaggregated prefill: its first token is sampled): its block references pass
+        to the caller, who frees them once their KV is copied ([] if it holds none: preempted
+        since it sampled, it is computed again there)."""
+        block_ids, request.block_ids = request.block_ids, []
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self.policy.stopped(request)
-            self._release(request)
             self._forgotten.append(request.request_id)
+            if request.adapter is not None:
+                self.adapters.release(request.adapter)
         else:
             self.policy.remove(request)
-            self.blocks.free(request.block_ids)
-            request.block_ids = []
         self._drop_host_copy(request)
         if request.adapter is not None:
             self.adapters.unneed(request.adapter)
             self._end_adapter_wait(request)
             self.adapter_wait.observe(request.adapter_wait_s)
         request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
+        return block_ids
 
     def recompute(self, request: Request) -> None:
         """A waiting request drops its host copy (its swap-out may not have run) and computes
