@@ -410,25 +410,9 @@ class StepInputs:
             raise ValueError(f"a dummy step of {num_seqs} sequences of {tokens_per_seq} tokens does not "
                              f"fit {self.max_seqs} sequences of {self.max_seq_tokens} tokens "
                              "(see dummy_shape)")
-        host = self._next_host_set()
         num_tokens = num_seqs * tokens_per_seq
-        ends = np.arange(1, num_seqs + 1) * tokens_per_seq
-        values = {
-            "input_ids": 0, "positions": np.tile(np.arange(tokens_per_seq), num_seqs), "slot_mapping": -1,
-            "token_rows": self.max_seqs, "token_slots": adapter_slot,
-            "seq_lens": 0 if tokens_per_seq == 1 else tokens_per_seq,
-            "query_start_loc": np.concatenate(([0], ends)), "logits_indices": ends - 1,
-            "sample_rows": self.max_seqs, "temperature": 0.0 if is_greedy else 1.0, "top_k": 0,
-            "top_p": 1.0, "seeds": 0, "offsets": 0, "prefix_lens": 0, "relay_members": 0,
-            "group_starts": 0,
-        }
-        counts = {TOKENS: num_tokens, SEQS: num_seqs, QUERY_STARTS: num_seqs + 1, SAMPLES: num_seqs,
-                  MEMBERS: num_seqs, GROUP_STARTS: num_seqs // 2 + 1}
-        for name, value in values.items():
-            host[name][:counts[self._axes[name]]] = value
-        self._host_blocks[self._turn][:num_seqs] = 0
-        self._num_block_rows = num_seqs
-        self.flora = None
+        lens = np.full(num_seqs, tokens_per_seq, dtype=np.int64)
+        host = self._write_dummy(lens, 0 if tokens_per_seq == 1 else lens, adapter_slot, is_greedy)
         if has_lora and flora_rows:
             if tokens_per_seq != 1 or flora_rows > FLORA_ROW_BUCKETS[-1]:
                 raise ValueError("dummy FLoRA rows are for decode steps of at most "
@@ -455,11 +439,22 @@ class StepInputs:
         if num_seqs > self.max_seqs or num_tokens > self.max_tokens or lens.max() > self.max_seq_tokens:
             raise ValueError(f"a dummy step of {num_tokens} tokens over {num_seqs} sequences does not fit "
                              f"{self.max_tokens} tokens, {self.max_seqs} sequences of {self.max_seq_tokens}")
+        self._write_dummy(lens, lens, adapter_slot=0, is_greedy=is_greedy)
+        return StepShape(num_tokens, num_seqs, num_seqs, int(lens.max()), has_lora=has_lora,
+                         is_greedy=is_greedy, is_padded_decode=False, has_expand=has_lora,
+                         is_padded_mixed=True)
+
+    def _write_dummy(self, lens: np.ndarray, seq_lens: np.ndarray | int, adapter_slot: int,
+                     is_greedy: bool) -> dict[str, np.ndarray]:
+        """Write a dummy step of sequences of `lens` tokens (lengths `seq_lens`) that store
+        nothing and all sample into the next host set, and return it."""
         host = self._next_host_set()
+        num_tokens, num_seqs = int(lens.sum()), len(lens)
         ends = np.cumsum(lens)
         values = {
             "input_ids": 0, "positions": np.arange(num_tokens) - np.repeat(ends - lens, lens),
-            "slot_mapping": -1, "token_rows": self.max_seqs, "token_slots": 0, "seq_lens": lens,
+            "slot_mapping": -1, "token_rows": self.max_seqs, "token_slots": adapter_slot,
+            "seq_lens": seq_lens,
             "query_start_loc": np.concatenate(([0], ends)), "logits_indices": ends - 1,
             "sample_rows": self.max_seqs, "temperature": 0.0 if is_greedy else 1.0, "top_k": 0,
             "top_p": 1.0, "seeds": 0, "offsets": 0, "prefix_lens": 0, "relay_members": 0,
@@ -472,9 +467,7 @@ class StepInputs:
         self._host_blocks[self._turn][:num_seqs] = 0
         self._num_block_rows = num_seqs
         self.flora = None
-        return StepShape(num_tokens, num_seqs, num_seqs, int(lens.max()), has_lora=has_lora,
-                         is_greedy=is_greedy, is_padded_decode=False, has_expand=has_lora,
-                         is_padded_mixed=True)
+        return host
 
     def _next_host_set(self) -> dict[str, np.ndarray]:
         self._turn ^= 1

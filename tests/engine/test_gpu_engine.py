@@ -24,6 +24,21 @@ def _generate(model, adapters, device, dtype, **options):
     return llm, outputs
 
 
+def _agreement(ours, reference, logprob_tolerance: float) -> float:
+    """The share of greedy positions where `ours` gives the reference's token, compared position
+    by position until the first difference (after it the contexts differ); the log-probs of the
+    agreeing ones within `logprob_tolerance`."""
+    agree = total = 0
+    for a, b in zip(ours, reference):
+        for x, y, lx, ly in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs):
+            total += 1
+            if x != y:
+                break
+            agree += 1
+            assert abs(lx.logprob - ly.logprob) < logprob_tolerance
+    return agree / total
+
+
 @pytest.mark.parametrize("dtype, min_agreement", [("float32", 0.9), ("bfloat16", 0.8)])
 def test_triton_engine_with_graphs_matches_reference(tiny_llama, dtype, min_agreement):
     model, adapters = tiny_llama
@@ -31,17 +46,9 @@ def test_triton_engine_with_graphs_matches_reference(tiny_llama, dtype, min_agre
     llm, ours = _generate(model, adapters, "cuda", dtype)
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs._graphs, "no graph was replayed"
     assert llm.engine.model.ops.name == "triton"
-    agree = total = 0
-    for a, b in zip(ours, reference):
-        # compare position by position until the first difference (after it the contexts differ)
-        for x, y, lx, ly in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs):
-            total += 1
-            if x != y:
-                break
-            agree += 1
-            assert abs(lx.logprob - ly.logprob) < (0.02 if dtype == "float32" else 0.15)
-    print(f"{dtype}: {agree}/{total} greedy positions agree with the CPU float32 reference")
-    assert agree / total >= min_agreement
+    agreement = _agreement(ours, reference, 0.02 if dtype == "float32" else 0.15)
+    print(f"{dtype}: {agreement:.3f} of greedy positions agree with the CPU float32 reference")
+    assert agreement >= min_agreement
     assert llm.engine.blocks.num_used_blocks == 0
 
 
@@ -53,15 +60,7 @@ def test_mixed_step_graphs_match_reference(tiny_llama):
     llm, ours = _generate(model, adapters, "cuda", "float32", mixed_step_graphs=True)
     graphs = llm.engine.runner.graphs
     assert graphs.mixed_tokens == [64] and graphs.num_mixed_replays > 0
-    agree = total = 0
-    for a, b in zip(ours, reference):
-        for x, y, lx, ly in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs):
-            total += 1
-            if x != y:
-                break
-            agree += 1
-            assert abs(lx.logprob - ly.logprob) < 0.02
-    assert agree / total >= 0.9
+    assert _agreement(ours, reference, 0.02) >= 0.9
     assert llm.engine.blocks.num_used_blocks == 0
 
 
