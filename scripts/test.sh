@@ -21,7 +21,7 @@ fi
 
 # Two workers, each taking whole test files (their module fixtures, servers among them, stay in
 # one process): many tests wait on a server or a subprocess, so two cores run the suite well
-# under the time of one process (15 minutes against 21 or more on our 2-core machine). Then the
+# under the time of one process (16-18 minutes against 21 or more on our 2-core machine). Then the
 # tests marked `alone` (they cap their own process's memory or compare latencies, which the other
 # worker's load and whatever ran before in the same process would sway) in one process, after.
 # Exit status 5 is pytest's "no tests collected" (arguments that select none of one kind).
