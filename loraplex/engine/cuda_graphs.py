@@ -81,7 +81,7 @@ class DecodeGraphs:
         """Without `capture` (CPU) padded steps run the same forward eagerly, so the padding is
         tested where no GPU is present. Without `flora` no graph has FLoRA rows (such steps run
         eagerly). With `mixed`, steps that compute prompt tokens are padded and captured too."""
-        self.runner, self.capture, self.flora, self.mixed = runner, capture, flora, mixed
+        self.runner, self.capture, self.flora = runner, capture, flora
         self.sizes = graph_batch_sizes(max_batch)
         self.mixed_tokens = [t for t in MIXED_TOKEN_BUCKETS if t <= runner.inputs.max_tokens] if mixed else []
         self.mixed_seqs = sorted({s for s in MIXED_SEQ_BUCKETS if s < max_batch} | {max_batch})

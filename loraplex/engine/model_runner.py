@@ -186,16 +186,14 @@ class ModelRunner:
             pad_mixed = self.graphs.mixed_padding(sum(plan.num_scheduled_tokens), len(plan.request_ids))
         filled = self.inputs.fill(plan, self.batch, pad_to, pad_mixed)
         shape = filled.shape
-        no_graph = self.graphs is not None and self.graphs.capture and not self.graphs.has(shape)
-        if shape.is_padded_mixed and (shape.has_flora or no_graph):
+        if shape.is_padded_mixed and (shape.has_flora or self.graphs.capture and not self.graphs.has(shape)):
             filled = self.inputs.fill(plan, self.batch, None)  # no graph for it: eagerly, unpadded
         if self.batch.num_scoring_rows:
             batch, rows = self.batch, filled.rows
             prompt = prompt_logprobs.select(rows, filled.start, filled.num_new, filled.query_start,
                                             batch.num_prompt_tokens[rows], batch.prompt_logprobs[rows],
                                             batch.tokens)
-            padded = filled.shape.is_padded_decode or filled.shape.is_padded_mixed
-            if prompt is not None and padded:  # scoring steps run eagerly
+            if prompt is not None and filled.shape.is_padded:  # scoring steps run eagerly
                 filled = self.inputs.fill(plan, self.batch, None)
             filled.prompt = prompt
         self.inputs.upload()
@@ -221,8 +219,7 @@ class ModelRunner:
         """(logits [num_samples, vocab] float32, tokens [num_samples], the prompt logprobs
         queued to the host if the step scores any) of a filled step: a graph replay for a padded
         step that has one, else the forward pass run eagerly."""
-        padded = shape.is_padded_decode or shape.is_padded_mixed
-        if padded and self.graphs is not None and self.graphs.has(shape):
+        if shape.is_padded and self.graphs is not None and self.graphs.has(shape):
             return *self.graphs.replay(shape), None
         with torch.inference_mode():
             return self.forward(shape, prompt)

@@ -80,8 +80,7 @@ class Scheduler:
         self.delays_prompts = False
         """Whether new prompts wait by SchedulerConfig.scheduler_delay_factor: set by an engine
         whose pure decode steps replay CUDA graphs (prompt steps run eagerly)."""
-        self._last_plan_at: float | None = None  # when the last plan was made
-        self._last_plan_computes_prompts = False
+        self._prompt_plan_at: float | None = None  # the last plan, if it computed prompt tokens
         self._prompt_step_end: float | None = None  # the plan after the last one that computed
         self._prompt_step_s = 0.0  # prompt tokens, and the time between the two
 
@@ -140,9 +139,9 @@ class Scheduler:
                 scheduled[request.request_id] = num_new
                 budget -= num_new
                 self._charge_cap(request, num_new)
-        now = self._clock()
-        if self._last_plan_computes_prompts:  # (an engine with requests running plans back to back)
-            self._prompt_step_s = min(now - self._last_plan_at, MAX_PROMPT_DELAY_S)
+        now = self._clock() if self.delays_prompts else 0.0
+        if self._prompt_plan_at is not None:  # (an engine with requests running plans back to back)
+            self._prompt_step_s = min(now - self._prompt_plan_at, MAX_PROMPT_DELAY_S)
             self._prompt_step_end = now
         prompts = not self._delays_prompts(now, decodes, prefills, budget)
         if not preempted:
@@ -164,8 +163,8 @@ class Scheduler:
                 budget -= num_new
                 self._charge_cap(request, num_new)
         self._fill(plan, scheduled)
-        self._last_plan_at = now
-        self._last_plan_computes_prompts = any(n > 1 for n in scheduled.values())
+        if self.delays_prompts:
+            self._prompt_plan_at = now if any(n > 1 for n in scheduled.values()) else None
         return plan
 
     def _delays_prompts(self, now: float, decodes: list[Request], prefills: list[Request],

@@ -117,6 +117,11 @@ class StepShape:
         return self.flora_rows > 0
 
     @property
+    def is_padded(self) -> bool:
+        """Laid out for a graph (a decode or a mixed step)."""
+        return self.is_padded_decode or self.is_padded_mixed
+
+    @property
     def graph_key(self) -> tuple[int, bool, bool, bool, bool, int, bool, int]:
         return (self.num_seqs, self.has_lora, self.is_greedy, self.has_input_scale, self.has_expand,
                 self.flora_rows, self.has_relay, self.num_tokens if self.is_padded_mixed else 0)
