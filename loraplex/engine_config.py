@@ -162,12 +162,13 @@ class EngineConfig:
     """Seed for requests that set none of their own."""
     enforce_eager: bool = False
     """Run every step eagerly: capture no CUDA graphs (they are captured at start-up)."""
-    mixed_step_graphs: bool = False
+    mixed_step_graphs: bool = True
     """Capture CUDA graphs of steps that compute prompt tokens too (padded to up to 1,024 tokens;
     loraplex/engine/cuda_graphs.py), not only of pure decode steps: such steps otherwise run
     eagerly, bound by the host's kernel launches (on the H100, Llama-3-8B with 64 adapters, 32
-    decodes and a 256-token prompt took 42.6 ms against 15 ms of kernels). Off until measured
-    on a GPU; with it on, new prompts do not wait (scheduler_delay_factor does not apply)."""
+    decodes and a 256-token prompt took 42.6 ms against 15 ms of kernels; the serving pass with
+    1,000 adapters went from 2,378 to 4,404 output tokens/s offline with them). With them on, new
+    prompts do not wait (scheduler_delay_factor applies only when they are off)."""
     async_scheduling: bool | None = None
     """Plan and launch each step while the device still runs the previous one, so the host's
     work hides behind the device's (default: on CUDA only, where it pays)."""

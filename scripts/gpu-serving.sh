@@ -35,8 +35,9 @@
 # sets the server's sys.setswitchinterval (default Python's 5 ms: how long the engine thread
 # may wait for the GIL while the event loop holds it); serve-summary.json's http_vs_offline
 # splits the server's CPU per token between the engine thread, the event loop and the rest.
-# MIXED_GRAPHS=1 captures steps with prompt tokens in CUDA graphs too (EngineConfig.
-# mixed_step_graphs); DELAY_FACTOR sets SchedulerConfig.scheduler_delay_factor (default 1.0).
+# MIXED_GRAPHS=0 runs steps with prompt tokens eagerly (EngineConfig.mixed_step_graphs off; on by
+# default); DELAY_FACTOR sets SchedulerConfig.scheduler_delay_factor (default 1.0; it applies
+# only with MIXED_GRAPHS=0).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/serve-h100}
@@ -63,7 +64,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
     N_SAT=60; N_RATE=30
 fi
 if [ -n "${SWITCH_INTERVAL_MS:-}" ]; then SERVER_OPTS+=(--switch-interval-ms "$SWITCH_INTERVAL_MS"); fi
-if [ "${MIXED_GRAPHS:-0}" = 1 ]; then SERVER_OPTS+=(--mixed-step-graphs); fi
+if [ "${MIXED_GRAPHS:-1}" = 0 ]; then SERVER_OPTS+=(--no-mixed-step-graphs); fi
 if [ -n "${DELAY_FACTOR:-}" ]; then SERVER_OPTS+=(--scheduler-delay-factor "$DELAY_FACTOR"); fi
 
 publish() {  # the summary so far, and every run's files, into $OUT

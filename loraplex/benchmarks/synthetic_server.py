@@ -303,8 +303,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "run through the engine directly before serving")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--shutdown-timeout", type=int, default=60)
-    parser.add_argument("--mixed-step-graphs", action="store_true",
-                        help="EngineConfig.mixed_step_graphs: capture steps with prompt tokens too")
+    parser.add_argument("--mixed-step-graphs", action=argparse.BooleanOptionalAction,
+                        default=EngineConfig.mixed_step_graphs,
+                        help="EngineConfig.mixed_step_graphs: capture steps with prompt tokens too "
+                        "(default %(default)s)")
     parser.add_argument("--scheduler-delay-factor", type=float,
                         default=SchedulerConfig.scheduler_delay_factor,
                         help="SchedulerConfig.scheduler_delay_factor (default %(default)s)")

@@ -59,7 +59,7 @@ def test_mixed_step_graphs_match_reference(tiny_llama):
     _, reference = _generate(model, adapters, "cpu", "float32")
     llm, ours = _generate(model, adapters, "cuda", "float32", mixed_step_graphs=True)
     graphs = llm.engine.runner.graphs
-    assert graphs.mixed_tokens == [64] and graphs.num_mixed_replays > 0
+    assert 64 in graphs.mixed_tokens and graphs.num_mixed_replays > 0
     assert _agreement(ours, reference, 0.02) >= 0.9
     assert llm.engine.blocks.num_used_blocks == 0
 
