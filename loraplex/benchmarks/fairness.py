@@ -239,10 +239,10 @@ STEP_BUCKETS = ((0, 0), (1, 1024), (1025, 2048), (2049, 4096), (4097, 1 << 30))
 
 
 def _steps_by_prompt_tokens(step_log: list[tuple[int, int, float]]) -> dict[str, dict[str, float]]:
-    """The busy steps by how many prompt tokens they planned: how many, their mean wall time
-    (the engine overlaps a step with the next one's planning, so this is the step's share of the
-    run), and the mean number of requests running; to set against the step-time model that the
-    fairness simulation uses."""
+    """The busy steps by how many prompt tokens they planned: how many, their mean, p99 and
+    longest wall time (the engine overlaps a step with the next one's planning, so this is the
+    step's share of the run), and the mean number of requests running; to set against the
+    step-time model that the fairness simulation uses, and the p99 times between tokens."""
     buckets = {}
     for low, high in STEP_BUCKETS:
         rows = [(n, running, dt) for n, running, dt in step_log if low <= n <= high]
@@ -250,6 +250,8 @@ def _steps_by_prompt_tokens(step_log: list[tuple[int, int, float]]) -> dict[str,
             label = f"{low}-{high}" if high < 1 << 30 else f">{low - 1}"
             buckets[label] = {"steps": len(rows),
                               "mean_ms": round(sum(dt for *_, dt in rows) / len(rows) * 1e3, 2),
+                              "p99_ms": round(float(np.percentile([dt for *_, dt in rows], 99)) * 1e3, 2),
+                              "max_ms": round(max(dt for *_, dt in rows) * 1e3, 2),
                               "mean_prompt_tokens": round(sum(n for n, *_ in rows) / len(rows), 1),
                               "mean_running": round(sum(r for _, r, _ in rows) / len(rows), 1)}
     return buckets
