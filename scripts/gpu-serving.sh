@@ -35,6 +35,9 @@
 # sets the server's sys.setswitchinterval (default Python's 5 ms: how long the engine thread
 # may wait for the GIL while the event loop holds it); serve-summary.json's http_vs_offline
 # splits the server's CPU per token between the engine thread, the event loop and the rest.
+# PYSPY=1 samples the server's threads with py-spy during the Poisson run over 1,000 adapters (its
+# wheel carried in ./wheels: pip download py-spy): pyspy-poisson-1000-threads.txt (every thread,
+# idle included) and -gil.txt (only the thread holding the GIL), collapsed stacks, in the tarball.
 # MIXED_GRAPHS=0 runs steps with prompt tokens eagerly (EngineConfig.mixed_step_graphs off; on by
 # default); DELAY_FACTOR sets SchedulerConfig.scheduler_delay_factor (default 1.0; it applies
 # only with MIXED_GRAPHS=0).
@@ -66,6 +69,7 @@ fi
 if [ -n "${SWITCH_INTERVAL_MS:-}" ]; then SERVER_OPTS+=(--switch-interval-ms "$SWITCH_INTERVAL_MS"); fi
 if [ "${MIXED_GRAPHS:-1}" = 0 ]; then SERVER_OPTS+=(--no-mixed-step-graphs); fi
 if [ -n "${DELAY_FACTOR:-}" ]; then SERVER_OPTS+=(--scheduler-delay-factor "$DELAY_FACTOR"); fi
+PYSPY=${PYSPY:-0}
 
 publish() {  # the summary so far, and every run's files, into $OUT
     python3 -m loraplex.benchmarks.serve_report "$RES" > "$RES/summary.log" 2>&1
@@ -122,7 +126,18 @@ if bench saturation-1000 $SAT_LIMIT --num-prompts $N_SAT --num-adapters 1000 && 
     SAT=$(rate_of saturation-1000)
     RATE=$(python3 -c "print(round(0.8 * $SAT, 2))")
     echo "saturated: $SAT req/s; Poisson at $RATE req/s"
+    SPIES=()
+    if [ "$PYSPY" = 1 ]; then  # where the server's threads spend the Poisson run (and who holds the GIL)
+        python3 -m pip install -q --no-index --find-links wheels py-spy > /dev/null 2>&1
+        for mode in threads gil; do
+            flags=(--threads --idle); [ $mode = gil ] && flags=(--threads --gil)
+            timeout 70 py-spy record --pid $SERVER --rate 50 --duration 30 --nonblocking --format raw "${flags[@]}" \
+                -o "$RES/pyspy-poisson-1000-$mode.txt" > "$RES/pyspy-$mode.log" 2>&1 &
+            SPIES+=($!)
+        done
+    fi
     bench poisson-1000 $POISSON_LIMIT --num-prompts $N_SAT --num-adapters 1000 --request-rate "$RATE"
+    for spy in ${SPIES[@]+"${SPIES[@]}"}; do wait "$spy"; done  # 30 s of samples each, ended by now
     bench poisson-32 $POISSON_LIMIT --num-prompts $N_SAT --num-adapters 32 --request-rate "$RATE"
     for fraction in 0.7 0.9 1.1 1.0 1.25; do  # coarse first; serve_report sorts them
         r=$(python3 -c "print(round($fraction * $SAT, 2))")
