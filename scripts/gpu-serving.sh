@@ -35,6 +35,8 @@
 # sets the server's sys.setswitchinterval (default Python's 5 ms: how long the engine thread
 # may wait for the GIL while the event loop holds it); serve-summary.json's http_vs_offline
 # splits the server's CPU per token between the engine thread, the event loop and the rest.
+# SERVER_EXTRA adds synthetic_server flags (e.g. "--hold-places-for-loading --fairness-bound 16384
+# --max-num-seqs 256": a later flag wins).
 # PYSPY=1 samples the server's threads with py-spy during the Poisson run over 1,000 adapters (its
 # wheel carried in ./wheels: pip download py-spy): pyspy-poisson-1000-threads.txt (every thread,
 # idle included) and -gil.txt (only the thread holding the GIL), collapsed stacks, in the tarball.
@@ -70,6 +72,8 @@ if [ -n "${SWITCH_INTERVAL_MS:-}" ]; then SERVER_OPTS+=(--switch-interval-ms "$S
 if [ "${MIXED_GRAPHS:-1}" = 0 ]; then SERVER_OPTS+=(--no-mixed-step-graphs); fi
 if [ -n "${DELAY_FACTOR:-}" ]; then SERVER_OPTS+=(--scheduler-delay-factor "$DELAY_FACTOR"); fi
 PYSPY=${PYSPY:-0}
+read -r -a EXTRA <<< "${SERVER_EXTRA:-}"
+SERVER_OPTS+=(${EXTRA[@]+"${EXTRA[@]}"})
 
 publish() {  # the summary so far, and every run's files, into $OUT
     python3 -m loraplex.benchmarks.serve_report "$RES" > "$RES/summary.log" 2>&1

@@ -169,7 +169,9 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         mixed_step_graphs=args.mixed_step_graphs,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  scheduler_delay_factor=args.scheduler_delay_factor),
+                                  scheduler_delay_factor=args.scheduler_delay_factor,
+                                  fairness_bound=args.fairness_bound,
+                                  hold_places_for_loading=args.hold_places_for_loading),
         lora=LoRAConfig(max_lora_rank=max(args.ranks), max_loras=args.max_loras),
     ), model=model)
     engine.tokenizer = word_tokenizer(model_config.vocab_size)
@@ -310,6 +312,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scheduler-delay-factor", type=float,
                         default=SchedulerConfig.scheduler_delay_factor,
                         help="SchedulerConfig.scheduler_delay_factor (default %(default)s)")
+    parser.add_argument("--fairness-bound", type=float, default=SchedulerConfig.fairness_bound,
+                        help="SchedulerConfig.fairness_bound (default %(default)s)")
+    parser.add_argument("--hold-places-for-loading", action=argparse.BooleanOptionalAction,
+                        default=SchedulerConfig.hold_places_for_loading,
+                        help="SchedulerConfig.hold_places_for_loading (default %(default)s)")
     parser.add_argument("--switch-interval-ms", type=float, help="sys.setswitchinterval for this "
                         "process (default: Python's 5 ms): how long the engine thread may wait for the "
                         "GIL while the event loop holds it")
