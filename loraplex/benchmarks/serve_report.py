@@ -86,6 +86,8 @@ def http_vs_offline(saturated: dict[str, Any], offline: dict[str, Any]) -> dict[
         "offline_engine_cpu_ms_per_token": offline["engine_cpu_ms_per_token"],
         "http_preemptions": engine["preemptions"], "offline_preemptions": offline["preemptions"],
         "http_fairness_preemptions": engine.get("fairness_preemptions"),
+        "offline_preemptions_by_cause": offline.get("preemptions_by_cause"),
+        "offline_warm_up": offline.get("warm_up"),
         **{name: engine[name] for name in ("engine_thread_cpu_ms_per_token", "event_loop_cpu_ms_per_token",
                                            "other_threads_cpu_ms_per_token") if name in engine},
         "load_average_1min_before": saturated.get("load_average_1min_before"),
