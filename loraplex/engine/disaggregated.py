@@ -1,6 +1,7 @@
-"""Disaggregated prefill and decode (DistServe), in one process: two engine cores, each an
-LLMEngine on its own KV pool (its own block manager, scheduler, adapter cache and tenant
-counters), sharing the model object.
+"""Disaggregated prefill and decode (DistServe): two engine cores, each an LLMEngine on its own
+KV pool (its own block manager, scheduler, adapter cache and tenant counters), each side's model
+in a worker process of its own (`processes`; docs/disaggregated.md), or both sharing one model
+object in this process.
 
 A request is prefilled on the prefill side under its adapter: its prompt computed and its first
 token sampled (`add_request(..., prefill_only=True)`); it then leaves that engine holding its
@@ -8,8 +9,8 @@ prompt's blocks (`take_prefilled`) and joins the decode side's queue as a swappe
 (`admit_prefilled`), its KV still on the prefill side. When the decode side admits it (its
 adapter in a slot there, through the same lifecycle; room in its KV pool), the KV of the prompt
 blocks that the decode side has not cached is copied into the blocks it allocated
-(`copy_kv_blocks`, the one place where KV crosses: a later milestone sends and receives the same
-pages between processes), the prefill side frees its references (its prefix cache and pinned
+(`copy_kv_blocks`, the one place where KV crosses; between worker processes the prefill side's
+worker sends them and the decode side's receives them), the prefill side frees its references (its prefix cache and pinned
 prompts keep theirs), and the request decodes from its first token with the same sampling state
 (seed and token index). Until then it is between the sides: aborting it frees the prefill
 side's blocks. The decode side schedules, preempts (swap or recompute, on its own pool), groups
@@ -36,6 +37,7 @@ from loraplex.engine.llm_engine import LLMEngine, PinnedPrompt
 from loraplex.engine.lora_weights import HostAdapter
 from loraplex.engine.request import Request
 from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.sizing import resolve_device
 from loraplex.engine_config import ConfigError, EngineConfig
 from loraplex.errors import InvalidRequestError, LoraplexError
 from loraplex.model.llama import LlamaForCausalLM
@@ -61,20 +63,27 @@ class DisaggregatedEngine:
     LLM and tests drive). Single-threaded: one caller at a time."""
 
     def __init__(self, config: EngineConfig, decode_config: EngineConfig | None = None,
-                 model: LlamaForCausalLM | None = None) -> None:
+                 model: LlamaForCausalLM | None = None, processes: bool = False) -> None:
         """The prefill side from `config` (the model folder `config.model`, or `model`), the
-        decode side from `decode_config` (default: `config`) on the same model object. CPU only,
-        one process (workers over torch.distributed are a later milestone)."""
+        decode side from `decode_config` (default: `config`). With `processes`, each side's model
+        runs in a worker process of its own (on CUDA the prefill side on GPU 0, the decode side
+        on GPU 1), the two in one torch.distributed group (gloo on CPU, NCCL on GPUs) that
+        carries the KV blocks; without, both sides share one model object in this process (CPU
+        only)."""
         decode_config = decode_config or config
         if config.tensor_parallel_size > 1 or decode_config.tensor_parallel_size > 1:
-            raise ConfigError("disaggregate", "runs in one process here: tensor_parallel_size must be 1")
+            raise ConfigError("disaggregate", "each side runs on one device: tensor_parallel_size must be 1")
         if config.cache.block_size != decode_config.cache.block_size:
             raise ConfigError("block_size", "the prefill and decode sides need the same block size")
-        self.prefill = LLMEngine(config, model=model)
-        if self.prefill.device.type != "cpu":
-            self.prefill.close()
-            raise ConfigError("disaggregate", "in one process, prefill and decode sides run on CPU only")
-        self.decode = LLMEngine(decode_config, model=self.prefill.model, tokenizer=self.prefill.tokenizer)
+        self._workers = None
+        if processes:
+            self.prefill, self.decode = self._start_workers(config, decode_config, model)
+        else:
+            self.prefill = LLMEngine(config, model=model)
+            if self.prefill.device.type != "cpu":
+                self.prefill.close()
+                raise ConfigError("disaggregate", "in one process, prefill and decode sides run on CPU only")
+            self.decode = LLMEngine(decode_config, model=self.prefill.model, tokenizer=self.prefill.tokenizer)
         self.decode.receive_kv = self._receive
         self._transit: dict[str, PrefilledRequest] = {}
         """Requests in the decode side's queue whose KV is still on the prefill side."""
@@ -83,6 +92,32 @@ class DisaggregatedEngine:
         """KV blocks copied from the prefill side to the decode side."""
         self.num_blocks_reused = 0
         """Prompt blocks a request did not need sent: the decode side had them cached."""
+
+    def _start_workers(self, config: EngineConfig, decode_config: EngineConfig,
+                       model: LlamaForCausalLM | None) -> tuple[LLMEngine, LLMEngine]:
+        from loraplex.worker.workers import spawn_disaggregated  # (the worker side imports the engine)
+
+        if model is not None:
+            raise ConfigError("disaggregate", "with worker processes each loads the model folder: pass no model")
+        device = resolve_device(config.device)
+        if resolve_device(decode_config.device) != device:
+            raise ConfigError("device", "the prefill and decode sides need the same kind of device")
+        (prefill_workers,), (decode_workers,) = spawn_disaggregated(
+            1, 1, backend="nccl" if device.type == "cuda" else "gloo",
+            num_threads=torch.get_num_threads() if device.type == "cuda" else 1)
+        self._workers = prefill_workers, decode_workers
+        try:
+            prefill = LLMEngine(config, workers=prefill_workers)
+            try:
+                decode = LLMEngine(decode_config, workers=decode_workers, tokenizer=prefill.tokenizer)
+            except BaseException:
+                prefill.close()
+                raise
+        except BaseException:
+            prefill_workers.close()
+            decode_workers.close()
+            raise
+        return prefill, decode
 
     # What the offline LLM reads -------------------------------------------------------------
     @property
@@ -264,7 +299,19 @@ class DisaggregatedEngine:
         self.prefill.blocks.free(prefilled.block_ids)
 
     def _copy(self, source_ids: list[int], target_ids: list[int]) -> None:
-        copy_kv_blocks(self.prefill.kv_cache, source_ids, self.decode.kv_cache, target_ids)
+        """The KV of the prefill side's `source_ids` into the decode side's `target_ids`: copied
+        here, or, with worker processes, sent by the prefill side's worker after the steps
+        queued there (which wrote it) and received by the decode side's before its next step."""
+        if not source_ids:
+            return
+        if self._workers is None:
+            copy_kv_blocks(self.prefill.kv_cache, source_ids, self.decode.kv_cache, target_ids)
+        else:
+            from loraplex.worker.commands import ReceiveKv, SendKv  # (the worker side imports the engine)
+
+            prefill_workers, decode_workers = self._workers
+            prefill_workers.queue(SendKv(tuple(source_ids), peer=decode_workers.first_rank))
+            decode_workers.queue(ReceiveKv(tuple(target_ids), peer=prefill_workers.first_rank))
         self.num_blocks_sent += len(source_ids)
 
     def _release(self, request_id: str) -> None:

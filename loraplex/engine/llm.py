@@ -29,21 +29,22 @@ class LLM:
     loraplex.engine_config, the same as `loraplex serve`'s flags). With tensor_parallel_size > 1
     the model runs in that many spawned worker processes: a script that makes one needs an
     `if __name__ == "__main__":` guard. `disaggregate="1:1"` prefills each request on one engine
-    core and decodes it on another, each on its own KV pool (loraplex/engine/disaggregated.py;
-    CPU, one process)."""
+    core and decodes it on another, each on its own KV pool and its own worker process (on CUDA
+    GPUs 0 and 1), the KV blocks sent between them (loraplex/engine/disaggregated.py);
+    `disaggregate_processes=False` runs both sides' model in this process instead (CPU)."""
 
     def __init__(
         self, model: str | Path, *, device: str = "auto", dtype: str = "auto",
-        disaggregate: str | None = None, **options: Any
+        disaggregate: str | None = None, disaggregate_processes: bool = True, **options: Any
     ) -> None:
         config = EngineConfig.from_kwargs(str(model), device=device, dtype=dtype, **options)
         if disaggregate is None:
             self.engine: LLMEngine | DisaggregatedEngine = LLMEngine(config)
         elif disaggregate == "1:1":
-            self.engine = DisaggregatedEngine(config)
+            self.engine = DisaggregatedEngine(config, processes=disaggregate_processes)
         else:
-            raise ConfigError("disaggregate", f"{disaggregate!r}: one process runs one prefill and one "
-                              "decode side, \"1:1\"")
+            raise ConfigError("disaggregate", f"{disaggregate!r}: one prefill and one decode side, \"1:1\", "
+                              "is what is built")
         self._ids = itertools.count()
 
     def close(self) -> None:

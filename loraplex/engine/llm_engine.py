@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loraplex.adapter_format import LoraAdapter
 from loraplex.engine.adapter_cache import AdapterCache, AdapterLoader, Wait
@@ -79,6 +79,9 @@ from loraplex.model.model_config import MAX_CONFIG_DEPTH, ModelConfig
 from loraplex.model.tokenizer import load_tokenizer
 from loraplex.types import FinishReason, RequestOutput, SamplingParams, StreamingWindow
 
+if TYPE_CHECKING:
+    from loraplex.worker.workers import TensorParallelWorkers  # (the worker side imports the engine)
+
 logger = logging.getLogger(__name__)
 
 DIGEST_PATTERN = re.compile(r"[0-9a-f]{64}")
@@ -122,19 +125,22 @@ class PinnedPrompt:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM | None = None,
-                 random_weights: bool = False, tokenizer: Any = None) -> None:
+                 random_weights: bool = False, tokenizer: Any = None,
+                 workers: TensorParallelWorkers | None = None) -> None:
         """Load the model folder `config.model`, or serve `model` (already on its device, e.g.
         random weights for a benchmark; it must use the op set its device and config select)
         with `tokenizer` (None: prompts come as token ids).
         With `tensor_parallel_size` > 1 the model's shards live in worker processes
         (loraplex/worker/executor.py), and `random_weights` fills them with random weights
-        (benchmarks: the folder needs config.json only)."""
+        (benchmarks: the folder needs config.json only); `workers` (spawned already, e.g. a
+        side of disaggregated prefill and decode) runs the model there instead."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.executor = None
-        if model is not None and config.tensor_parallel_size > 1:
-            raise ValueError("a model object runs in this process: tensor_parallel_size must be 1")
+        if model is not None and (config.tensor_parallel_size > 1 or workers is not None):
+            raise ValueError("a model object runs in this process: tensor_parallel_size must be 1, "
+                             "and no workers")
         if model is None:
             self.model_config = ModelConfig.load(config.model)
             self.tokenizer = None if random_weights else load_tokenizer(config.model)
@@ -146,12 +152,12 @@ class LLMEngine:
         use_graphs = not config.enforce_eager and self.device.type == "cuda"
         max_rank = config.lora.max_lora_rank
         block_size = config.cache.block_size
-        if config.tensor_parallel_size > 1:
+        if config.tensor_parallel_size > 1 or workers is not None:
             from loraplex.worker.executor import TensorParallelExecutor  # the worker side imports the engine
 
             self.model = None
             self.executor = TensorParallelExecutor.start(config, self.model_config, self.dtype, self.device,
-                                                         self.max_model_len, random_weights)
+                                                         self.max_model_len, random_weights, workers)
             self.memory, self.lora = self.executor.memory, self.executor.slots
         else:
             if model is None:

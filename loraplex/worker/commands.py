@@ -99,8 +99,27 @@ class TimeCollectives:
 
 
 @dataclass(frozen=True)
+class SendKv:
+    """Send the KV of `block_ids` (in that order, every layer) to the worker of global rank
+    `peer`, which runs the matching ReceiveKv (disaggregated prefill and decode: the prefill
+    side's worker sends a prompt's blocks to the decode side's). Nothing replies but Done."""
+
+    block_ids: tuple[int, ...]
+    peer: int
+
+
+@dataclass(frozen=True)
+class ReceiveKv:
+    """Receive from the worker of global rank `peer` the KV that its matching SendKv sends,
+    into `block_ids` (as many, in that order)."""
+
+    block_ids: tuple[int, ...]
+    peer: int
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Leave the process group and exit."""
 
 
-Command = LoadModel | MeasureMemory | LoadAdapter | RunStep | TimeCollectives | Shutdown
+Command = LoadModel | MeasureMemory | LoadAdapter | RunStep | TimeCollectives | SendKv | ReceiveKv | Shutdown

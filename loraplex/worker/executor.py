@@ -158,15 +158,18 @@ class TensorParallelExecutor:
 
     @classmethod
     def start(cls, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
-              max_model_len: int, random_weights: bool = False) -> TensorParallelExecutor:
-        """Check the split (before any process starts or weight is read), spawn the workers,
-        size the rank's pool (on CUDA from every rank's measured budget, the smallest), and
-        have every rank build its shard and runner."""
-        size = config.tensor_parallel_size
+              max_model_len: int, random_weights: bool = False,
+              workers: TensorParallelWorkers | None = None) -> TensorParallelExecutor:
+        """Check the split (before any process starts or weight is read), spawn the workers
+        (or take `workers`, spawned already: spawn_disaggregated), size the rank's pool (on CUDA
+        from every rank's measured budget, the smallest), and have every rank build its shard
+        and runner."""
+        size = config.tensor_parallel_size if workers is None else workers.world_size
         check_workers(model_config, size, device)
         shard = ShardLayout(model_config, 0, size).shard_config  # every rank's sizes
-        workers = TensorParallelWorkers(size, backend="nccl" if device.type == "cuda" else "gloo",
-                                        num_threads=torch.get_num_threads() if device.type == "cuda" else 1)
+        if workers is None:
+            workers = TensorParallelWorkers(size, backend="nccl" if device.type == "cuda" else "gloo",
+                                            num_threads=torch.get_num_threads() if device.type == "cuda" else 1)
         try:
             spec = RunnerSpec(
                 model=config.model, dtype=str(dtype).removeprefix("torch."), device=device.type,
@@ -192,8 +195,8 @@ class TensorParallelExecutor:
         except BaseException:
             workers.close()
             raise
-        logger.info("tensor parallel over %d ranks (%s); each rank's %s", size, workers.backend,
-                    memory.describe())
+        logger.info("%d worker process%s (%s); each rank's %s", size, "es" if size > 1 else "",
+                    workers.backend, memory.describe())
         slots = RemoteSlots(workers, memory.num_lora_slots, shard, dtype, memory.kv_block_bytes)
         return cls(workers, memory, RemoteRunner(workers, slots), slots, num_host_blocks)
 

@@ -27,11 +27,14 @@ from loraplex.parallel.model import ParallelLlamaForCausalLM
 from loraplex.parallel.sharding import ShardLayout
 from loraplex.worker.adapters import dora_row_scales, shard_host_adapter
 from loraplex.worker.commands import (
+    Command,
     LoadAdapter,
     LoadModel,
     MeasureMemory,
+    ReceiveKv,
     RunnerSpec,
     RunStep,
+    SendKv,
     Shutdown,
     TimeCollectives,
 )
@@ -44,9 +47,12 @@ the lent machines it can put a shared host's GPUs out of service (issue 22)."""
 
 
 def run_worker(rank: int, world_size: int, init_method: str, conn: Connection, timeout_s: float,
-               num_threads: int, backend: str = "gloo") -> None:
-    """The process's entry point (spawned by TensorParallelWorkers). With NCCL, rank r runs on
-    cuda:r."""
+               num_threads: int, backend: str = "gloo", tensor_parallel: tuple[int, int] | None = None) -> None:
+    """The process's entry point (spawned by TensorParallelWorkers). `rank` of `world_size` in
+    the process group; with NCCL, rank r runs on cuda:r. `tensor_parallel`: (its rank, the
+    size) of the model's tensor-parallel group (default: the whole process group); a group of
+    its own only of size 1 (disaggregated prefill and decode: every worker holds a whole model,
+    the process group carries the KV between them)."""
     os.environ.update(NO_MULTICAST_ENV)
     torch.set_num_threads(num_threads)
     device = torch.device("cpu")
@@ -56,7 +62,10 @@ def run_worker(rank: int, world_size: int, init_method: str, conn: Connection, t
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s),
                             **({"device_id": device} if backend == "nccl" else {}))
-    worker = Worker(TensorParallelGroup(rank, world_size), device)
+    tp_rank, tp_size = tensor_parallel or (rank, world_size)
+    if tp_size not in (1, world_size):
+        raise NotImplementedError("a tensor-parallel group smaller than the process group, but of 1")
+    worker = Worker(TensorParallelGroup(tp_rank, tp_size), device)
     try:
         while True:
             try:
@@ -87,7 +96,7 @@ class Worker:
         self._model_key: tuple | None = None  # what the loaded shard was built from
         self.runner: ModelRunner | None = None
 
-    def handle(self, command: LoadModel | MeasureMemory | LoadAdapter | RunStep) -> object:
+    def handle(self, command: Command) -> object:
         if isinstance(command, LoadModel):
             return self.load_model(command.spec)
         if isinstance(command, MeasureMemory):
@@ -101,6 +110,10 @@ class Worker:
             return self.run_step(command)
         if isinstance(command, TimeCollectives):
             return self.time_collectives(command)
+        if isinstance(command, SendKv):
+            return self.send_kv(command)
+        if isinstance(command, ReceiveKv):
+            return self.receive_kv(command)
         raise TypeError(f"unknown command {command!r}")
 
     def _load_shard(self, spec: RunnerSpec) -> ParallelLlamaForCausalLM:
@@ -201,6 +214,20 @@ class Worker:
         counters = RunnerCounters(inputs.num_relay_steps, inputs.num_relay_groups, inputs.num_relay_members,
                                   swapper.stats() if swapper is not None else None)
         return StepOutput(result, logits[0].cpu() if logits else None, counters)
+
+    def send_kv(self, command: SendKv) -> None:
+        """The blocks' KV to the peer in one message ([blocks, layers, 2, block_size, heads,
+        head_dim]; on GPUs device to device over NCCL, no host round trip)."""
+        kv_cache = self.runner.kv_cache
+        ids = torch.tensor(command.block_ids, dtype=torch.long, device=kv_cache.device)
+        dist.send(kv_cache.index_select(0, ids), dst=command.peer)
+
+    def receive_kv(self, command: ReceiveKv) -> None:
+        kv_cache = self.runner.kv_cache
+        blocks = kv_cache.new_empty((len(command.block_ids), *kv_cache.shape[1:]))
+        dist.recv(blocks, src=command.peer)
+        ids = torch.tensor(command.block_ids, dtype=torch.long, device=kv_cache.device)
+        kv_cache.index_copy_(0, ids, blocks)
 
     def time_collectives(self, command: TimeCollectives) -> list[dict[str, float]] | None:
         config, group, device = self.layout.config, self.group, self.device

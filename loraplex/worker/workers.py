@@ -16,6 +16,7 @@ import shutil
 import tempfile
 import time
 from collections import deque
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -31,8 +32,10 @@ from loraplex.worker.commands import (
     LoadAdapter,
     LoadModel,
     MeasureMemory,
+    ReceiveKv,
     RunnerSpec,
     RunStep,
+    SendKv,
     Shutdown,
     TimeCollectives,
 )
@@ -64,14 +67,21 @@ class TensorParallelWorkers:
     stopped on every path out."""
 
     def __init__(self, world_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 num_threads: int = 1, backend: str = "gloo") -> None:
-        """`num_threads`: torch's CPU threads in each worker; `backend`: "gloo" or "nccl"."""
+                 num_threads: int = 1, backend: str = "gloo", shared: SharedGroup | None = None) -> None:
+        """`num_threads`: torch's CPU threads in each worker; `backend`: "gloo" or "nccl".
+        `shared`: these workers are ranks [first, first + world_size) of a larger process group
+        (spawn_disaggregated), their model's tensor-parallel group their own (of size 1)."""
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be gloo or nccl, not {backend!r}")
+        if shared is not None and world_size != 1:
+            raise NotImplementedError("workers in a shared process group hold a whole model each (size 1)")
         self.world_size, self.timeout_s, self.backend = world_size, timeout_s, backend
+        self.first_rank = shared.first_rank if shared is not None else 0
+        """The global rank of this group's rank 0 (its peers address it by that)."""
         # The rendezvous is a file, not a port: nothing to choose, nothing to collide with.
-        self._store_dir = tempfile.mkdtemp(prefix="loraplex-tp-")
+        self._store_dir = shared.store_dir if shared is not None else tempfile.mkdtemp(prefix="loraplex-tp-")
         init_method = f"file://{os.path.join(self._store_dir, 'store')}"
+        total = shared.total_ranks if shared is not None else world_size
         context = mp.get_context("spawn")
         self._conns: list[Connection] = []
         self._processes: list[Any] = []
@@ -83,9 +93,10 @@ class TensorParallelWorkers:
         try:
             for rank in range(world_size):
                 parent, child = context.Pipe()
-                process = context.Process(target=run_worker, name=f"loraplex-tp-{rank}", daemon=True,
-                                          args=(rank, world_size, init_method, child, timeout_s, num_threads,
-                                                backend))
+                global_rank = self.first_rank + rank
+                process = context.Process(target=run_worker, name=f"loraplex-worker-{global_rank}", daemon=True,
+                                          args=(global_rank, total, init_method, child, timeout_s, num_threads,
+                                                backend, (rank, world_size)))
                 process.start()
                 child.close()  # the child's end lives in the child only: its death closes the pipe
                 self._conns.append(parent)
@@ -136,6 +147,13 @@ class TensorParallelWorkers:
         launched before it and before those launched after (their commands run in order); a
         failure is raised by the next `collect`."""
         self._guarded(self._send, LoadAdapter(slot, adapter, None if pages is None else tuple(pages)))
+        self._pending.append(False)
+
+    def queue(self, command: SendKv | ReceiveKv) -> None:
+        """Send `command` to every rank and return at once, as queue_adapter does (it runs
+        between the steps launched before and after it; a failure is raised by the next
+        `collect`)."""
+        self._guarded(self._send, command)
         self._pending.append(False)
 
     def execute(self, plan: StepPlan, return_logits: bool = False) -> StepOutput:
@@ -247,3 +265,36 @@ class TensorParallelWorkers:
         self._conns, self._processes = [], []
         self._pending.clear()
         shutil.rmtree(self._store_dir, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class SharedGroup:
+    """A process group that several engines' workers join (spawn_disaggregated)."""
+
+    store_dir: str
+    first_rank: int
+    total_ranks: int
+
+
+def spawn_disaggregated(num_prefill: int, num_decode: int, *, backend: str = "gloo",
+                        timeout_s: float = DEFAULT_TIMEOUT_S,
+                        num_threads: int = 1) -> tuple[list[TensorParallelWorkers], list[TensorParallelWorkers]]:
+    """One worker process for each prefill and each decode engine, all in one process group
+    (prefill workers first: global ranks 0..P-1, then the decode workers; with NCCL, rank r on
+    cuda:r), so that any two can send KV blocks to each other (SendKv / ReceiveKv). Each holds a
+    whole model; each engine drives its own through a TensorParallelWorkers of size 1."""
+    total, made = num_prefill + num_decode, []
+    if backend == "nccl" and total > torch.cuda.device_count():
+        raise ModelLoadError(f"{num_prefill} prefill and {num_decode} decode workers need as many GPUs; "
+                             f"{torch.cuda.device_count()} present", param="disaggregate")
+    store_dir = tempfile.mkdtemp(prefix="loraplex-pd-")
+    try:
+        for rank in range(total):
+            made.append(TensorParallelWorkers(1, timeout_s=timeout_s, num_threads=num_threads, backend=backend,
+                                              shared=SharedGroup(store_dir, rank, total)))
+    except BaseException:
+        for workers in made:
+            workers.close()
+        shutil.rmtree(store_dir, ignore_errors=True)
+        raise
+    return made[:num_prefill], made[num_prefill:]

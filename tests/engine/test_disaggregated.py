@@ -1,6 +1,7 @@
-"""Disaggregated prefill and decode in one process, float32 on CPU: a prefill engine computes
-each prompt and first token under its adapter, a decode engine on its own KV pool continues
-from the copied blocks. Against the colocated engine on the same weights: greedy and seeded
+"""Disaggregated prefill and decode, float32 on CPU: a prefill engine computes each prompt and
+first token under its adapter, a decode engine on its own KV pool continues from its blocks,
+copied in one process or, with worker processes (`processes`), sent between the two sides'
+workers over gloo. Against the colocated engine on the same weights: greedy and seeded
 outputs token-exact for mixed adapters of every family (LoRA, DoRA, IA3, FLoRA), with pinned
 system prompts (pinned on both sides, never sent again nor computed on the decode side), aborts
 while requests are between the sides, and a decode side whose KV runs out (it preempts: swap
@@ -8,6 +9,7 @@ and recompute). After every run no block is held on either side but the pinned o
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -55,10 +57,26 @@ def _colocated(case, **options) -> LLMEngine:
     return _with_adapters(LLMEngine(_config(model_dir, **options)), adapters)
 
 
-def _disaggregated(case, decode_options=None, **options) -> DisaggregatedEngine:
+@pytest.fixture
+def closing():
+    """Engines to close after the test (worker processes stop with them)."""
+    engines = []
+    yield engines
+    for engine in engines:
+        engine.close()
+
+
+def _disaggregated(case, decode_options=None, processes=False, closing=None, **options) -> DisaggregatedEngine:
     model_dir, adapters, _ = case
     decode = _config(model_dir, **{**options, **(decode_options or {})})
-    return _with_adapters(DisaggregatedEngine(_config(model_dir, **options), decode), adapters)
+    engine = DisaggregatedEngine(_config(model_dir, **options), decode, processes=processes)
+    if closing is not None:
+        closing.append(engine)
+    return _with_adapters(engine, adapters)
+
+
+WITH_WORKERS = pytest.param(True, id="workers")
+"""The same test with each side's model in a worker process of its own (the KV sent over gloo)."""
 
 
 def _greedy(max_tokens=MAX_TOKENS) -> SamplingParams:
@@ -99,13 +117,17 @@ def _assert_nothing_held(engine: DisaggregatedEngine, pinned_blocks: int = 0) ->
         assert not side.scheduler.running and side.scheduler.num_waiting == 0
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_greedy_outputs_match_the_colocated_engine_for_every_family(case, async_scheduling):
+@pytest.mark.parametrize(("async_scheduling", "processes"), [(False, False), (True, False), (False, True)],
+                         ids=["sync", "async", "workers"])
+def test_greedy_outputs_match_the_colocated_engine_for_every_family(case, async_scheduling, processes, closing):
     _, _, prompts = case
     colocated = _colocated(case, async_scheduling=async_scheduling)
     _add_all(colocated, prompts, _greedy())
     expected = _run(colocated)
-    engine = _disaggregated(case, async_scheduling=async_scheduling)
+    engine = _disaggregated(case, async_scheduling=async_scheduling, processes=processes, closing=closing)
+    if processes:  # one worker process a side, neither this one
+        pids = engine.prefill.executor.workers.pids + engine.decode.executor.workers.pids
+        assert len(set(pids)) == 2 and os.getpid() not in pids
     charges = []  # (tenant, prompt tokens, output tokens) the decode side's VTC counted
     policy = engine.decode.scheduler.policy
     charge = policy.charge
@@ -125,8 +147,11 @@ def test_greedy_outputs_match_the_colocated_engine_for_every_family(case, async_
     # Both sides served every family; the decode side's VTC counted each tenant's outputs, and
     # no prompt token (charged once, on the prefill side).
     for side in (engine.prefill, engine.decode):
-        families = {side.lora.slot_family[slot] for slot in range(1, side.lora.num_slots + 1)}
-        assert families >= {"lora", "dora", "ia3", "flora"}
+        if processes:  # (the slots are the workers'; each named adapter went into one)
+            assert side.adapters.num_slot_loads >= len(set(NAMES) - {None})
+        else:
+            families = {side.lora.slot_family[slot] for slot in range(1, side.lora.num_slots + 1)}
+            assert families >= {"lora", "dora", "ia3", "flora"}
     assert all(prompt == 0 for _, prompt, _ in charges)
     for t, tenant in enumerate(TENANTS):
         num_requests = len(range(t, len(prompts), len(TENANTS)))
@@ -154,19 +179,22 @@ def test_seeded_sampling_matches_the_colocated_engine(case):
 def test_the_offline_llm_runs_disaggregated(case):
     model_dir, adapters, prompts = case
     outputs = {}
-    for disaggregate in (None, "1:1"):
-        llm = LLM(model_dir, device="cpu", dtype="float32", disaggregate=disaggregate, **OPTIONS)
-        for name, path in adapters.items():
-            llm.add_adapter(name, path)
-        generated = llm.generate(prompt_token_ids=prompts, sampling_params=_greedy(), adapters=list(NAMES))
-        outputs[disaggregate] = [output.token_ids for output in generated]
+    for disaggregate in (None, "1:1"):  # "1:1": a worker process a side (the default)
+        with LLM(model_dir, device="cpu", dtype="float32", disaggregate=disaggregate, **OPTIONS) as llm:
+            for name, path in adapters.items():
+                llm.add_adapter(name, path)
+            generated = llm.generate(prompt_token_ids=prompts, sampling_params=_greedy(), adapters=list(NAMES))
+            outputs[disaggregate] = [output.token_ids for output in generated]
+            if disaggregate:
+                assert llm.engine.prefill.executor is not None and llm.engine.decode.executor is not None
+                _assert_nothing_held(llm.engine)
     assert outputs["1:1"] == outputs[None]
-    _assert_nothing_held(llm.engine)
     with pytest.raises(ConfigError, match="disaggregate"):
         LLM(model_dir, device="cpu", dtype="float32", disaggregate="2:1")
 
 
-def test_pinned_prompts_stay_pinned_on_both_sides_and_are_not_sent_again(case):
+@pytest.mark.parametrize("processes", [False, WITH_WORKERS])
+def test_pinned_prompts_stay_pinned_on_both_sides_and_are_not_sent_again(case, processes, closing):
     _, _, prompts = case
     system = list(range(10, 10 + 3 * BLOCK_SIZE + 1))  # 3 full blocks and a token
     pinned_blocks = len(system) // BLOCK_SIZE
@@ -174,7 +202,7 @@ def test_pinned_prompts_stay_pinned_on_both_sides_and_are_not_sent_again(case):
     names = ["lora16", "lora16", None, "lora16", "dora16-all", "lora16"]
     expected_engine = _colocated(case)
     expected_engine.pin_prompt("desk", system, tenant=TENANTS[0], adapter="lora16")
-    engine = _disaggregated(case)
+    engine = _disaggregated(case, processes=processes, closing=closing)
     engine.pin_prompt("desk", system, tenant=TENANTS[0], adapter="lora16")
     _run(engine)  # the warm-up: computed on the prefill side, its blocks sent once
     assert engine.prefill.pinned_prompts() == engine.decode.pinned_prompts() == {"desk": pinned_blocks}
@@ -198,7 +226,8 @@ def test_pinned_prompts_stay_pinned_on_both_sides_and_are_not_sent_again(case):
     _assert_nothing_held(engine)
 
 
-def test_aborts_between_the_sides_and_on_each_side_leak_nothing(case):
+@pytest.mark.parametrize("processes", [False, WITH_WORKERS])
+def test_aborts_between_the_sides_and_on_each_side_leak_nothing(case, processes, closing):
     """One decode place: prefilled requests queue on the decode side, their KV still on the
     prefill side. Aborting them there frees the prefill side's blocks; aborts on either side
     too; the rest give the colocated engine's tokens."""
@@ -206,7 +235,7 @@ def test_aborts_between_the_sides_and_on_each_side_leak_nothing(case):
     colocated = _colocated(case)
     _add_all(colocated, prompts, _greedy())
     expected = _run(colocated)
-    engine = _disaggregated(case, decode_options=dict(max_num_seqs=1))
+    engine = _disaggregated(case, decode_options=dict(max_num_seqs=1), processes=processes, closing=closing)
     _add_all(engine, prompts, _greedy())
     aborted = {}
 
@@ -235,13 +264,15 @@ def test_aborts_between_the_sides_and_on_each_side_leak_nothing(case):
     _assert_nothing_held(engine)
 
 
-@pytest.mark.parametrize("swap_space", [4.0, 0.0], ids=["swap", "recompute"])
-def test_a_decode_side_short_of_kv_preempts_and_still_matches(case, swap_space):
+@pytest.mark.parametrize(("swap_space", "processes"), [(4.0, False), (0.0, False), (4.0, True)],
+                         ids=["swap", "recompute", "swap-workers"])
+def test_a_decode_side_short_of_kv_preempts_and_still_matches(case, swap_space, processes, closing):
     _, _, prompts = case
     colocated = _colocated(case)
     _add_all(colocated, prompts, _greedy(24))
     expected = _run(colocated)
-    engine = _disaggregated(case, decode_options=dict(num_kv_blocks=24, swap_space=swap_space))
+    engine = _disaggregated(case, decode_options=dict(num_kv_blocks=24, swap_space=swap_space),
+                            processes=processes, closing=closing)
     _add_all(engine, prompts, _greedy(24))
     assert _run(engine) == expected
     scheduler = engine.decode.scheduler
@@ -312,7 +343,8 @@ def test_abort_all_leaves_both_sides_idle(case):
 
 def _generate_text(case, disaggregate, prompts, params):
     model_dir, adapters, _ = case
-    llm = LLM(model_dir, device="cpu", dtype="float32", disaggregate=disaggregate, **OPTIONS)
+    llm = LLM(model_dir, device="cpu", dtype="float32", disaggregate=disaggregate, disaggregate_processes=False,
+              **OPTIONS)
     for name, path in adapters.items():
         llm.add_adapter(name, path)
     return llm, llm.generate(prompts, params, adapters=["lora16", None, "flora4-all"])
@@ -353,7 +385,8 @@ def test_structured_outputs_continue_their_grammar_on_the_decode_side(case):
     outputs = {}
     for disaggregate in (None, "1:1"):
         model_dir, adapters, _ = case
-        llm = LLM(model_dir, device="cpu", dtype="float32", disaggregate=disaggregate, **OPTIONS)
+        llm = LLM(model_dir, device="cpu", dtype="float32", disaggregate=disaggregate,
+                  disaggregate_processes=False, **OPTIONS)
         llm.add_adapter("lora16", adapters["lora16"])
         generated = llm.generate(prompts, params, adapters=["lora16", None])
         outputs[disaggregate] = [(o.token_ids, o.text, o.finish_reason) for o in generated]
