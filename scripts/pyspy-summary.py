@@ -20,7 +20,8 @@ THREAD = re.compile(r"^thread \(\w+\): ([^;]*)")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recording", type=Path)
     parser.add_argument("--top", type=int, default=12)
     args = parser.parse_args()

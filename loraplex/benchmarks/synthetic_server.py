@@ -276,11 +276,15 @@ def _run_offline(engine: LLMEngine, workload: WorkloadConfig) -> dict[str, Any]:
         "adapter_host_loads": after.num_adapter_host_loads - before.num_adapter_host_loads,
         "adapter_slot_loads": after.num_adapter_slot_loads - before.num_adapter_slot_loads,
         "preemptions": after.num_preemptions - before.num_preemptions,
-        "preemptions_by_cause": {key: n - before.preemptions.get(key, 0) for key, n in after.preemptions.items()
-                                 if n > before.preemptions.get(key, 0)},
+        "preemptions_by_cause": _grown(before.preemptions, after.preemptions),
         "warm_up": warm_up,
         "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
     }
+
+
+def _grown(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """What each counter gained (those that did)."""
+    return {key: n - before.get(key, 0) for key, n in after.items() if n > before.get(key, 0)}
 
 
 def _digest(request: Any) -> str | None:

@@ -10,7 +10,8 @@ prompt's blocks (`take_prefilled`) and joins the decode side's queue as a swappe
 adapter in a slot there, through the same lifecycle; room in its KV pool), the KV of the prompt
 blocks that the decode side has not cached is copied into the blocks it allocated
 (`copy_kv_blocks`, the one place where KV crosses; between worker processes the prefill side's
-worker sends them and the decode side's receives them), the prefill side frees its references (its prefix cache and pinned
+worker sends them and the decode side's receives them), the prefill side frees its references
+(its prefix cache and pinned
 prompts keep theirs), and the request decodes from its first token with the same sampling state
 (seed and token index). Until then it is between the sides: aborting it frees the prefill
 side's blocks. The decode side schedules, preempts (swap or recompute, on its own pool), groups
@@ -98,7 +99,8 @@ class DisaggregatedEngine:
         from loraplex.worker.workers import spawn_disaggregated  # (the worker side imports the engine)
 
         if model is not None:
-            raise ConfigError("disaggregate", "with worker processes each loads the model folder: pass no model")
+            raise ConfigError("disaggregate", "with worker processes each loads the model folder: "
+                              "pass no model")
         device = resolve_device(config.device)
         if resolve_device(decode_config.device) != device:
             raise ConfigError("device", "the prefill and decode sides need the same kind of device")

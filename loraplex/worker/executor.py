@@ -168,8 +168,9 @@ class TensorParallelExecutor:
         check_workers(model_config, size, device)
         shard = ShardLayout(model_config, 0, size).shard_config  # every rank's sizes
         if workers is None:
-            workers = TensorParallelWorkers(size, backend="nccl" if device.type == "cuda" else "gloo",
-                                            num_threads=torch.get_num_threads() if device.type == "cuda" else 1)
+            cuda = device.type == "cuda"
+            workers = TensorParallelWorkers(size, backend="nccl" if cuda else "gloo",
+                                            num_threads=torch.get_num_threads() if cuda else 1)
         try:
             spec = RunnerSpec(
                 model=config.model, dtype=str(dtype).removeprefix("torch."), device=device.type,

@@ -47,7 +47,8 @@ the lent machines it can put a shared host's GPUs out of service (issue 22)."""
 
 
 def run_worker(rank: int, world_size: int, init_method: str, conn: Connection, timeout_s: float,
-               num_threads: int, backend: str = "gloo", tensor_parallel: tuple[int, int] | None = None) -> None:
+               num_threads: int, backend: str = "gloo",
+               tensor_parallel: tuple[int, int] | None = None) -> None:
     """The process's entry point (spawned by TensorParallelWorkers). `rank` of `world_size` in
     the process group; with NCCL, rank r runs on cuda:r. `tensor_parallel`: (its rank, the
     size) of the model's tensor-parallel group (default: the whole process group); a group of

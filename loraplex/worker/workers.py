@@ -94,9 +94,10 @@ class TensorParallelWorkers:
             for rank in range(world_size):
                 parent, child = context.Pipe()
                 global_rank = self.first_rank + rank
-                process = context.Process(target=run_worker, name=f"loraplex-worker-{global_rank}", daemon=True,
-                                          args=(global_rank, total, init_method, child, timeout_s, num_threads,
-                                                backend, (rank, world_size)))
+                process = context.Process(
+                    target=run_worker, name=f"loraplex-worker-{global_rank}", daemon=True,
+                    args=(global_rank, total, init_method, child, timeout_s, num_threads, backend,
+                          (rank, world_size)))
                 process.start()
                 child.close()  # the child's end lives in the child only: its death closes the pipe
                 self._conns.append(parent)
@@ -276,9 +277,10 @@ class SharedGroup:
     total_ranks: int
 
 
-def spawn_disaggregated(num_prefill: int, num_decode: int, *, backend: str = "gloo",
-                        timeout_s: float = DEFAULT_TIMEOUT_S,
-                        num_threads: int = 1) -> tuple[list[TensorParallelWorkers], list[TensorParallelWorkers]]:
+def spawn_disaggregated(
+    num_prefill: int, num_decode: int, *, backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S,
+    num_threads: int = 1,
+) -> tuple[list[TensorParallelWorkers], list[TensorParallelWorkers]]:
     """One worker process for each prefill and each decode engine, all in one process group
     (prefill workers first: global ranks 0..P-1, then the decode workers; with NCCL, rank r on
     cuda:r), so that any two can send KV blocks to each other (SendKv / ReceiveKv). Each holds a
@@ -290,8 +292,8 @@ def spawn_disaggregated(num_prefill: int, num_decode: int, *, backend: str = "gl
     store_dir = tempfile.mkdtemp(prefix="loraplex-pd-")
     try:
         for rank in range(total):
-            made.append(TensorParallelWorkers(1, timeout_s=timeout_s, num_threads=num_threads, backend=backend,
-                                              shared=SharedGroup(store_dir, rank, total)))
+            made.append(TensorParallelWorkers(1, timeout_s=timeout_s, num_threads=num_threads,
+                                              backend=backend, shared=SharedGroup(store_dir, rank, total)))
     except BaseException:
         for workers in made:
             workers.close()

@@ -66,7 +66,8 @@ def closing():
         engine.close()
 
 
-def _disaggregated(case, decode_options=None, processes=False, closing=None, **options) -> DisaggregatedEngine:
+def _disaggregated(case, decode_options=None, processes=False, closing=None,
+                   **options) -> DisaggregatedEngine:
     model_dir, adapters, _ = case
     decode = _config(model_dir, **{**options, **(decode_options or {})})
     engine = DisaggregatedEngine(_config(model_dir, **options), decode, processes=processes)
@@ -119,7 +120,8 @@ def _assert_nothing_held(engine: DisaggregatedEngine, pinned_blocks: int = 0) ->
 
 @pytest.mark.parametrize(("async_scheduling", "processes"), [(False, False), (True, False), (False, True)],
                          ids=["sync", "async", "workers"])
-def test_greedy_outputs_match_the_colocated_engine_for_every_family(case, async_scheduling, processes, closing):
+def test_greedy_outputs_match_the_colocated_engine_for_every_family(case, async_scheduling, processes,
+                                                                    closing):
     _, _, prompts = case
     colocated = _colocated(case, async_scheduling=async_scheduling)
     _add_all(colocated, prompts, _greedy())
@@ -183,7 +185,8 @@ def test_the_offline_llm_runs_disaggregated(case):
         with LLM(model_dir, device="cpu", dtype="float32", disaggregate=disaggregate, **OPTIONS) as llm:
             for name, path in adapters.items():
                 llm.add_adapter(name, path)
-            generated = llm.generate(prompt_token_ids=prompts, sampling_params=_greedy(), adapters=list(NAMES))
+            generated = llm.generate(prompt_token_ids=prompts, sampling_params=_greedy(),
+                                     adapters=list(NAMES))
             outputs[disaggregate] = [output.token_ids for output in generated]
             if disaggregate:
                 assert llm.engine.prefill.executor is not None and llm.engine.decode.executor is not None
@@ -343,8 +346,8 @@ def test_abort_all_leaves_both_sides_idle(case):
 
 def _generate_text(case, disaggregate, prompts, params):
     model_dir, adapters, _ = case
-    llm = LLM(model_dir, device="cpu", dtype="float32", disaggregate=disaggregate, disaggregate_processes=False,
-              **OPTIONS)
+    llm = LLM(model_dir, device="cpu", dtype="float32", disaggregate=disaggregate,
+              disaggregate_processes=False, **OPTIONS)
     for name, path in adapters.items():
         llm.add_adapter(name, path)
     return llm, llm.generate(prompts, params, adapters=["lora16", None, "flora4-all"])
