@@ -2,7 +2,7 @@
 # Tensor parallelism (issue 22) on a lent machine with two GPUs (nvidia-h100-x2 or
 # nvidia-h200-x2), run from the repository root. Stages, in order, as named on the command line
 # (default: all three):
-#   tests   the TP GPU tests: TP=2 (NCCL, a worker process a GPU) against TP=1, float32 eager
+#   tests   the two-GPU tests: TP=2 (NCCL, a worker process a GPU) against TP=1, float32 eager
 #           token-exact and bf16 with CUDA graphs per rank
 #   bench   loraplex bench tensor-parallel: Llama-3-8B shape, bf16, random weights, CUDA graphs
 #           per rank: the batch-1 decode step at TP=2 against TP=1 (goal <= 0.6x), batch 64 with
