@@ -32,6 +32,8 @@ SCRIPTS = {
                    "constrained by 8 JSON schemas, against the same unconstrained"),
     "tensor-parallel": ("tensor_parallel", "tensor_parallel_size 2 against 1 on a Llama-3-8B shape: the "
                         "batch-1 decode step, batch-64 throughput with 64 adapters, the collectives' time"),
+    "placement": ("placement_bench", "where prefill and decode run for a workload's TTFT and TPOT targets: "
+                  "colocated or disaggregated P:D, each one's goodput from a step-time model (CPU)"),
     "regression": ("regression", "the headline benchmarks at reduced size, each figure against the one "
                    "recorded for this device (one GPU pass, about 8 minutes: scripts/gpu-regress.sh)"),
 }
