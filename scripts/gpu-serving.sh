@@ -18,7 +18,9 @@
 #    offline pass: HTTP against offline, the server's CPU per token); Poisson at 80% of that rate
 #    over 1,000 adapters (Zipf alpha 1.0) and over 32 (all resident: throughput, TTFT and the
 #    cold loads' effect on ITL); a rate sweep for the highest rate at which p99 TTFT stays under
-#    1 s, with 1,000 adapters and with one, the two interleaved;
+#    1 s, with 1,000 adapters and with one, the two interleaved; before the sweep, issue 27's
+#    terms: 80% of the one-adapter saturated rate, 1,000 adapters against one adapter there and
+#    against the same 1,000-adapter run again (serve-summary.json's issue_27);
 # 4. sends SIGTERM (a drain: exit 0 expected) and writes serve-summary.json; its
 #    device_bytes_by_rank states, by rank, the adapters resident after the drain, their mean device
 #    bytes and the bytes per rank unit (the same for every rank when bytes are proportional to rank;
@@ -143,6 +145,17 @@ if bench saturation-1000 $SAT_LIMIT --num-prompts $N_SAT --num-adapters 1000 && 
     bench poisson-1000 $POISSON_LIMIT --num-prompts $N_SAT --num-adapters 1000 --request-rate "$RATE"
     for spy in ${SPIES[@]+"${SPIES[@]}"}; do wait "$spy"; done  # 30 s of samples each, ended by now
     bench poisson-32 $POISSON_LIMIT --num-prompts $N_SAT --num-adapters 32 --request-rate "$RATE"
+    # Issue 27's own terms: 80% of the ONE-adapter saturated rate; 1,000 adapters (new draws: seed
+    # 27) against one adapter at that rate, then the same 1,000-adapter run again (its adapters
+    # loaded by the first); serve-summary.json's issue_27
+    if bench saturation-1 $SAT_LIMIT --num-prompts $N_SAT --num-adapters 1 && [ -f "$RES/serve-saturation-1.json" ]; then
+        RATE1=$(python3 -c "print(round(0.8 * $(rate_of saturation-1), 2))")
+        echo "issue 27's runs at $RATE1 req/s"
+        for run in 1:1 1000:1000 1000-again:1000; do
+            bench "issue-${run%%:*}" $POISSON_LIMIT --num-prompts $N_SAT --num-adapters "${run##*:}" \
+                --request-rate "$RATE1" --seed 27
+        done
+    fi
     for fraction in 0.7 0.9 1.1 1.0 1.25; do  # coarse first; serve_report sorts them
         r=$(python3 -c "print(round($fraction * $SAT, 2))")
         bench "rate-1000-$fraction" $RATE_LIMIT --num-prompts $N_RATE --num-adapters 1000 --request-rate "$r"

@@ -3,6 +3,9 @@ file per run of `loraplex bench serve`, and the synthetic server's offline pass)
 
 - 1,000 adapters against 32 resident ones at the same Poisson rate: output throughput within 5%,
   p99 TTFT within 2x; cold loads move p99 ITL by less than 10%;
+- issue 27's own terms, at 80% of the one-adapter saturated rate: 1,000 adapters' p99 TTFT at
+  most 1 s and 2x one adapter's at that rate, and their throughput at least 0.95x the same run
+  again (its adapters loaded by the first);
 - HTTP at saturation against the offline engine on the same requests: at least 90%; the server's
   CPU time per generated token;
 - the highest rate tried at which p99 TTFT stays under 1 s, with 1,000 adapters and with one;
@@ -53,6 +56,9 @@ def summarize(folder: Path) -> dict[str, Any]:
             "cold_loads": [many["engine"]["adapter_host_loads"], resident["engine"]["adapter_host_loads"]],
             "goals": "throughput ratio >= 0.95, TTFT p99 ratio <= 2, ITL p99 ratio < 1.10",
         }
+    one, cold, again = (_load(folder, f"serve-issue-{name}.json") for name in ("1", "1000", "1000-again"))
+    if one and cold:
+        summary["issue_27"] = issue_27(one, cold, again)
     if saturated and offline:
         summary["http_vs_offline"] = http_vs_offline(saturated, offline)
     for adapters in ("1000", "1"):
@@ -72,6 +78,28 @@ def summarize(folder: Path) -> dict[str, Any]:
         summary["device_bytes_by_rank"] = {name: device_bytes[name]
                                            for name in ("when", "pool_page_bytes", "by_rank")}
     return summary
+
+
+def issue_27(one: dict[str, Any], cold: dict[str, Any], again: dict[str, Any] | None) -> dict[str, Any]:
+    """1,000 adapters at 80% of the one-adapter saturated rate against one adapter at that rate,
+    and against the same 1,000-adapter run again (`again`: its adapters loaded by the first)."""
+    runs = {"one adapter": one, "1,000 adapters": cold, "1,000 adapters again": again}
+    p99 = {name: run["ttft_ms"]["p99"] for name, run in runs.items() if run}
+    throughput = {name: run["output_throughput"] for name, run in runs.items() if run}
+    ratio_to_one = _ratio(p99["1,000 adapters"], p99["one adapter"])
+    result = {
+        "rate": cold["workload"]["request_rate"], "ttft_p99_ms": p99, "output_throughput": throughput,
+        "ttft_p99_vs_one_adapter": ratio_to_one,
+        "throughput_vs_again": _ratio(throughput["1,000 adapters"], throughput.get("1,000 adapters again")),
+        "cold_loads": {name: run["engine"].get("adapter_host_loads") for name, run in runs.items() if run},
+        "fairness_preemptions": {name: run["engine"].get("fairness_preemptions")
+                                 for name, run in runs.items() if run},
+        "goals": "1,000 adapters: p99 TTFT <= 1,000 ms and <= 2x one adapter's; throughput >= 0.95x again",
+    }
+    result["met"] = (p99["1,000 adapters"] is not None and p99["1,000 adapters"] <= TTFT_LIMIT_MS
+                     and ratio_to_one is not None and ratio_to_one <= 2.0
+                     and (result["throughput_vs_again"] or 0.0) >= 0.95)
+    return result
 
 
 def http_vs_offline(saturated: dict[str, Any], offline: dict[str, Any]) -> dict[str, Any]:

@@ -104,3 +104,25 @@ def test_the_offline_pass_loads_the_workloads_adapters_before_it_measures(mixed)
     assert result["adapter_host_loads"] == 0  # all in the host tier (or resident) by then
     assert result["completed"] == 96 and result["output_tokens"] == 96 * 2
     assert all(n > 0 for n in result["preemptions_by_cause"].values())
+
+
+def _run_json(rate: float, p99_ms: float, throughput: float, host_loads: int) -> dict:
+    return {"benchmark": "serve", "workload": {"request_rate": rate}, "ttft_ms": {"p99": p99_ms},
+            "output_throughput": throughput,
+            "engine": {"adapter_host_loads": host_loads, "fairness_preemptions": 0}}
+
+
+@pytest.mark.parametrize(("p99_many", "again", "met"), [(900.0, 1000.0, True), (900.0, 1100.0, False),
+                                                        (1300.0, 1000.0, False), (1900.0, 1000.0, False)])
+def test_issue_27s_terms_set_1000_adapters_against_one_and_against_themselves_again(tmp_path, p99_many, again,
+                                                                                    met):
+    """serve-summary.json's issue_27: p99 TTFT <= 1 s and <= 2x one adapter's at the same rate,
+    throughput >= 0.95x the same run again."""
+    runs = {"1": _run_json(40.0, 500.0, 1000.0, 0), "1000": _run_json(40.0, p99_many, 1000.0, 150),
+            "1000-again": _run_json(40.0, 600.0, again, 3)}
+    for name, run in runs.items():
+        (tmp_path / f"serve-issue-{name}.json").write_text(json.dumps(run))
+    summary = serve_report.summarize(tmp_path)["issue_27"]
+    assert summary["rate"] == 40.0 and summary["met"] is met
+    assert summary["ttft_p99_vs_one_adapter"] == round(p99_many / 500.0, 3)
+    assert summary["cold_loads"] == {"one adapter": 0, "1,000 adapters": 150, "1,000 adapters again": 3}
