@@ -152,6 +152,7 @@ if bench saturation-1000 $SAT_LIMIT --num-prompts $N_SAT --num-adapters 1000 && 
         RATE1=$(python3 -c "print(round(0.8 * $(rate_of saturation-1), 2))")
         echo "issue 27's runs at $RATE1 req/s"
         for run in 1:1 1000:1000 1000-again:1000; do
+            python3 -c "import sys; sys.exit($RATE1 <= 0)" || break  # (no request finished in the limit)
             bench "issue-${run%%:*}" $POISSON_LIMIT --num-prompts $N_SAT --num-adapters "${run##*:}" \
                 --request-rate "$RATE1" --seed 27
         done
