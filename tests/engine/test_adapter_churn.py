@@ -301,3 +301,23 @@ def test_a_slow_load_does_not_stall_running_requests(many_adapters):
     for request_id in ("busy0", "busy1", "busy2"):
         engine.abort(request_id)
     _assert_nothing_leaks(llm)
+
+
+def test_requests_queued_for_a_resident_adapter_load_nothing_into_the_host_tier(many_adapters):
+    """A host tier of one adapter, and running places for one request: the requests queued
+    behind it for adapters already resident on the device make no host load (prefetching
+    them read them into the host tier again, evicting what the others needed)."""
+    model, adapters = many_adapters
+    names = ["a0", "a1", "a2"]
+    llm = _llm(model, {name: adapters[name] for name in names}, max_num_seqs=1, max_cpu_loras=1)
+    engine, params = llm.engine, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for i, name in enumerate(names):  # each loaded once, and left resident
+        llm.generate(prompt_token_ids=[[5, 6, 7 + i]], sampling_params=params, adapters=[name])
+    assert set(engine.adapters.resident) == {engine.adapter_digest(n) for n in names}
+    loads = engine.adapters.num_host_loads
+    for i in range(6):
+        engine.add_request(f"q{i}", prompt_token_ids=[9, 10 + i], params=params, adapter=names[i % 3])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.adapters.num_host_loads == loads
+    _assert_nothing_leaks(llm)
