@@ -97,6 +97,7 @@ def load_measured(run: str) -> dict[str, dict[str, Any]]:
         measured[name] = {
             "workload": data["workload"],
             "ttft_p50_ms": data["ttft_ms"]["p50"],
+            "ttft_p90_ms": data["ttft_ms"]["p90"],
             "ttft_p99_ms": data["ttft_ms"]["p99"],
             "tpot_mean_ms": data["tpot_ms"]["mean"],
             "itl_p50_ms": data["itl_ms"]["p50"],
@@ -119,15 +120,16 @@ def workload_of(measured: dict[str, Any], **changes: Any) -> WorkloadConfig:
     )
 
 
-def serve_figures(sim: SlotSimulation, workload: WorkloadConfig) -> dict[str, Any]:
+def serve_figures(sim: SlotSimulation, workload: WorkloadConfig, *, offline: bool = False) -> dict[str, Any]:
     """One run on `sim` with what the HTTP benchmark reports, and TTFT p99 of the requests
     that were never preempted (to see whether preemptions make the tail)."""
-    run = sim.run(workload)
+    run = sim.run(workload, offline=offline)
     gaps = np.concatenate([np.diff(t.token_s) for t in sim.timings.values()]) * 1000
     ttft = {rid: (t.first_token_s - t.arrival_s) * 1000 for rid, t in sim.timings.items()}
     untouched = [ms for rid, ms in ttft.items() if sim.requests[rid].num_preemptions == 0]
     return {
         "ttft_p50_ms": run["ttft_ms"]["p50"],
+        "ttft_p90_ms": run["ttft_ms"]["p90"],
         "ttft_p99_ms": run["ttft_ms"]["p99"],
         "tpot_mean_ms": run["tpot_ms"]["mean"],
         "itl_p50_ms": round(float(np.percentile(gaps, 50)), 2),

@@ -70,6 +70,8 @@ ADAPTER_BYTES = 83_886_080
 """A rank-16 adapter on all seven projections of Llama-3-8B in bf16 (the H100's slot size)."""
 SLOT_BLOCKS = ADAPTER_BYTES // (2 << 20)
 """Pages (KV blocks of 2 MiB: 16 tokens of Llama-3-8B) that such a slot takes in the pool."""
+MIXED_TOKEN_BUCKETS = (64, 128, 256, 512, 1024)
+"""loraplex/engine/cuda_graphs.py's padded token counts of mixed-step graphs."""
 
 
 @dataclass(frozen=True)
@@ -96,19 +98,58 @@ class StepModel:
     With a floor the simulated engine delays prompts as a graph-replaying engine does
     (SchedulerConfig.scheduler_delay_factor)."""
 
+    mixed_graph_tokens: int = 0
+    """The most tokens (prompt tokens, decode rows and the padding of both) of a step with prompt
+    tokens that replays a mixed-step CUDA graph (EngineConfig.mixed_step_graphs: 1,024, padded as
+    `mixed_padding` says): such a step has no eager floor, does not hold the host, and computes
+    its padded tokens; larger steps run eagerly. 0: every step with prompt tokens runs eagerly
+    (mixed-step graphs off)."""
+
+    per_mixed_token_ms: float | None = None
+    """A token of a mixed-step graph beyond its decode rows (its prompt tokens and padding; None:
+    per_prefill_token_ms). Fitted to the H100 serving run with mixed-step graphs, where small
+    steps cost less than a large prefill's per-token rate predicts
+    (studies/results/serving-sim-mixed-graphs-h100.md)."""
+
+    mixed_graph_seqs: tuple[int, ...] = (8, 32, 128)
+    """The padded sequence counts of mixed-step graphs: cuda_graphs.MIXED_SEQ_BUCKETS below
+    max_num_seqs and max_num_seqs itself (the serving runs': 128)."""
+
+    def mixed_padding(self, plan: StepPlan) -> tuple[int, int] | None:
+        """The padded (tokens, sequences) of the mixed-step graph `plan` replays (None: it has no
+        prompt tokens or runs eagerly), by the rule of CudaGraphs.mixed_padding with the
+        sequence buckets of `mixed_graph_seqs`."""
+        num_seqs, num_tokens = len(plan.num_scheduled_tokens), sum(plan.num_scheduled_tokens)
+        if not self.mixed_graph_tokens or num_tokens == num_seqs:
+            return None
+        seqs = next((s for s in self.mixed_graph_seqs if s >= num_seqs), None)
+        if seqs is None:
+            return None
+        buckets = [t for t in MIXED_TOKEN_BUCKETS if t <= self.mixed_graph_tokens]
+        tokens = next((t for t in buckets if t >= num_tokens + seqs - num_seqs and t > seqs), None)
+        return None if tokens is None else (tokens, seqs)
+
     def is_eager(self, plan: StepPlan) -> bool:
         """Whether `plan` runs eagerly with the host's launches as its bound (the host makes the
         next plan when it ends)."""
-        return self.eager_floor_ms > 0 and any(n > 1 for n in plan.num_scheduled_tokens)
+        return (self.eager_floor_ms > 0 and any(n > 1 for n in plan.num_scheduled_tokens)
+                and self.mixed_padding(plan) is None)
 
     def step_s(self, plan: StepPlan, num_adapters: int = 0) -> float:
         """`plan`'s wall time in seconds; `num_adapters`: the distinct adapters of its rows."""
         decodes = sum(1 for n in plan.num_scheduled_tokens if n == 1)
         prefill = sum(n for n in plan.num_scheduled_tokens if n > 1)
-        device_ms = (self.base_ms + self.per_decode_ms * decodes + self.per_prefill_token_ms * prefill
+        per_prompt_token = self.per_prefill_token_ms
+        padded = self.mixed_padding(plan)
+        if padded is not None:  # the graph computes its padding as prompt tokens
+            prefill = padded[0] - decodes
+            if self.per_mixed_token_ms is not None:
+                per_prompt_token = self.per_mixed_token_ms
+        device_ms = (self.base_ms + self.per_decode_ms * decodes + per_prompt_token * prefill
                      + self.per_adapter_ms * num_adapters + self.per_sampled_token_ms * sum(plan.samples)
                      + self.per_swapped_out_block_ms * len(plan.swap_out))
-        return max(device_ms, self.eager_floor_ms if prefill else 0.0) / 1000
+        floor = self.eager_floor_ms if prefill and padded is None else 0.0
+        return max(device_ms, floor) / 1000
 
 
 @dataclass(frozen=True)
@@ -147,6 +188,10 @@ class SlotSimConfig:
     host_load_ms: float = 40.0
     """One adapter read into the host tier (the synthetic server copies 84 MB into fresh pinned
     memory: not measured on its own; the default is an estimate, see the sensitivity runs)."""
+    num_load_threads: int = 1
+    """Host loads at once (the engine's adapter_cache.LOAD_THREADS is 2; 1 keeps the earlier
+    studies' single loader). The parts of loads that hold the engine (host_load_holds_engine)
+    do not overlap: they hold the GIL, which more threads do not multiply."""
     host_load_holds_engine: float = 0.0
     """The share of a host load, from its start, during which the engine loop cannot plan or
     launch (the loader thread holding the GIL; 0: none, as if the load ran beside it). The H100
@@ -161,22 +206,27 @@ class SlotSimConfig:
 
 
 class VirtualWorker:
-    """An executor of one worker on a virtual clock: a job submitted at `now` starts when the
-    previous one ends (and not before `not_before()`), takes `latency_s`, and its future is done
-    once `run_until` passes its end."""
+    """An executor of `num_threads` workers on a virtual clock: a job submitted at `now` starts
+    when a worker is free (and not before `not_before()`), takes `latency_s`, and its future is
+    done once `run_until` passes its end. The first `serial_s` of each job holds one lane that all
+    workers share (the GIL): a job starts only once the previous job's serial part has ended."""
 
     def __init__(self, clock: Callable[[], float], latency_s: float,
-                 not_before: Callable[[], float] = lambda: 0.0) -> None:
+                 not_before: Callable[[], float] = lambda: 0.0, num_threads: int = 1,
+                 serial_s: float = 0.0) -> None:
         self._clock, self._latency_s, self._not_before = clock, latency_s, not_before
-        self._busy_until = 0.0
+        self._busy_until = [0.0] * num_threads  # each thread's, as a heap
+        self._serial_s, self._serial_free = serial_s, 0.0
         self._jobs: list[tuple[float, int, Future, Callable, tuple]] = []
         self._count = 0
 
     def submit(self, fn: Callable, /, *args: Any) -> Future:
-        start = max(self._clock(), self._busy_until, self._not_before())
-        self._busy_until = start + self._latency_s
+        start = max(self._clock(), self._busy_until[0], self._not_before(), self._serial_free)
+        self._serial_free = start + self._serial_s
+        end = start + self._latency_s
+        heapq.heapreplace(self._busy_until, end)
         future: Future = Future()
-        heapq.heappush(self._jobs, (self._busy_until, self._count, future, fn, args))
+        heapq.heappush(self._jobs, (end, self._count, future, fn, args))
         self._count += 1
         return future
 
@@ -245,7 +295,8 @@ class SlotSimulation:
         self.now = 0.0
         self._device_free_at = 0.0  # when the last launched step ends
         clock = lambda: self.now  # noqa: E731
-        self.loads = VirtualWorker(clock, config.host_load_ms / 1000)
+        self.loads = VirtualWorker(clock, config.host_load_ms / 1000, num_threads=config.num_load_threads,
+                                   serial_s=config.host_load_holds_engine * config.host_load_ms / 1000)
         self.copies = VirtualWorker(clock, config.slot_copy_ms / 1000, lambda: self._device_free_at)
         max_host = (config.max_host_adapters or 2 * config.num_slots) * ADAPTER_BYTES
         if config.pool:
@@ -271,15 +322,16 @@ class SlotSimulation:
                             fairness_kv_headroom=config.fairness_kv_headroom,
                             scheduler_delay_factor=config.scheduler_delay_factor),
             self.blocks, self.adapters, policy, HostBlockPool(config.num_host_blocks), clock=clock)
-        self.scheduler.delays_prompts = config.step.eager_floor_ms > 0
+        self.scheduler.delays_prompts = config.step.eager_floor_ms > 0 and not config.step.mixed_graph_tokens
         self.num_runs = 0
 
-    def run(self, workload: WorkloadConfig | None = None) -> dict[str, Any]:
+    def run(self, workload: WorkloadConfig | None = None, *, offline: bool = False) -> dict[str, Any]:
         """Serve `workload` (default: the config's) to its last request, from the state that
         earlier runs left (resident adapters, tenants' counters), as one server serves the
-        benchmark's runs one after another. Returns the run's figures."""
+        benchmark's runs one after another. `offline`: through the engine directly, each request
+        in the scheduler at its arrival (no request_overhead_ms). Returns the run's figures."""
         arrivals = make_workload(workload or self.config.workload)
-        self.serve(arrivals)
+        self.serve(arrivals, offline=offline)
         return self._summary(arrivals)
 
     def preload(self, adapters: Collection[str]) -> None:
@@ -300,13 +352,13 @@ class SlotSimulation:
                 self.now = max(wake, self.now)  # between runs: no occupancy to count
                 self._run_workers()
 
-    def serve(self, arrivals: list[BenchRequest], end_s: float = math.inf) -> None:
+    def serve(self, arrivals: list[BenchRequest], end_s: float = math.inf, *, offline: bool = False) -> None:
         """Serve `arrivals` (by arrival time) from the state that earlier runs left, until the
         last ends or `end_s` seconds after the run's start (requests unfinished then are left
         as they are; `self.timings` has what each got)."""
         self._start_run()
         next_arrival = 0
-        delay = self.config.request_overhead_ms / 1000
+        delay = 0.0 if offline else self.config.request_overhead_ms / 1000
         arrival_s = [self.start_s + a.arrival_s + delay for a in arrivals]  # in the scheduler
         in_flight: tuple[list[Request], float] | None = None
         unfinished: set[str] = set()
