@@ -70,9 +70,9 @@ class EngineCoreClient:
     """An LLMEngine in a spawned process, driven as AsyncEngine drives one on a thread. Build
     with `start`; `view` stands in for the engine where the server reads its fixed facts."""
 
-    def __init__(self, process: Any, conn: Any, facts: EngineFacts) -> None:
+    def __init__(self, process: Any, conn: Any, facts: EngineFacts, tokenizer: Any) -> None:
         self.facts = facts
-        self.view = EngineView(facts, self)
+        self.view = EngineView(facts, tokenizer, self)
         self.error: BaseException | None = None
         self._process, self._conn = process, conn
         self._lock = threading.Lock()  # calls and listeners, against the reader's death
@@ -100,6 +100,11 @@ class EngineCoreClient:
                                   args=(config, child, os.getpid()))
         process.start()
         child.close()  # the child's end lives in the child only: its death closes the pipe
+        tokenizer, tokenizer_error = None, None
+        try:  # while the core builds the engine
+            tokenizer = load_tokenizer(config.model)
+        except Exception as exc:  # noqa: BLE001 - raised below, unless the core says why first
+            tokenizer_error = exc
         try:
             message = conn.recv()
         except (EOFError, OSError):
@@ -112,8 +117,12 @@ class EngineCoreClient:
             conn.close()
             raise message.error
         assert isinstance(message, Ready), message
+        client = cls(process, conn, message.facts, tokenizer)
+        if tokenizer_error is not None:
+            client.shutdown()
+            raise tokenizer_error
         logger.info("engine core running in process %d", message.facts.pid)
-        return cls(process, conn, message.facts)
+        return client
 
     @property
     def pid(self) -> int:
@@ -340,13 +349,13 @@ class EngineView:
     when it is built; the tokenizer and the structured-output compiler are this process's own,
     made from the same model folder."""
 
-    def __init__(self, facts: EngineFacts, client: EngineCoreClient) -> None:
+    def __init__(self, facts: EngineFacts, tokenizer: Any, client: EngineCoreClient) -> None:
         self.config, self.model_config = facts.config, facts.model_config
         self.device, self.dtype = facts.device, facts.dtype
         self.max_model_len, self.streaming_window = facts.max_model_len, facts.streaming_window
         self.memory, self.graphs = facts.memory, facts.graphs
         self.eos_token_ids = facts.eos_token_ids
-        self.tokenizer = load_tokenizer(facts.config.model)
+        self.tokenizer = tokenizer
         self._client = client
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
