@@ -117,6 +117,9 @@ def test_the_engine_runs_in_a_process_of_its_own(core_server: Server, core: Engi
     assert state["is_alive"] and state["num_requests_running"] == 0
     assert httpx.get(f"{core_server.url}/ready", timeout=10).status_code == 200
     assert core_server.metric("vllm:num_requests_running") == 0
+    # The engine's CPU is the core process's: its build alone took more than the server's loop.
+    engine_cpu = core_server.metric("loraplex:thread_cpu_seconds_total", thread="engine")
+    assert engine_cpu > core_server.metric("loraplex:thread_cpu_seconds_total", thread="event_loop")
 
 
 def test_a_client_that_leaves_a_stream_stops_its_engine_work(core_server: Server) -> None:
