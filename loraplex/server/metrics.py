@@ -211,7 +211,8 @@ class _ThreadCpuCollector(Collector):
     benchmark can say how much of the server's CPU per generated token the event loop spends
     beside the engine. `other` (tokenizer and worker threads, and threads that have ended) is
     the process's time less the two. With the engine in a process of its own (`engine_pid`),
-    `engine` is that process's CPU time (all its threads) and `other` excludes nothing else."""
+    `engine` is that process's CPU time (all its threads) and `other` the server process's time
+    less its event loop's."""
 
     def __init__(self, event_loop_thread: int, engine_pid: int | None = None) -> None:
         self._event_loop_thread = event_loop_thread
