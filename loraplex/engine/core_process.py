@@ -20,7 +20,8 @@ import signal
 import sys
 import threading
 import traceback
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -90,6 +91,10 @@ class EngineCore:
         self._loads_lock = threading.Lock()
         self._num_sent: dict[str, int] = {}
         """Output tokens sent so far of each unfinished request."""
+        self._grammar_threads = ThreadPoolExecutor(1, thread_name_prefix="loraplex-core-grammars")
+        self._compiling: set[str] = set()
+        """Requests set aside while their constraint compiles."""
+        self._aborted_while_compiling: set[str] = set()
         self._reader = threading.Thread(target=self._read, name="loraplex-core-reader", daemon=True)
 
     def run(self) -> None:
@@ -112,6 +117,7 @@ class EngineCore:
             self._send(CoreDied(traceback.format_exc()))
             sys.exit(1)
         finally:
+            self._grammar_threads.shutdown(wait=False, cancel_futures=True)
             self._fail_loads(RuntimeError("the engine core is stopping"))
             try:
                 if stopped := engine.abort_all():
@@ -157,22 +163,50 @@ class EngineCore:
             if isinstance(command, Abort):
                 self.engine.abort(command.request_id)
                 self._num_sent.pop(command.request_id, None)
+                if command.request_id in self._compiling:
+                    self._aborted_while_compiling.add(command.request_id)
                 continue
             if isinstance(command, UseAdapterLoader):
                 self.engine.set_adapter_loader(self._load_adapter)
                 continue
             try:
+                if isinstance(command, AddRequest) and self._compile_aside(command):
+                    continue
                 value = self._run(command)
             except Exception as exc:  # noqa: BLE001 - the caller's error
                 self._send(CallFailed(command.call_id, portable(exc), traceback.format_exc()))
             else:
                 self._send(CallDone(command.call_id, value))
 
-    def _run(self, command: Call | AddRequest) -> Any:
+    def _compile_aside(self, command: AddRequest) -> bool:
+        """A request whose constraint is not compiled here yet waits for it on a side thread
+        (compiling takes milliseconds to seconds: never on the step loop); it comes back to the
+        queue when compiled, or when its compile failed. True if it was set aside."""
+        if command.grammar is None or self.engine.grammars.cached(command.grammar) is not None:
+            return False
+        self._compiling.add(command.request_id)
+        compiled = self._grammar_threads.submit(self.engine.grammars.compile, command.grammar)
+
+        def back(_: Future) -> None:
+            self._commands.put(_Compiled(command, compiled))
+            self._wake.set()
+
+        compiled.add_done_callback(back)
+        return True
+
+    def _run(self, command: Call | AddRequest | _Compiled) -> Any:
         engine = self.engine
         if isinstance(command, Call):
             return pickle.loads(command.fn)(engine)
-        grammar = None if command.grammar is None else engine.grammars.compile(command.grammar)
+        if isinstance(command, _Compiled):
+            request_id, compiled, command = command.command.request_id, command.grammar, command.command
+            self._compiling.discard(request_id)
+            if request_id in self._aborted_while_compiling:
+                self._aborted_while_compiling.discard(request_id)
+                return None
+            grammar = compiled.result()  # (raises the compile's error)
+        else:
+            grammar = None if command.grammar is None else engine.grammars.compile(command.grammar)
         engine.add_request(command.request_id, params=command.params, adapter=command.adapter,
                            prompt_token_ids=command.prompt_token_ids, tenant=command.tenant,
                            sample_of=command.sample_of, grammar=grammar, documents=command.documents)
@@ -229,6 +263,18 @@ class EngineCore:
         for future in loads.values():
             if future.set_running_or_notify_cancel():
                 future.set_exception(exc)
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """A request set aside for its constraint, back in the queue once it compiled (or failed)."""
+
+    command: AddRequest
+    grammar: Future
+
+    @property
+    def call_id(self) -> int:
+        return self.command.call_id
 
 
 def portable(exc: BaseException) -> BaseException:

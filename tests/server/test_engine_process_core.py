@@ -9,13 +9,28 @@ import multiprocessing
 import os
 import pickle
 import threading
+import time
 from typing import Any
 
 from loraplex.engine.core_commands import AddRequest, Call, Shutdown
 from loraplex.engine.core_process import EngineCore, portable
 from loraplex.engine.core_replies import CallDone, CallFailed, StepOutputs
+from loraplex.engine.grammar import GrammarError
 from loraplex.errors import InvalidRequestError, UnknownAdapterError
-from loraplex.types import RequestOutput, SamplingParams
+from loraplex.types import RequestOutput, SamplingParams, StructuredOutput
+
+
+class StubGrammars:
+    """Compiles a regex in 0.3 s; `[` does not compile."""
+
+    def cached(self, spec: StructuredOutput) -> None:
+        return None
+
+    def compile(self, spec: StructuredOutput) -> str:
+        time.sleep(0.3)
+        if spec.regex == "[":
+            raise GrammarError("response_format: the regex cannot be compiled", param="response_format")
+        return f"compiled {spec.regex}"
 
 
 class StubEngine:
@@ -24,8 +39,11 @@ class StubEngine:
     def __init__(self) -> None:
         self.requests: dict[str, list[int]] = {}
         self.num_aborted = 0
+        self.grammars = StubGrammars()
 
-    def add_request(self, request_id: str, *, prompt_token_ids: list[int], **_: Any) -> None:
+    def add_request(self, request_id: str, *, prompt_token_ids: list[int], grammar: Any = None,
+                    **_: Any) -> None:
+        assert grammar is None or grammar.startswith("compiled ")
         if not prompt_token_ids:
             raise InvalidRequestError("empty prompt", param="prompt")
         self.requests[request_id] = []
@@ -81,6 +99,22 @@ def test_a_step_is_one_message_with_the_prompt_left_out_and_tokens_as_deltas() -
     server.send(Shutdown())
     thread.join(5)
     assert not thread.is_alive()
+
+
+def test_a_constraint_compiles_beside_the_step_loop() -> None:
+    _, server, thread = _core(StubEngine())
+    server.send(AddRequest(1, "slow", [1], SamplingParams(), grammar=StructuredOutput(regex="a+")))
+    server.send(AddRequest(2, "bad", [1], SamplingParams(), grammar=StructuredOutput(regex="[")))
+    server.send(AddRequest(3, "plain", [1], SamplingParams()))
+    replies = []
+    while len(replies) < 3:
+        assert server.poll(10), "the core did not answer"
+        if isinstance(message := server.recv(), CallDone | CallFailed):
+            replies.append(message)
+    assert [r.call_id for r in replies] == [3, 1, 2]  # the plain request did not wait for the compiles
+    assert isinstance(replies[2], CallFailed) and isinstance(replies[2].error, GrammarError)
+    server.send(Shutdown())
+    thread.join(5)
 
 
 def test_the_core_stops_when_the_server_is_gone() -> None:
