@@ -22,6 +22,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loraplex.cli.common import add_registry_options, registry_config
 from loraplex.cli.engine_flags import add_engine_flags, engine_config
@@ -31,6 +32,10 @@ from loraplex.quickstart.assets import MODELS_DIR, SMOLLM2
 from loraplex.quickstart.source import GGUFSource
 from loraplex.registry import Registry
 from loraplex.registry.registry_errors import AuthenticationError, ConflictError, NotFoundError
+
+if TYPE_CHECKING:
+    from loraplex.engine.core_client import EngineCoreClient, EngineView
+    from loraplex.engine.llm_engine import LLMEngine
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -77,6 +82,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="a client that takes longer to send a request's headers, sends its body "
                         "slower than 1 KiB/s after this long, or leaves a response unread this long is "
                         f"disconnected (slowloris, stalled readers; default {DEFAULT_CLIENT_TIMEOUT_S:g})")
+    parser.add_argument("--engine-process", action="store_true",
+                        help="run the engine (scheduler, adapter cache, KV pool, model) in a process "
+                        "of its own beside the HTTP server's, so that the server's event loop and the "
+                        "engine's steps do not share one GIL (vLLM V1's layout; default: an engine "
+                        "thread in the server's process). If that process dies, requests fail with "
+                        "503 and /ready fails; see docs/engine-process.md")
     add_registry_options(parser)
     add_engine_flags(parser)
     parser.set_defaults(run=run)
@@ -94,12 +105,8 @@ class ServedModel:
 
 def run(args: argparse.Namespace) -> None:
     """Start the server and block until it stops."""
-    import uvicorn
-
+    from loraplex.engine.core_client import EngineCoreClient
     from loraplex.engine.llm_engine import LLMEngine
-    from loraplex.server import ServerConfig, create_app
-    from loraplex.server.connection_guard import guarded_protocol, raise_fd_limit
-    from loraplex.server.drain import DrainingServer
 
     _configure_logging()
     engine_config(".", args)  # a bad option is refused before anything loads
@@ -111,27 +118,46 @@ def run(args: argparse.Namespace) -> None:
                     "missing blobs", config.url.split("://")[0], len(report.removed_blobs),
                     len(report.removed_temp_files), len(report.missing_blobs))
         served = _served_model(args, config.data_dir)
-        engine = LLMEngine(engine_config(str(served.folder), args))
-        registry.models.set(served.model_id, engine.model_config.shape, engine.config.lora.max_lora_rank)
-        _set_up_keys(registry, served, config.data_dir)
-        max_connections = raise_fd_limit(args.max_connections)
-        if max_connections < args.max_connections:
-            logger.warning("the file limit allows %d connections, not --max-connections %d",
-                           max_connections, args.max_connections)
-        server_config = ServerConfig(model_id=served.model_id, admin_ui_dir=_admin_ui_dir(),
-                                     max_connections=max_connections,
-                                     client_timeout_s=args.client_timeout)
-        app = create_app(server_config, registry, engine)
-        server = DrainingServer(uvicorn.Config(
-            app, host=args.host, port=args.port, timeout_graceful_shutdown=args.shutdown_timeout,
-            log_level="info", http=guarded_protocol(server_config), backlog=max_connections),
-            drain_timeout_s=args.shutdown_timeout)
-        url = f"http://{_url_host(args.host)}:{args.port}"
-        logger.info("serving %s on %s (device %s): OpenAI API at %s/v1, admin API at %s/admin/api",
-                    served.model_id, url, engine.device, url, url)
-        server.run()
-        if not server.started:
-            raise LoraplexError(f"could not serve on {args.host}:{args.port} (see the log above)")
+        if args.engine_process:
+            engine = EngineCoreClient.start(engine_config(str(served.folder), args))
+            facts = engine.view
+        else:
+            engine = facts = LLMEngine(engine_config(str(served.folder), args))
+        try:
+            _serve(args, registry, served, config.data_dir, engine, facts)
+        finally:
+            if args.engine_process:
+                engine.shutdown()
+
+
+def _serve(args: argparse.Namespace, registry: Registry, served: ServedModel, data_dir: Path,
+           engine: LLMEngine | EngineCoreClient, facts: LLMEngine | EngineView) -> None:
+    """Serve `engine` (`facts`: the engine, or the engine-core process's view) until stopped."""
+    import uvicorn
+
+    from loraplex.server import ServerConfig, create_app
+    from loraplex.server.connection_guard import guarded_protocol, raise_fd_limit
+    from loraplex.server.drain import DrainingServer
+
+    registry.models.set(served.model_id, facts.model_config.shape, facts.config.lora.max_lora_rank)
+    _set_up_keys(registry, served, data_dir)
+    max_connections = raise_fd_limit(args.max_connections)
+    if max_connections < args.max_connections:
+        logger.warning("the file limit allows %d connections, not --max-connections %d",
+                       max_connections, args.max_connections)
+    server_config = ServerConfig(model_id=served.model_id, admin_ui_dir=_admin_ui_dir(),
+                                 max_connections=max_connections, client_timeout_s=args.client_timeout)
+    app = create_app(server_config, registry, engine)
+    server = DrainingServer(uvicorn.Config(
+        app, host=args.host, port=args.port, timeout_graceful_shutdown=args.shutdown_timeout,
+        log_level="info", http=guarded_protocol(server_config), backlog=max_connections),
+        drain_timeout_s=args.shutdown_timeout)
+    url = f"http://{_url_host(args.host)}:{args.port}"
+    logger.info("serving %s on %s (device %s): OpenAI API at %s/v1, admin API at %s/admin/api",
+                served.model_id, url, facts.device, url, url)
+    server.run()
+    if not server.started:
+        raise LoraplexError(f"could not serve on {args.host}:{args.port} (see the log above)")
 
 
 KERNEL_CACHE_DIR = "triton-cache"

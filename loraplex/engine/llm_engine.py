@@ -66,7 +66,7 @@ from loraplex.engine.sizing import (
     resolve_max_model_len,
 )
 from loraplex.engine.stats import EngineStats
-from loraplex.engine.streaming import max_cached_tokens, sink_blocks
+from loraplex.engine.streaming import window_problem
 from loraplex.engine.tenants import DEFAULT_TENANT, TenantTable
 from loraplex.engine_config import ConfigError, EngineConfig
 from loraplex.errors import InvalidRequestError, UnknownAdapterError
@@ -481,15 +481,7 @@ class LLMEngine:
 
     def window_problem(self, window: StreamingWindow) -> str | None:
         """Why the cache cannot hold `window`'s sinks and window, or None if it can."""
-        bs = self.config.cache.block_size
-        need = max_cached_tokens(window, bs)
-        if need <= self.max_model_len:
-            return None
-        return (f"{window.attention_sinks} attention sinks (kept in whole blocks of {bs} tokens: "
-                f"{sink_blocks(window, bs) * bs}) and a sliding window of {window.sliding_window} tokens "
-                f"need {need} tokens of cache (a block more for the tokens being computed); this "
-                f"model's context is {self.max_model_len}: make the window at most "
-                f"{window.sliding_window - (need - self.max_model_len)}")
+        return window_problem(window, self.config.cache.block_size, self.max_model_len)
 
     def encode_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None,
                       past_context: bool = False) -> list[int]:

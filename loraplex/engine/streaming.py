@@ -35,6 +35,19 @@ def max_cached_tokens(window: StreamingWindow, block_size: int) -> int:
     return sink_blocks(window, block_size) * block_size + window.sliding_window + block_size
 
 
+def window_problem(window: StreamingWindow, block_size: int, max_model_len: int) -> str | None:
+    """Why a cache of `max_model_len` tokens cannot hold `window`'s sinks and window, or None if
+    it can."""
+    bs, need = block_size, max_cached_tokens(window, block_size)
+    if need <= max_model_len:
+        return None
+    return (f"{window.attention_sinks} attention sinks (kept in whole blocks of {bs} tokens: "
+            f"{sink_blocks(window, bs) * bs}) and a sliding window of {window.sliding_window} tokens "
+            f"need {need} tokens of cache (a block more for the tokens being computed); this "
+            f"model's context is {max_model_len}: make the window at most "
+            f"{window.sliding_window - (need - max_model_len)}")
+
+
 def blocks_to_drop(window: StreamingWindow, block_size: int, num_computed: int, num_dropped: int) -> int:
     """Window blocks to drop before computing from token `num_computed` (of the text) on, when
     `num_dropped` tokens were dropped before: those whose tokens are all more than

@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from loraplex import __version__
+from loraplex.engine.core_client import EngineCoreClient, EngineView
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.registry import Registry
 from loraplex.server.adapter_names import AdapterNames
@@ -42,10 +43,11 @@ TAGS = [
 ]
 
 
-def create_app(config: ServerConfig, registry: Registry, engine: LLMEngine,
+def create_app(config: ServerConfig, registry: Registry, engine: LLMEngine | EngineCoreClient,
                adapters: AdapterNames | None = None) -> FastAPI:
     """An app serving `engine` with `registry`. The caller owns both: the app starts the
-    engine's thread for its lifespan but neither closes the registry nor frees the model.
+    engine's thread for its lifespan but neither closes the registry nor frees the model. An
+    EngineCoreClient (the engine in a process of its own) is stopped when the lifespan ends.
     `adapters`: where adapter names resolve and adapters load from (default: the registry)."""
 
     @asynccontextmanager
@@ -58,8 +60,9 @@ def create_app(config: ServerConfig, registry: Registry, engine: LLMEngine,
         finally:
             app.state.services = None
             await services.stop()
-            for key in engine.pinned_prompts():  # the engine thread has stopped: this app's pins go
-                engine.unpin_prompt(key)
+            if isinstance(engine, LLMEngine):
+                for key in engine.pinned_prompts():  # the engine thread has stopped: this app's pins go
+                    engine.unpin_prompt(key)
 
     app = FastAPI(title="loraplex", version=__version__, description=DESCRIPTION, openapi_tags=TAGS,
                   lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -67,7 +70,8 @@ def create_app(config: ServerConfig, registry: Registry, engine: LLMEngine,
     app.state.services = None
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware, max_body_bytes=config.max_body_bytes,
-                       path_limits=_body_limits(config, engine))
+                       path_limits=_body_limits(config, engine.view if isinstance(engine, EngineCoreClient)
+                                                else engine))
     for module in (completions, chat, models, health):
         app.include_router(module.router)
     app.include_router(make_router())
@@ -76,7 +80,7 @@ def create_app(config: ServerConfig, registry: Registry, engine: LLMEngine,
     return app
 
 
-def _body_limits(config: ServerConfig, engine: LLMEngine) -> dict[str, BodyLimit]:
+def _body_limits(config: ServerConfig, engine: LLMEngine | EngineView) -> dict[str, BodyLimit]:
     """Uploads may be large; a completion's body need not be larger than its longest prompt
     that fits (refused before it is read, let alone parsed or tokenized)."""
     num_tokens = max_prompt_tokens(config, engine)

@@ -15,9 +15,11 @@ these metrics are in `EPP_METRICS`, which deploy/ and its test are checked again
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -43,8 +45,10 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 
 class Metrics:
     def __init__(self, model_name: str, monitor: EngineMonitor, in_flight: Callable[[], int],
-                 adapter_names: Callable[[str], Iterable[str]] = lambda digest: (digest,)) -> None:
-        """`adapter_names`: the names requests give an adapter digest (for the LoRA gauge)."""
+                 adapter_names: Callable[[str], Iterable[str]] = lambda digest: (digest,),
+                 engine_pid: int | None = None) -> None:
+        """`adapter_names`: the names requests give an adapter digest (for the LoRA gauge);
+        `engine_pid`: the engine-core process, where the engine runs in one of its own."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         labels = ["model_name"]
@@ -86,7 +90,7 @@ class Metrics:
                                      registry=r).labels(model_name)
         r.register(_EngineCollector(model_name, monitor, in_flight, adapter_names))
         ProcessCollector(registry=r)  # process_cpu_seconds_total: server CPU time per token
-        r.register(_ThreadCpuCollector(threading.get_ident()))
+        r.register(_ThreadCpuCollector(threading.get_ident(), engine_pid))
 
     def finished(self, tenant: str, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
         name = self.model_name
@@ -206,10 +210,14 @@ class _ThreadCpuCollector(Collector):
     """The process's CPU time split by thread (`thread`: engine, event_loop, other), so that a
     benchmark can say how much of the server's CPU per generated token the event loop spends
     beside the engine. `other` (tokenizer and worker threads, and threads that have ended) is
-    the process's time less the two."""
+    the process's time less the two. With the engine in a process of its own (`engine_pid`),
+    `engine` is that process's CPU time (all its threads) and `other` the server process's time
+    less its event loop's."""
 
-    def __init__(self, event_loop_thread: int) -> None:
+    def __init__(self, event_loop_thread: int, engine_pid: int | None = None) -> None:
         self._event_loop_thread = event_loop_thread
+        self._engine_pid = engine_pid
+        self._engine_process_s = 0.0  # the last reading (a counter must not drop when it exits)
 
     def describe(self) -> list:
         return []
@@ -217,12 +225,17 @@ class _ThreadCpuCollector(Collector):
     def collect(self) -> Iterator:
         family = CounterMetricFamily(THREAD_CPU_METRIC, "CPU time of the server's threads.",
                                      labels=["thread"])
-        engine = sum(_thread_cpu_s(t.ident) for t in threading.enumerate()
-                     if t.name == ENGINE_THREAD_NAME and t.ident is not None)
         event_loop = _thread_cpu_s(self._event_loop_thread)
+        if self._engine_pid is None:
+            engine = sum(_thread_cpu_s(t.ident) for t in threading.enumerate()
+                         if t.name == ENGINE_THREAD_NAME and t.ident is not None)
+            other = time.process_time() - engine - event_loop
+        else:
+            self._engine_process_s = max(self._engine_process_s, _process_cpu_s(self._engine_pid))
+            engine, other = self._engine_process_s, time.process_time() - event_loop
         family.add_metric(["engine"], engine)
         family.add_metric(["event_loop"], event_loop)
-        family.add_metric(["other"], max(0.0, time.process_time() - engine - event_loop))
+        family.add_metric(["other"], max(0.0, other))
         yield family
 
 
@@ -232,6 +245,15 @@ def _thread_cpu_s(ident: int) -> float:
         return time.clock_gettime(time.pthread_getcpuclockid(ident))
     except (AttributeError, OSError):
         return 0.0
+
+
+def _process_cpu_s(pid: int) -> float:
+    """A live process's CPU seconds, user and system (Linux; 0 elsewhere or once it has ended)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def _per_tenant(labels: list[str], stats: EngineStats) -> Iterator:

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, replace
 
 from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.core_client import EngineCoreClient
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.stats import EngineStats
 
@@ -33,7 +34,7 @@ def _sample(engine: LLMEngine) -> EngineSnapshot:
 
 
 class EngineMonitor:
-    def __init__(self, engine: AsyncEngine, interval_s: float) -> None:
+    def __init__(self, engine: AsyncEngine | EngineCoreClient, interval_s: float) -> None:
         self._engine = engine
         self._interval_s = interval_s
         self.latest: EngineSnapshot | None = None

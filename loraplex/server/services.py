@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from starlette.concurrency import run_in_threadpool
 
 from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.core_client import EngineCoreClient, EngineView
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.registry import Registry
 from loraplex.server.adapter_names import AdapterNames
@@ -30,10 +31,11 @@ from loraplex.server.usage_recorder import UsageRecorder
 class Services:
     config: ServerConfig
     registry: Registry
-    llm: LLMEngine
-    """The engine itself: only its fixed facts (tokenizer, context length, model config) are
-    read here; everything else goes through `engine`, on the engine thread."""
-    engine: AsyncEngine
+    llm: LLMEngine | EngineView
+    """The engine itself (or, with the engine in a process of its own, its view): only its fixed
+    facts (tokenizer, context length, model config) are read here; everything else goes through
+    `engine`, on the engine thread or in the engine-core process."""
+    engine: AsyncEngine | EngineCoreClient
     principals: Principals
     codec: TextCodec
     adapters: AdapterNames
@@ -54,15 +56,18 @@ class Services:
     to their end."""
 
     @classmethod
-    def start(cls, config: ServerConfig, registry: Registry, llm: LLMEngine,
+    def start(cls, config: ServerConfig, registry: Registry, llm: LLMEngine | EngineCoreClient,
               adapters: AdapterNames | None = None) -> Services:
-        """Start the engine thread and the background work; call from the event loop.
-        `adapters` replaces the registry's adapter names and blobs (a benchmark's synthetic
-        adapters; loraplex.benchmarks.synthetic_server)."""
+        """Start the engine thread (or drive the engine-core process `llm`) and the background
+        work; call from the event loop. `adapters` replaces the registry's adapter names and
+        blobs (a benchmark's synthetic adapters; loraplex.benchmarks.synthetic_server)."""
+        core = llm if isinstance(llm, EngineCoreClient) else None
+        if core is not None:
+            llm = core.view
         adapters = adapters or AdapterNames(registry, llm.model_config.shape, llm.config.lora.max_lora_rank,
                                             config.registry_cache_ttl_s, config.registry_max_stale_s)
         llm.set_adapter_loader(adapters.load)
-        engine = AsyncEngine(llm)
+        engine = core or AsyncEngine(llm)
         monitor = EngineMonitor(engine, config.engine_poll_interval_s)
         shared = None if registry.db.is_sqlite else SharedLimits(
             registry.rate_windows.exchange, config.limits_sync_interval_s, WINDOW_S)
@@ -74,7 +79,8 @@ class Services:
             codec=codec,
             adapters=adapters,
             limiter=limiter, usage=UsageRecorder(registry), monitor=monitor,
-            metrics=Metrics(config.model_id, monitor, lambda: limiter.num_in_flight, adapters.names_of),
+            metrics=Metrics(config.model_id, monitor, lambda: limiter.num_in_flight, adapters.names_of,
+                            engine_pid=None if core is None else core.pid),
             upload_slots=asyncio.Semaphore(config.max_concurrent_uploads),
             tenant_weights=TenantWeights(engine),
             grammars=GrammarPool(lambda: llm.grammars, config.grammar_threads, config.max_grammar_compile_s),
@@ -111,7 +117,7 @@ STREAMING_PROMPT_CONTEXTS = 8
 default, in contexts."""
 
 
-def max_prompt_tokens(config: ServerConfig, llm: LLMEngine) -> int:
+def max_prompt_tokens(config: ServerConfig, llm: LLMEngine | EngineView) -> int:
     """The longest prompt accepted: the context less one token, or the configured limit. With
     the engine's attention sinks on, prompts may run past the context: the configured limit, by
     default STREAMING_PROMPT_CONTEXTS contexts."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from functools import partial
 
 from starlette.concurrency import run_in_threadpool
 
@@ -55,13 +56,18 @@ async def pin_system_prompt(services: Services, record: SystemPromptRecord, toke
     same_api = f"{row}{api}/{record.adapter_digest or ''}/"
     key = f"{same_api}{tokens}"
 
-    def pin(engine: LLMEngine) -> None:
-        for old in engine.pinned_prompts():  # the prompt of that name replaced since (a row id may recur)
-            if old.startswith(name) and (not old.startswith(row) or old.startswith(same_api) and old != key):
-                engine.unpin_prompt(old)
-        engine.pin_prompt(key, token_ids, tenant=record.tenant, adapter=record.adapter_digest)
+    await services.engine.call(partial(_pin, key=key, token_ids=token_ids, name=name, row=row,
+                                       same_api=same_api, tenant=record.tenant,
+                                       adapter=record.adapter_digest))
 
-    await services.engine.call(pin)
+
+def _pin(engine: LLMEngine, *, key: str, token_ids: list[int], name: str, row: str, same_api: str,
+         tenant: str, adapter: str | None) -> None:
+    """In the engine (its thread or its process): pin `key`, unpinning the prompt's older pins."""
+    for old in engine.pinned_prompts():  # the prompt of that name replaced since (a row id may recur)
+        if old.startswith(name) and (not old.startswith(row) or old.startswith(same_api) and old != key):
+            engine.unpin_prompt(old)
+    engine.pin_prompt(key, token_ids, tenant=tenant, adapter=adapter)
 
 
 async def warm_system_prompt(services: Services, record: SystemPromptRecord) -> None:
@@ -92,13 +98,13 @@ async def unpin_system_prompts(services: Services, tenant: str, name: str | None
     """Let the engine's pins of a tenant's prompt `name` (every prompt of the tenant without
     one) go, once it is deleted."""
     prefix = f"{tenant}/{name}/" if name is not None else f"{tenant}/"
+    await services.engine.call(partial(_unpin, prefix=prefix))
 
-    def unpin(engine: LLMEngine) -> None:
-        for key in engine.pinned_prompts():
-            if key.startswith(prefix):
-                engine.unpin_prompt(key)
 
-    await services.engine.call(unpin)
+def _unpin(engine: LLMEngine, *, prefix: str) -> None:
+    for key in engine.pinned_prompts():
+        if key.startswith(prefix):
+            engine.unpin_prompt(key)
 
 
 def reject_own_system_message(roles: list[str]) -> None:

@@ -5,13 +5,16 @@ is how a change made through another replica arrives."""
 
 from __future__ import annotations
 
+from operator import methodcaller
+
 from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.core_client import EngineCoreClient
 from loraplex.engine.tenants import MAX_WEIGHT, MIN_WEIGHT
 from loraplex.registry.records import TenantRecord
 
 
 class TenantWeights:
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine | EngineCoreClient) -> None:
         self._engine = engine
         self._sent: dict[str, float] = {}
 
@@ -22,4 +25,4 @@ class TenantWeights:
         name, weight = tenant.name, min(max(tenant.weight, MIN_WEIGHT), MAX_WEIGHT)
         if self._sent.get(name) != weight:
             self._sent[name] = weight
-            self._engine.submit(lambda engine: engine.set_tenant_weight(name, weight))
+            self._engine.submit(methodcaller("set_tenant_weight", name, weight))

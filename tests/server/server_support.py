@@ -19,6 +19,7 @@ import openai
 import uvicorn
 
 from loraplex.adapter_format import BaseModelShape
+from loraplex.engine.core_client import EngineCoreClient
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine_config import EngineConfig
 from loraplex.registry import Registry, RegistryConfig
@@ -54,9 +55,14 @@ def make_model(folder: Path, shape: BaseModelShape = TINY, seed: int = 0, vocab_
 
 
 def make_engine(model_dir: Path, **options: Any) -> LLMEngine:
+    return LLMEngine(engine_config(model_dir, **options))
+
+
+def engine_config(model_dir: Path, **options: Any) -> EngineConfig:
+    """The server tests' engine settings (make_engine's)."""
     defaults = dict(device="cpu", block_size=16, num_kv_blocks=1024, max_num_seqs=64,
                     max_lora_rank=MAX_RANK, max_loras=4, max_model_len=512)
-    return LLMEngine(EngineConfig.from_kwargs(str(model_dir), **(defaults | options)))
+    return EngineConfig.from_kwargs(str(model_dir), **(defaults | options))
 
 
 def free_socket() -> socket.socket:
@@ -119,12 +125,13 @@ class Server:
 
 
 @contextlib.contextmanager
-def serve(registry_config: RegistryConfig, engine: LLMEngine, *, tenants: tuple[str, ...] = ("acme",),
-          **server_options: Any) -> Iterator[Server]:
+def serve(registry_config: RegistryConfig, engine: LLMEngine | EngineCoreClient, *,
+          tenants: tuple[str, ...] = ("acme",), **server_options: Any) -> Iterator[Server]:
     """Open the registry, record the served model, create tenants with keys and an admin key,
-    and run the app under uvicorn."""
+    and run the app under uvicorn (an EngineCoreClient is stopped when the app stops)."""
+    facts = engine.view if isinstance(engine, EngineCoreClient) else engine
     with Registry.open(registry_config) as registry:
-        registry.models.set(MODEL_ID, engine.model_config.shape, engine.config.lora.max_lora_rank)
+        registry.models.set(MODEL_ID, facts.model_config.shape, facts.config.lora.max_lora_rank)
         keys = {}
         for tenant in tenants:
             registry.tenants.create(tenant)
