@@ -111,11 +111,7 @@ class AsyncEngine:
         finished = False
         try:
             while True:
-                items = await stream.take()
-                for item in items:
-                    if isinstance(item, BaseException):
-                        raise EngineDeadError("the engine stopped while serving the request") from item
-                output = functools.reduce(merged, items)
+                output = await stream.next_output()
                 finished = output.finished
                 yield output
                 if finished:
@@ -218,6 +214,14 @@ class _Stream:
         self._ready.clear()
         items, self._items = self._items, []
         return items
+
+    async def next_output(self) -> RequestOutput:
+        """What has arrived, merged into one output (EngineDeadError if the engine died)."""
+        items = await self.take()
+        for item in items:
+            if isinstance(item, BaseException):
+                raise EngineDeadError("the engine stopped while serving the request") from item
+        return functools.reduce(merged, items)
 
 
 def _put_all(batch: list[tuple[_Stream, RequestOutput]]) -> None:

@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 
 from loraplex.adapter_format import LoraAdapter
 from loraplex.engine.adapter_cache import LOAD_THREADS, AdapterLoader
-from loraplex.engine.async_engine import EngineDeadError, _put_all, _Stream, merged
+from loraplex.engine.async_engine import EngineDeadError, _put_all, _Stream
 from loraplex.engine.blending import DocumentBlend
 from loraplex.engine.core_commands import (
     Abort,
@@ -55,7 +55,6 @@ from loraplex.engine.core_replies import (
 from loraplex.engine.grammar import CompiledGrammar, GrammarCompiler
 from loraplex.engine.streaming import window_problem
 from loraplex.engine_config import EngineConfig
-from loraplex.errors import InvalidRequestError
 from loraplex.model.tokenizer import load_tokenizer
 from loraplex.types import RequestOutput, SamplingParams, StreamingWindow
 
@@ -197,11 +196,7 @@ class EngineCoreClient:
         finished = False
         try:
             while True:
-                items = await listener.stream.take()
-                for item in items:
-                    if isinstance(item, BaseException):
-                        raise EngineDeadError("the engine stopped while serving the request") from item
-                output = functools.reduce(merged, items)
+                output = await listener.stream.next_output()
                 finished = output.finished
                 yield output
                 if finished:
@@ -366,11 +361,8 @@ class EngineView:
         constraint again from its spec)."""
         with self._grammars_lock:
             if self._grammars is None:
-                if self.tokenizer is None:
-                    raise InvalidRequestError("this model has no tokenizer: structured outputs need one",
-                                              param="response_format")
-                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
-                                                 self.eos_token_ids)
+                self._grammars = GrammarCompiler.for_model(self.tokenizer, self.model_config.vocab_size,
+                                                           self.eos_token_ids)
             return self._grammars
 
     def window_problem(self, window: StreamingWindow) -> str | None:

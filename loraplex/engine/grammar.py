@@ -81,6 +81,14 @@ def allocate_masks(num_rows: int, vocab_size: int) -> torch.Tensor:
 class GrammarCompiler:
     """Compiles constraints for one tokenizer; thread-safe, cached by content."""
 
+    @classmethod
+    def for_model(cls, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> GrammarCompiler:
+        """The compiler of a model's tokenizer; InvalidRequestError if the model has none."""
+        if tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: structured outputs need one",
+                                      param="response_format")
+        return cls(tokenizer, vocab_size, stop_token_ids)
+
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int],
                  max_schema_bytes: int = MAX_SCHEMA_BYTES, max_cached: int = MAX_CACHED_GRAMMARS,
                  tokenizer_info: Any = None) -> None:

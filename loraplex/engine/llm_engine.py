@@ -258,11 +258,8 @@ class LLMEngine:
         thread-safe: the server compiles on worker threads)."""
         with self._grammars_lock:
             if self._grammars is None:
-                if self.tokenizer is None:
-                    raise InvalidRequestError("this model has no tokenizer: structured outputs need one",
-                                              param="response_format")
-                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
-                                                 self.eos_token_ids)
+                self._grammars = GrammarCompiler.for_model(self.tokenizer, self.model_config.vocab_size,
+                                                           self.eos_token_ids)
             return self._grammars
 
     def _policy(self) -> SchedulingPolicy:
