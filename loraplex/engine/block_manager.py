@@ -53,6 +53,10 @@ class BlockManager:
         self._is_free = [True] * num_blocks  # (the heap may hold stale entries: checked here)
         self._num_free = num_blocks
         self._lent = [False] * num_blocks
+        self._low = list(range(num_blocks))
+        """Min-heap of blocks that may be lendable (pushed when a block's last holder lets go or
+        an adapter gives it back; stale entries are dropped when popped): lending finds the
+        lowest lendable pages without scanning the thousands of lent and held blocks below them."""
         self.num_lent_blocks = 0
         """Blocks lent to adapters."""
         self._fresh: set[int] = set()  # freed since the step being planned began: not lent
@@ -139,6 +143,7 @@ class BlockManager:
             if refs > 0:
                 continue
             self._fresh.add(block)
+            self._push_low(block)
             if block in self._hash_of and block not in self._computing:
                 self._evictable[block] = None
             else:
@@ -173,14 +178,27 @@ class BlockManager:
         """Lend `count` pages (any, not contiguous) of `run` blocks each (aligned runs) to an
         adapter, the lowest that `_can_lend` first (KV comes from the top down), evicting cached
         ones: their blocks, page by page; None (and nothing lent) if fewer are free."""
-        pages = []
-        for first in range(0, self.num_blocks - run + 1, run):
-            if len(pages) == count * run:
-                break
-            if all(self._can_lend(block) for block in range(first, first + run)):
-                pages += range(first, first + run)
-        if len(pages) < count * run:
+        need = count * run
+        if need > self.num_free_blocks:
             return None
+        firsts, waiting, tried = [], [], set()
+        while len(firsts) * run < need and self._low:
+            block = heapq.heappop(self._low)
+            first = block - block % run
+            if first in tried or first + run > self.num_blocks:
+                continue
+            tried.add(first)
+            run_blocks = range(first, first + run)
+            if all(self._can_lend(b) for b in run_blocks):
+                firsts.append(first)
+            elif all(self._refs[b] == 0 and not self._lent[b] for b in run_blocks):
+                waiting.append(first)  # freed this step: lendable from the next
+            # else a block of the run is held or lent: it comes back to the heap when released
+        for first in waiting if len(firsts) * run == need else waiting + firsts:
+            heapq.heappush(self._low, first)
+        if len(firsts) * run < need:
+            return None
+        pages = [block for first in firsts for block in range(first, first + run)]
         for block in pages:
             if self._evictable.pop(block, 0) is None:
                 self._uncache(block)
@@ -199,7 +217,13 @@ class BlockManager:
                 raise ValueError(f"block {block} is not lent")
             self._lent[block] = False
             self._push_free(block)
+            self._push_low(block)
         self.num_lent_blocks -= len(pages)
+
+    def _push_low(self, block: int) -> None:
+        heapq.heappush(self._low, block)
+        if len(self._low) > 2 * self.num_blocks:  # drop the stale entries
+            self._low = [b for b in range(self.num_blocks) if self._refs[b] == 0 and not self._lent[b]]
 
     def start_step(self) -> None:
         """A new step is being planned: blocks freed before now may be lent (the steps that

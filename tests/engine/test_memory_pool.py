@@ -8,6 +8,7 @@ token-exact, float32 on CPU, with transformers + PEFT running each request alone
 from __future__ import annotations
 
 import copy
+import random
 import threading
 import time
 
@@ -334,6 +335,58 @@ def test_a_block_freed_while_a_step_is_planned_is_lent_only_from_the_next():
     assert pages == [0, 1, 2, 3] and blocks.lend_pages(1) is None
     blocks.give_back_pages(pages)
     assert blocks.num_free_blocks == 4 and blocks.num_lent_blocks == 0
+
+
+def _lowest_lendable(blocks: BlockManager, count: int, run: int) -> list[int] | None:
+    """Lending's rule spelled out as a scan of every block: the lowest `count` aligned runs of
+    blocks that are free (or cached and unheld), not lent, and not freed in this step."""
+    pages = []
+    for first in range(0, blocks.num_blocks - run + 1, run):
+        if len(pages) < count * run and all(
+                blocks._refs[b] == 0 and not blocks._lent[b] and b not in blocks._fresh
+                for b in range(first, first + run)):
+            pages += range(first, first + run)
+    return pages if len(pages) == count * run else None
+
+
+@pytest.mark.parametrize("run", [1, 2])
+def test_lending_takes_the_lowest_lendable_pages_as_a_scan_of_every_block_would(run):
+    """Lending pops candidates off a heap instead of scanning the pool (with hundreds of adapters
+    resident on an H200 the scan took tens of milliseconds of the engine's thread a load): under
+    random KV allocations, frees, cached blocks, steps, lends and give-backs it lends exactly the
+    pages that the scan would, and nothing when the scan finds too few."""
+    rng = random.Random(run)
+    blocks = BlockManager(64, 4, enable_prefix_caching=True)
+    held: list[list[int]] = []
+    lent: list[list[int]] = []
+    num_hashes = 0
+    for _ in range(3000):
+        action = rng.random()
+        if action < 0.3:
+            taken = blocks.allocate(rng.randint(1, 6))
+            if taken is not None:
+                if rng.random() < 0.5:  # a prompt's blocks: cached once computed
+                    hashes = [f"h{num_hashes + i}".encode() for i in range(len(taken))]
+                    num_hashes += len(taken)
+                    blocks.register(taken, hashes)
+                    blocks.mark_computed(taken)
+                held.append(taken)
+        elif action < 0.5 and held:
+            blocks.free(held.pop(rng.randrange(len(held))))
+        elif action < 0.6:
+            blocks.start_step()
+        elif action < 0.85:
+            count = rng.randint(1, 5)
+            expected = _lowest_lendable(blocks, count, run)
+            pages = blocks.lend_pages(count, run)
+            assert pages == expected
+            if pages is not None:
+                lent.append(pages)
+        elif lent:
+            blocks.give_back_pages(lent.pop(rng.randrange(len(lent))))
+        in_use = sum(map(len, held))
+        assert blocks.num_lent_blocks == sum(map(len, lent))
+        assert blocks.num_used_blocks <= in_use  # (a block held twice counts once)
 
 
 def test_max_kv_blocks_caps_the_kv_cache_and_its_cached_blocks():
