@@ -452,10 +452,10 @@ def gather_pages(pool: torch.Tensor, pages: torch.Tensor, ranks: torch.Tensor, r
     ranks[0] = 0
     out = []
     for s, n in enumerate(row_lens):
-        live = (r[None, :] < ranks[:, s, None])[:, :, None]  # [num_slots, max_rank, 1]
-        rows = pages[:, s, r // PAGE_RANK] + (r % PAGE_RANK) * n  # [num_slots, max_rank]
-        at = torch.where(live, rows[:, :, None] + torch.arange(n, device=pool.device), 0)
-        out.append(torch.where(live, pool[at], 0).to(pool.dtype))
+        live = r[None, :] < ranks[:, s, None]  # [num_slots, max_rank]
+        starts = torch.where(live, pages[:, s, r // PAGE_RANK] + (r % PAGE_RANK) * n, 0)
+        rows = pool.unfold(0, n, 1).index_select(0, starts.view(-1))  # row i of the view: pool[i:i + n]
+        out.append(rows.view(*starts.shape, n).masked_fill(~live[:, :, None], 0))
     return out
 
 
@@ -481,6 +481,11 @@ def paged_lora_bt(pool: torch.Tensor, b_pages: torch.Tensor, ranks: torch.Tensor
     return torch.cat(gather_pages(pool, b_pages, ranks, widths, max_rank), dim=2)
 
 
+def _top_rank(ranks: torch.Tensor) -> int:
+    """The largest rank of the slots in ranks [num_slots, num_slices] but slot 0 (at least 1)."""
+    return max(1, int(ranks[1:].max())) if len(ranks) > 1 else 1
+
+
 def _used_slots(slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the slots slot_ids name, slot 0 first: sorted, unique; slot_ids renumbered into them).
     The paged references gather only the pages of the slots a call uses: the engine's tables
@@ -496,8 +501,10 @@ def lora_shrink_paged(x: torch.Tensor, pool: torch.Tensor, a_pages: torch.Tensor
                       token_slots: torch.Tensor, ranks: torch.Tensor, max_rank: int) -> torch.Tensor:
     """lora_shrink with A in rank pages (kernels/lora_paged.py's layout)."""
     used, local = _used_slots(token_slots)
-    return lora_shrink(x, paged_lora_a(pool, a_pages[used], ranks[used], x.shape[1], max_rank), local,
-                       ranks[used])
+    top = _top_rank(ranks[used])  # rows past it are zeros: not gathered
+    shrunk = lora_shrink(x, paged_lora_a(pool, a_pages[used], ranks[used], x.shape[1], top), local,
+                         ranks[used])
+    return F.pad(shrunk, (0, max_rank - top))
 
 
 def lora_expand_paged(
@@ -510,7 +517,7 @@ def lora_expand_paged(
     shift_at (-1: none) in vectors, the pool as float32 (kernels/lora_paged.py's layout)."""
     used, local = _used_slots(token_slots)
     ranks = ranks[used]
-    lora_b = paged_lora_bt(pool, b_pages[used], ranks, slice_offsets, shrunk.shape[2]).transpose(1, 2)
+    lora_b = paged_lora_bt(pool, b_pages[used], ranks, slice_offsets, _top_rank(ranks)).transpose(1, 2)
     scale = scaled = shift = None
     if scale_at is not None:
         out_features = slice_offsets[-1]
@@ -608,22 +615,34 @@ def sample(
     seeds: torch.Tensor, offsets: torch.Tensor,
 ) -> torch.Tensor:
     """Sample one token per row of logits [batch, vocab]. temperature [batch] (0 = greedy),
-    top_k [batch] int (<= 0 = off), top_p [batch] (1 = off), seeds and offsets [batch] int64
-    pick the noise (the offset is the index of the token being sampled). Top-k is applied
-    before top-p. Returns int64 [batch]."""
+    top_k [batch] int (<= 0 or >= vocab = off), top_p [batch] (>= 1 = off), seeds and offsets
+    [batch] int64 pick the noise (the offset is the index of the token being sampled). Top-k is
+    applied before top-p. Each row's token depends on that row alone. Returns int64 [batch]."""
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
     vocab = logits.shape[-1]
     scaled = logits / temperature.clamp_min(1e-6).unsqueeze(1)
+    filters = ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
+    if bool(filters.any()):  # only the rows that filter pay for a sort of the vocabulary
+        rows = filters.nonzero().view(-1)
+        scaled = scaled.clone()
+        scaled[rows] = _top_k_top_p(scaled[rows], top_k[rows], top_p[rows])
+    probs = scaled.softmax(dim=-1)
+    noise = sampling_noise(seeds, offsets, vocab)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(temperature > 0, sampled, greedy)
+
+
+def _top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """scaled [rows, vocab] with the tokens outside each row's top-k, then outside its top-p mass,
+    set to -inf (a row's top_k <= 0 and top_p >= 1 are off)."""
+    vocab = scaled.shape[-1]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    ranks = torch.arange(vocab, device=scaled.device).unsqueeze(0)
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
-    filtered = torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits)
-    probs = filtered.softmax(dim=-1)
-    noise = sampling_noise(seeds, offsets, vocab)
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(temperature > 0, sampled, greedy)
+    p = torch.where(top_p < 1, top_p, float("inf")).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(mass_before >= p, float("-inf"))
+    return torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits)
