@@ -206,6 +206,12 @@ class AdapterCache:
         if self._holders[slot] == 0:
             self._idle[slot] = digest
 
+    def is_here(self, digest: str) -> bool:
+        """Whether a request for `digest` could start within milliseconds: its adapter is on the
+        device (or being copied there) or in host memory (a copy away)."""
+        entry = self._host.get(digest)
+        return digest in self._slot_of or (entry is not None and entry.adapter is not None)
+
     def slot_of(self, digest: str) -> int | None:
         """The slot `digest` is in (or being copied into)."""
         return self._slot_of.get(digest)

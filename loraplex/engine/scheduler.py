@@ -48,6 +48,9 @@ from loraplex.types import FinishReason
 
 MAX_PROMPT_DELAY_S = 0.5
 """The longest a prompt step's duration counts for SchedulerConfig.scheduler_delay_factor."""
+FAIRNESS_LOOKAHEAD = 16
+"""With every running place taken, how far down the waiting line the scheduler looks for the
+first request that could start now (its adapter here), the one a fairness preemption is for."""
 
 
 class Scheduler:
@@ -239,9 +242,13 @@ class Scheduler:
         for request in waiting:
             full = len(self.running) >= self.config.max_num_seqs
             if budget == 0 or full:
+                line = [request, *itertools.islice(waiting, FAIRNESS_LOOKAHEAD if full else 0)]
                 if not no_host_room:
-                    self._prefetch(itertools.chain([request], waiting))
-                return budget, request if full else None
+                    self._prefetch(itertools.chain(line, waiting))
+                # Room is made for the first in line whose adapter is here (on the device or in
+                # host memory): a place freed for one still loading its adapter goes to whoever
+                # is behind it, and the victim's tenant pays a preemption for nothing.
+                return budget, next((r for r in line if self._adapter_is_here(r)), None) if full else None
             if request.num_pending or request.request_id in skip or request.tenant in held:
                 continue  # a token in flight, just preempted, or its tenant leaves the headroom
             if not prompts and not request.is_swapped:
@@ -321,6 +328,9 @@ class Scheduler:
             return False
         needed = self.blocks.blocks_needed(request.num_cached_tokens + num_new, len(request.block_ids))
         return self.blocks.num_available_blocks - needed < headroom
+
+    def _adapter_is_here(self, request: Request) -> bool:
+        return request.adapter is None or self.adapters.is_here(request.adapter)
 
     def _wait_for_adapter(self, request: Request, why: Wait) -> None:
         self.adapter_waits[request.request_id] = why

@@ -303,6 +303,46 @@ def test_a_slow_load_does_not_stall_running_requests(many_adapters):
     _assert_nothing_leaks(llm)
 
 
+def test_no_fairness_preemption_is_made_for_a_request_whose_adapter_is_still_loading(many_adapters):
+    """Every running place is taken by a heavy tenant, far past the fairness bound, when a light
+    tenant's request arrives whose adapter's load is held: preempting for it would free a place
+    it cannot use (issue 27's cold bursts paid hundreds of such preemptions). None is made while
+    the load is held; once the adapter is in host memory the heavy request is preempted and the
+    light one runs."""
+    model, adapters = many_adapters
+    llm = _llm(model, adapters, max_loras=4, max_num_seqs=1, fairness_bound=8.0)
+    engine = llm.engine
+    slow = engine.local_adapters.resolve("a7")
+    release = threading.Event()
+    load = engine.local_adapters.load
+
+    def slow_loader(digest):
+        if digest == slow:
+            assert release.wait(timeout=120), "the test never let the load go"
+        return load(digest)
+
+    engine.adapters.set_loader(slow_loader)
+    engine.add_request("heavy", prompt_token_ids=[5, 6, 7], adapter="a1", tenant="heavy",
+                       params=SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True))
+    for _ in range(20):
+        engine.step()
+    engine.add_request("light", prompt_token_ids=[9, 9], adapter="a7", tenant="light",
+                       params=SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    try:
+        for _ in range(30):
+            engine.step()
+            assert not engine.scheduler.preemptions, engine.scheduler.preemptions
+    finally:
+        release.set()
+    for _ in range(200):
+        engine.step()
+        if "light" in {r.request_id for r in engine.scheduler.running}:
+            break
+    assert "light" in {r.request_id for r in engine.scheduler.running}
+    assert engine.scheduler.preemptions[("fairness", "swap")] >= 1, engine.scheduler.preemptions
+    _assert_nothing_leaks(llm)
+
+
 def test_requests_queued_for_a_resident_adapter_load_nothing_into_the_host_tier(many_adapters):
     """A host tier of one adapter, and running places for one request: the requests queued
     behind it for adapters already resident on the device make no host load (prefetching
