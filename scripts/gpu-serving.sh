@@ -42,6 +42,7 @@
 # PYSPY=1 samples the server's threads with py-spy during the Poisson run over 1,000 adapters (its
 # wheel carried in ./wheels: pip download py-spy): pyspy-poisson-1000-threads.txt (every thread,
 # idle included) and -gil.txt (only the thread holding the GIL), collapsed stacks, in the tarball.
+# STEP_LOG=1 has the server note every step in steps.csv (synthetic_server --step-log), in the tarball.
 # MIXED_GRAPHS=0 runs steps with prompt tokens eagerly (EngineConfig.mixed_step_graphs off; on by
 # default); DELAY_FACTOR sets SchedulerConfig.scheduler_delay_factor (default 1.0; it applies
 # only with MIXED_GRAPHS=0).
@@ -74,6 +75,7 @@ if [ -n "${SWITCH_INTERVAL_MS:-}" ]; then SERVER_OPTS+=(--switch-interval-ms "$S
 if [ "${MIXED_GRAPHS:-1}" = 0 ]; then SERVER_OPTS+=(--no-mixed-step-graphs); fi
 if [ -n "${DELAY_FACTOR:-}" ]; then SERVER_OPTS+=(--scheduler-delay-factor "$DELAY_FACTOR"); fi
 PYSPY=${PYSPY:-0}
+if [ "${STEP_LOG:-0}" = 1 ]; then SERVER_OPTS+=(--step-log "$RES/steps.csv"); fi
 read -r -a EXTRA <<< "${SERVER_EXTRA:-}"
 SERVER_OPTS+=(${EXTRA[@]+"${EXTRA[@]}"})
 
@@ -119,6 +121,7 @@ bench() {  # TAG CAP_S [options...]: one run, limited to CAP_S and to what the b
     [ "$limit" -gt "$cap" ] && limit=$cap
     if [ "$limit" -lt 10 ]; then stamp "skip $tag (budget spent)"; return 1; fi
     stamp "bench $tag (limit $limit s)"
+    echo "$tag $(date +%s.%N)" >> "$RES/run-starts.log"  # Unix time, beside the step log's
     timeout $(( limit + 20 )) python3 -m loraplex.benchmarks serve --setup "$WORK/setup.json" --tag "$tag" \
         --out "$RES" --no-plot --time-limit "$limit" "${COMMON[@]}" "$@" 2>>"$RES/bench-progress.log" \
         | tee "$RES/serve-$tag.log" \

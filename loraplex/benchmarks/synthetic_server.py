@@ -29,6 +29,7 @@ device then and their mean device bytes (what serve_report folds into serve-summ
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import json
 import logging
@@ -39,7 +40,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
@@ -345,12 +346,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hold-places-for-loading", action=argparse.BooleanOptionalAction,
                         default=SchedulerConfig.hold_places_for_loading,
                         help="SchedulerConfig.hold_places_for_loading (default %(default)s)")
+    parser.add_argument("--step-log", type=Path, help="write a CSV line a step here: when it started "
+                        "(Unix time), its wall time, prompt tokens, running, waiting, waiting for an "
+                        "adapter, and preemptions, host loads and slot loads so far")
     parser.add_argument("--switch-interval-ms", type=float, help="sys.setswitchinterval for this "
                         "process (default: Python's 5 ms): how long the engine thread may wait for the "
                         "GIL while the event loop holds it")
     args = parser.parse_args(argv)
     args.ranks = args.ranks or (args.rank,)
     return args
+
+
+def log_steps(engine: LLMEngine, path: Path) -> TextIO:
+    """Note every step of `engine` in `path` (CSV); returns the file, for the caller to close."""
+    out = path.open("w")
+    out.write("start_s,wall_ms,prompt_tokens,running,waiting,adapter_waits,preemptions,host_loads,"
+              "slot_loads\n")
+    step, scheduler, adapters = engine.step, engine.scheduler, engine.adapters
+
+    def logged_step() -> list:
+        started, clock, prompt = time.time(), time.perf_counter(), engine.num_prompt_tokens
+        outputs = step()
+        out.write(f"{started:.4f},{1e3 * (time.perf_counter() - clock):.2f},"
+                  f"{engine.num_prompt_tokens - prompt},{len(scheduler.running)},{scheduler.num_waiting},"
+                  f"{len(scheduler.adapter_waits)},{scheduler.num_preemptions},{adapters.num_host_loads},"
+                  f"{adapters.num_slot_loads}\n")
+        return outputs
+
+    engine.step = logged_step
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -369,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = build_engine(args)
     adapters = SyntheticAdapters(args.num_adapters, args.num_tenants, make_pools(engine, args.ranks))
     engine.set_adapter_loader(adapters.load)
+    if args.step_log is not None:
+        atexit.register(log_steps(engine, args.step_log).close)
     if args.offline is not None:
         workload = WorkloadConfig(**(args.offline | {"vocab_size": engine.model_config.vocab_size}))
         result = run_offline(engine, workload)

@@ -106,6 +106,34 @@ def test_the_offline_pass_loads_the_workloads_adapters_before_it_measures(mixed)
     assert all(n > 0 for n in result["preemptions_by_cause"].values())
 
 
+def test_the_step_log_notes_every_step_with_its_prompt_tokens_and_loads(tmp_path):
+    args = server.parse_args(_args("--rank", "8"))
+    engine = server.build_engine(args)
+    try:
+        adapters = server.SyntheticAdapters(4, 2, server.make_pools(engine, args.ranks))
+        engine.set_adapter_loader(adapters.load)
+        log = server.log_steps(engine, tmp_path / "steps.csv")
+        workload = server.WorkloadConfig(num_prompts=6, num_tenants=2, num_adapters=4, prompt_len=8,
+                                         output_len=3, zipf_alpha=0.5, seed=5, vocab_size=1000)
+        for i, request in enumerate(server.make_workload(workload)):
+            engine.add_request(f"r{i}", prompt_token_ids=request.prompt_token_ids, tenant=request.tenant,
+                               adapter=server._digest(request),
+                               params=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        num_steps = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            num_steps += 1
+    finally:
+        engine.close()
+    log.close()
+    lines = (tmp_path / "steps.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    rows = [dict(zip(header, line.split(","))) for line in lines[1:]]
+    assert header[:3] == ["start_s", "wall_ms", "prompt_tokens"] and len(rows) == num_steps
+    assert sum(int(r["prompt_tokens"]) for r in rows) == engine.num_prompt_tokens > 0
+    assert int(rows[-1]["host_loads"]) == engine.adapters.num_host_loads > 0
+
+
 def _run_json(rate: float, p99_ms: float, throughput: float, host_loads: int) -> dict:
     return {"benchmark": "serve", "workload": {"request_rate": rate}, "ttft_ms": {"p99": p99_ms},
             "output_throughput": throughput,
