@@ -25,6 +25,9 @@
 #    device_bytes_by_rank states, by rank, the adapters resident after the drain, their mean device
 #    bytes and the bytes per rank unit (the same for every rank when bytes are proportional to rank;
 #    the figures after the offline pass if the server did not drain).
+# Every run starts with the server's prefix cache reset (`--reset-prefix-cache`): runs that send a
+# workload again (saturation after the offline pass, issue 27's "again") compute their prompts as
+# the first did, and differ from it only in what they are measured for (adapters loaded before).
 # The whole pass has BUDGET seconds (510, install included): every stage gets a time limit from
 # what is left (a bench run past its limit drops its unfinished requests as failures and still
 # writes its JSON), stages that no longer fit are skipped, and serve-summary.json is rewritten
@@ -123,7 +126,8 @@ bench() {  # TAG CAP_S [options...]: one run, limited to CAP_S and to what the b
     stamp "bench $tag (limit $limit s)"
     echo "$tag $(date +%s.%N)" >> "$RES/run-starts.log"  # Unix time, beside the step log's
     timeout $(( limit + 20 )) python3 -m loraplex.benchmarks serve --setup "$WORK/setup.json" --tag "$tag" \
-        --out "$RES" --no-plot --time-limit "$limit" "${COMMON[@]}" "$@" 2>>"$RES/bench-progress.log" \
+        --out "$RES" --no-plot --time-limit "$limit" --reset-prefix-cache "${COMMON[@]}" "$@" \
+        2>>"$RES/bench-progress.log" \
         | tee "$RES/serve-$tag.log" \
         | grep -E '"(completed|failed|request_throughput|output_throughput|p99|server_cpu_ms_per_token)"' \
         | tr -d '\n '; echo

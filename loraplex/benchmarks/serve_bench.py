@@ -354,6 +354,17 @@ def prepare(url: str, admin_key: str, workload: WorkloadConfig, rank: int) -> Ta
     return Target(url, engine["model"], keys, engine["vocab_size"], admin_key)
 
 
+def reset_prefix_cache(target: Target) -> int:
+    """Have the server drop its cached prompt blocks; returns how many it dropped."""
+    import httpx
+
+    if target.admin_key is None:
+        raise SystemExit("--reset-prefix-cache needs the admin key (--admin-key, or in --setup's file)")
+    response = httpx.post(f"{target.url}/admin/api/engine/reset-prefix-cache", timeout=60,
+                          headers={"Authorization": f"Bearer {target.admin_key}"})
+    return response.raise_for_status().json()["dropped_blocks"]
+
+
 def target_from_file(path: Path) -> Target:
     data = json.loads(path.read_text())
     return Target(data["url"], data["model_id"], data["keys"], data["vocab_size"], data.get("admin_key"))
@@ -490,6 +501,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(`time_limit` in errors_by_status) and the results are written all the same")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--reset-prefix-cache", action="store_true", help="have the server forget its "
+                        "cached prompt blocks first (admin API), so that a workload sent before is "
+                        "computed again")
     args = parser.parse_args(argv)
 
     with contextlib.ExitStack() as stack:
@@ -505,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
             probe = WorkloadConfig(num_tenants=args.num_tenants, num_adapters=args.num_adapters)
             target = prepare(url, admin_key, probe, args.rank)
         workload = workload_config(args, target.vocab_size)
+        if args.reset_prefix_cache:
+            reset_prefix_cache(target)
         result = run(target, workload, max_concurrency=args.max_concurrency,
                      ttft_slo_s=args.ttft_slo_ms / 1000, tpot_slo_s=args.tpot_slo_ms / 1000, label=args.tag,
                      time_limit_s=args.time_limit)

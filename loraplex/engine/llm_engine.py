@@ -341,6 +341,12 @@ class LLMEngine:
             self.adapters.forget(digest)
 
     # Tenants ------------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prompt blocks that no request holds (pinned system prompts hold
+        theirs and stay); returns how many were dropped. Benchmarks that send a workload again
+        call it between runs, so that the second run computes its prompts as the first did."""
+        return self.blocks.reset_prefix_cache()
+
     def set_tenant_weight(self, tenant: str, weight: float) -> None:
         """A tenant's share under contention; the scheduling policy reads it at the next step."""
         self.tenants.set_weight(tenant, weight)

@@ -131,3 +131,34 @@ def test_a_prompt_is_warm_from_its_registration_and_from_server_start(tmp_path, 
     with serve(config, engine, tenants=()):  # a server starting on the registry warms it again
         _wait_for_forms(engine, "acme/warm/")
     assert _held_forms(engine, "acme/warm/") == {}
+
+
+def test_resetting_the_prefix_cache_forgets_cached_prompts_but_keeps_registered_ones(
+        sqlite_server: Server, engine) -> None:
+    """POST /admin/api/engine/reset-prefix-cache (what `loraplex bench serve --reset-prefix-cache`
+    calls between runs of one workload): a prompt sent again is computed again, a registered
+    system prompt stays pinned; tenants' keys are refused."""
+    server = sqlite_server
+    server.registry.prompts.add("acme", "kept", TEXT, adapter="style")
+    client = server.openai("acme")
+    client.completions.create(model="style", prompt="Hi", extra_body={"system_prompt": "kept"}, **GREEDY)
+    prompt = "Where is my order? It was due on Monday and has not come yet. " * 4
+    client.completions.create(model="style", prompt=prompt, **GREEDY)
+    pinned = {key: n for key, n in engine.pinned_prompts().items() if key.startswith("acme/kept/")}
+    hits = engine.blocks.num_hit_tokens
+    client.completions.create(model="style", prompt=prompt, **GREEDY)
+    assert engine.blocks.num_hit_tokens > hits  # found cached
+    with server.http() as http:
+        reset = http.post("/admin/api/engine/reset-prefix-cache")
+        assert reset.status_code == 200, reset.text
+        assert reset.json()["dropped_blocks"] >= len(prompt) // 4 // engine.config.cache.block_size
+        refused = http.post("/admin/api/engine/reset-prefix-cache",
+                            headers={"Authorization": f"Bearer {server.keys['acme']}"})
+        assert refused.status_code == 403, refused.text
+    hits = engine.blocks.num_hit_tokens
+    client.completions.create(model="style", prompt=prompt, **GREEDY)
+    assert engine.blocks.num_hit_tokens == hits  # computed again
+    assert {key: n for key, n in engine.pinned_prompts().items() if key.startswith("acme/kept/")} == pinned
+    named = client.completions.create(model="style", prompt="Hi", extra_body={"system_prompt": "kept"},
+                                      **GREEDY)
+    assert named.choices[0].text is not None and engine.blocks.num_hit_tokens > hits  # still warm

@@ -225,6 +225,10 @@ class ResidentAdapter(BaseModel):
     device_bytes: int = Field(0, description="Device memory it takes (its slot's pages of the pool).")
 
 
+class PrefixCacheReset(BaseModel):
+    dropped_blocks: int = Field(description="Cached prompt blocks that no request held, now free.")
+
+
 class AdapterWait(BaseModel):
     num_requests: int = Field(description="Ended requests that had an adapter.")
     total_seconds: float = Field(description="Their waits for it, summed.")

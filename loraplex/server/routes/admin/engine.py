@@ -12,7 +12,13 @@ from loraplex.engine.stats import Histogram
 from loraplex.server.auth import AdminDep
 from loraplex.server.deps import ServicesDep
 from loraplex.server.routes.docs import error_responses
-from loraplex.server.schemas.admin import AdapterWait, EngineState, ResidentAdapter, TenantRequests
+from loraplex.server.schemas.admin import (
+    AdapterWait,
+    EngineState,
+    PrefixCacheReset,
+    ResidentAdapter,
+    TenantRequests,
+)
 
 router = APIRouter(tags=["Admin: engine"])
 
@@ -69,6 +75,19 @@ async def get_engine_state(admin: AdminDep, services: ServicesDep) -> EngineStat
         cuda_graphs=None if llm.graphs is None else asdict(llm.graphs),
         uptime_s=time.time() - services.started_at,
     )
+
+
+@router.post("/engine/reset-prefix-cache", response_model=PrefixCacheReset,
+             summary="Forget the cached prompt blocks", responses=error_responses(401, 403, 503))
+async def reset_prefix_cache(admin: AdminDep, services: ServicesDep) -> PrefixCacheReset:
+    """Drop every cached prompt block that no request holds (registered system prompts stay
+    pinned): later requests compute their prompts again. For benchmarks that send the same
+    workload twice, as vLLM's `/reset_prefix_cache`."""
+    return PrefixCacheReset(dropped_blocks=await services.engine.call(_reset_prefix_cache))
+
+
+def _reset_prefix_cache(engine) -> int:  # (module level: it crosses to the engine-core process)
+    return engine.reset_prefix_cache()
 
 
 def _adapter_wait(histogram: Histogram | None) -> AdapterWait | None:
