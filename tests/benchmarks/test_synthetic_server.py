@@ -93,7 +93,7 @@ def test_the_offline_pass_loads_the_workloads_adapters_before_it_measures(mixed)
     the same footing: every adapter of its workload is loaded once before the clock starts."""
     engine, adapters = mixed
     workload = server.WorkloadConfig(num_prompts=96, num_tenants=NUM_TENANTS, num_adapters=NUM_ADAPTERS,
-                                     prompt_len=8, output_len=2, zipf_alpha=0.5, seed=3, vocab_size=1000)
+                                     prompt_len=40, output_len=2, zipf_alpha=0.5, seed=3, vocab_size=1000)
     requests = server.make_workload(workload)
     distinct = {r.adapter for r in requests if r.adapter}
     late = {server._digest(r) for r in requests[64:]} - {server._digest(r) for r in requests[:64]} - {None}
@@ -102,6 +102,7 @@ def test_the_offline_pass_loads_the_workloads_adapters_before_it_measures(mixed)
     result = server.run_offline(engine, workload)
     assert result["warm_up"]["adapters"] == len(distinct)
     assert result["adapter_host_loads"] == 0  # all in the host tier (or resident) by then
+    assert result["prefix_cache_hit_tokens"] == 0  # its prompts computed, as over HTTP
     assert result["completed"] == 96 and result["output_tokens"] == 96 * 2
     assert all(n > 0 for n in result["preemptions_by_cause"].values())
 
