@@ -70,6 +70,7 @@ VALID: dict[tuple[str, str], dict[str, Any]] = {
                                             "since": "2024-01-01T00:00:00Z", "until": "2030-01-01T00:00:00"}},
     ("GET", "/admin/api/audit"): {"query": {"limit": 5, "before_id": 1000, "object_type": "tenant"}},
     ("GET", "/admin/api/engine"): {},
+    ("POST", "/admin/api/engine/reset-prefix-cache"): {},
 }
 NOT_JSON = {("POST", "/admin/api/adapters")}
 """Multipart uploads: tests/server/test_admin_uploads.py sends them every kind of bad form."""
