@@ -387,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from loraplex.cli.serve import _configure_logging
+    from loraplex.heap import freeze_startup_heap
     from loraplex.server import ServerConfig, create_app
     from loraplex.server.drain import DrainingServer
 
@@ -416,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                             drain_timeout_s=args.shutdown_timeout)
     logger.info("serving %s on %s with %d adapters of rank %s over %d tenants", MODEL_ID, url,
                 args.num_adapters, "/".join(map(str, args.ranks)), args.num_tenants)
+    freeze_startup_heap()
     server.run()
     write_device_bytes(engine, adapters, args.out, "after the drain")
     registry.close()

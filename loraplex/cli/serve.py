@@ -135,6 +135,7 @@ def _serve(args: argparse.Namespace, registry: Registry, served: ServedModel, da
     """Serve `engine` (`facts`: the engine, or the engine-core process's view) until stopped."""
     import uvicorn
 
+    from loraplex.heap import freeze_startup_heap
     from loraplex.server import ServerConfig, create_app
     from loraplex.server.connection_guard import guarded_protocol, raise_fd_limit
     from loraplex.server.drain import DrainingServer
@@ -155,6 +156,7 @@ def _serve(args: argparse.Namespace, registry: Registry, served: ServedModel, da
     url = f"http://{_url_host(args.host)}:{args.port}"
     logger.info("serving %s on %s (device %s): OpenAI API at %s/v1, admin API at %s/admin/api",
                 served.model_id, url, facts.device, url, url)
+    freeze_startup_heap()
     server.run()
     if not server.started:
         raise LoraplexError(f"could not serve on {args.host}:{args.port} (see the log above)")

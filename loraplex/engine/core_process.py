@@ -44,6 +44,7 @@ from loraplex.engine.core_replies import (
 )
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine_config import EngineConfig
+from loraplex.heap import freeze_startup_heap
 from loraplex.types import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int) -> 
         return
     try:
         core = EngineCore(engine, conn, parent_pid)
+        freeze_startup_heap()
         conn.send(Ready(facts_of(engine)))
         core.run()
     finally:
