@@ -1,0 +1,92 @@
+"""Does the tile path's row reduction for an adapter alone in its tile (lora_paged.ROW_RUN_MAX)
+make a mixed step's LoRA shrink cheaper when the decode rows carry distinct adapters? (GPU;
+issue 27: 112 decodes with 112 adapters beside a 768-token prompt cost 67.5 ms against 40.5 with
+one adapter on the H200.)
+
+One Llama-3-8B layer's shapes (qkv: in 4,096, three slices; gate_up: 4,096, two; down: 14,336,
+one), rank 16, bf16, 880 tokens: DECODES decode rows first (adapters 1..DECODES, or all adapter
+1), then a prompt of the rest on one adapter. The paged shrink and expand timed (do_bench median)
+with ROW_RUN_MAX 0 (the dot path for every run) and 1.
+
+    python studies/row_runs.py [--decodes 112] [--tokens 880] [--out X.json]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import triton.testing
+
+from loraplex.benchmarks import synthetic
+from loraplex.engine.lora_weights import LoraSlotBuffers, group_dims
+from loraplex.kernels import lora_paged
+
+
+def _bench_us(fn) -> float:
+    if torch.cuda.is_available():
+        return round(1e3 * triton.testing.do_bench(fn, warmup=5, rep=40), 1)
+    started = time.perf_counter()  # (a check of the script under the Triton interpreter)
+    fn()
+    return round(1e6 * (time.perf_counter() - started), 1)
+
+
+def _time_group(group, name: str, config, slots: torch.Tensor, num_tokens: int) -> dict:
+    """Shrink and expand microseconds of one layer's group with ROW_RUN_MAX 0 and 1, and the
+    largest difference between the two shrinks' outputs."""
+    in_features, _ = group_dims(config, name)
+    dtype = group.pool.dtype
+    x = torch.randn(num_tokens, in_features, device=slots.device, dtype=dtype)
+    y = torch.randn(num_tokens, group.slice_offsets[-1], device=slots.device, dtype=dtype)
+
+    def shrink() -> torch.Tensor:
+        return lora_paged.lora_shrink_paged(x, group.pool, group.a_pages, slots, group.ranks, 16)
+
+    row, outputs = {}, []
+    for row_run_max in (0, 1):
+        lora_paged.ROW_RUN_MAX = row_run_max
+        shrunk = shrink()
+        outputs.append(shrunk)
+        row[f"shrink_us_row_run_max_{row_run_max}"] = _bench_us(shrink)
+        row[f"expand_us_row_run_max_{row_run_max}"] = _bench_us(
+            lambda shrunk=shrunk: lora_paged.lora_expand_paged(y, shrunk, group.pool, group.b_pages, slots,
+                                                               group.ranks, group.slice_offsets))
+    row["max_abs_diff"] = float((outputs[0] - outputs[1]).abs().max())
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--decodes", type=int, default=112)
+    parser.add_argument("--tokens", type=int, default=880)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--model-overrides", type=json.loads, default={}, help="a smaller shape (CPU check)")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = synthetic.model_config({**args.model_overrides, "num_hidden_layers": 1})
+    num_slots = args.decodes + 1
+    buffers = LoraSlotBuffers(config, num_slots, 16, dtype, device)
+    for slot in range(1, num_slots + 1):
+        host = synthetic.random_adapter(config, 16, dtype, device, f"s{slot}", slot,
+                                        pin=device.type == "cuda")
+        buffers.load(slot, host, buffers.own_pages_of(slot, buffers.pages_for(host)))
+    rows = []
+    for distinct in (1, args.decodes):
+        slots = torch.full((args.tokens,), num_slots, dtype=torch.int32, device=device)
+        slots[:args.decodes] = torch.arange(args.decodes, device=device) % distinct + 1
+        for name in ("qkv", "gate_up", "down"):
+            row = {"distinct_adapters": distinct, "group": name,
+                   **_time_group(buffers.group(0, name), name, config, slots, args.tokens)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    lora_paged.ROW_RUN_MAX = 1
+    if args.out:
+        result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "rows": rows}
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
