@@ -58,12 +58,13 @@ from loraplex.kernels.lora import (
 )
 from loraplex.kernels.reference import PAGE_RANK, num_rank_pages
 
-ROW_RUN_MAX = 1
-"""In the tile path (steps past lora.MAX_GEMV_TOKENS tokens), an adapter with at most this many
-tokens in a tile (a decode row beside other adapters' rows) is shrunk by a row reduction instead
-of BLOCK_M-row dots over the whole input dimension, once per adapter in the tile (0: never). On
-the H200 at 112 decodes with 112 adapters beside a 768-token prompt the step cost 67.5 ms against
-40.5 with one adapter (studies/mixed_adapters_cost.py)."""
+ROW_RUNS = False
+"""In the tile path (steps past lora.MAX_GEMV_TOKENS tokens), shrink an adapter that has one token
+in a tile (a decode row beside other adapters' rows) by a row reduction instead of BLOCK_M-row
+dots over the whole input dimension, once per adapter in the tile. On the H200 at 112 decodes
+with 112 adapters beside a 768-token prompt the step cost 67.5 ms against 40.5 with one adapter
+(studies/mixed_adapters_cost.py). Off until measured on a GPU (studies/row_runs.py); off, the
+kernel compiles to what it was."""
 
 
 @triton.jit
@@ -117,7 +118,7 @@ def _shrink_tiles_kernel(
     num_tokens, in_features, k_per_split,
     stride_x_tok, stride_p_slot, stride_p_slice, stride_ranks_slot, stride_out_slice, stride_out_tok,
     PAGE_RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    ATOMIC: tl.constexpr, UPCAST: tl.constexpr, ALIGN: tl.constexpr, ROW_RUN_MAX: tl.constexpr,
+    ATOMIC: tl.constexpr, UPCAST: tl.constexpr, ALIGN: tl.constexpr, ROW_RUNS: tl.constexpr,
     ROW_K: tl.constexpr,
 ):
     slice_id = tl.program_id(1)
@@ -135,41 +136,63 @@ def _shrink_tiles_kernel(
             r_mask = r < rank
             pages = a_pages_ptr + slot.to(tl.int64) * stride_p_slot + slice_id * stride_p_slice
             a_rows = pool_ptr + _row_at(pages, r, r_mask, in_features, PAGE_RANK, ALIGN)[:, None]
-            if tl.sum(run.to(tl.int32), axis=0) <= ROW_RUN_MAX:
-                # The tile's only token of this adapter (a decode row among other adapters'):
-                # a row's reduction, not BLOCK_M rows of dots over the whole input.
-                one = tl.max(tl.where(run, tok, -1), axis=0)
-                x_row = x_ptr + one.to(tl.int64) * stride_x_tok
-                part = tl.zeros([BLOCK_R, ROW_K], tl.float32)
-                for k0 in range(k_lo, k_hi, ROW_K):
-                    k = k0 + tl.arange(0, ROW_K)
-                    k_mask = k < k_hi
-                    xt = tl.load(x_row + k, mask=k_mask, other=0.0)
-                    at = tl.load(a_rows + k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-                    part += at.to(tl.float32) * xt.to(tl.float32)[None, :]
-                row = out_ptr + slice_id * stride_out_slice + one * stride_out_tok + r
-                if ATOMIC:
-                    tl.atomic_add(row, tl.sum(part, axis=1), mask=r_mask)
+            if ROW_RUNS:
+                if tl.sum(run.to(tl.int32), axis=0) == 1:  # a decode row among other adapters'
+                    _shrink_one_row(x_ptr, a_rows, out_ptr, tl.max(tl.where(run, tok, -1), axis=0), r,
+                                    r_mask, slice_id, k_lo, k_hi, stride_x_tok, stride_out_slice,
+                                    stride_out_tok, BLOCK_R, ROW_K, ATOMIC)
                 else:
-                    tl.store(row, tl.sum(part, axis=1), mask=r_mask)
+                    _shrink_run_tile(x_rows, a_rows, out_ptr, tok, run, r, r_mask, slice_id, k_lo, k_hi,
+                                     stride_out_slice, stride_out_tok, BLOCK_M, BLOCK_R, BLOCK_K, ATOMIC,
+                                     UPCAST)
             else:
-                acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-                for k0 in range(k_lo, k_hi, BLOCK_K):
-                    k = k0 + tl.arange(0, BLOCK_K)
-                    k_mask = k < k_hi
-                    xt = tl.load(x_rows + k[None, :], mask=run[:, None] & k_mask[None, :], other=0.0)
-                    at = tl.load(a_rows + k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-                    if UPCAST:  # float32's accuracy on the tensor cores (plain tf32 is off by ~1e-3)
-                        acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)),
-                                      input_precision="tf32x3")
-                    else:
-                        acc += tl.dot(xt, tl.trans(at))
-                out = out_ptr + slice_id * stride_out_slice + tok[:, None] * stride_out_tok + r[None, :]
-                mask = run[:, None] & r_mask[None, :]
-                if ATOMIC:
-                    tl.atomic_add(out, acc, mask=mask)
-                else:
-                    tl.store(out, acc, mask=mask)
+                _shrink_run_tile(x_rows, a_rows, out_ptr, tok, run, r, r_mask, slice_id, k_lo, k_hi,
+                                 stride_out_slice, stride_out_tok, BLOCK_M, BLOCK_R, BLOCK_K, ATOMIC, UPCAST)
+
+
+@triton.jit
+def _shrink_run_tile(x_rows, a_rows, out_ptr, tok, run, r, r_mask, slice_id, k_lo, k_hi,
+                     stride_out_slice, stride_out_tok, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, UPCAST: tl.constexpr):
+    """One adapter's tokens of a tile (`run`) through its A rows: BLOCK_M-row dots over the
+    input dimension [k_lo, k_hi)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < k_hi
+        xt = tl.load(x_rows + k[None, :], mask=run[:, None] & k_mask[None, :], other=0.0)
+        at = tl.load(a_rows + k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        if UPCAST:  # float32's accuracy on the tensor cores (plain tf32 is off by ~1e-3)
+            acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), input_precision="tf32x3")
+        else:
+            acc += tl.dot(xt, tl.trans(at))
+    out = out_ptr + slice_id * stride_out_slice + tok[:, None] * stride_out_tok + r[None, :]
+    mask = run[:, None] & r_mask[None, :]
+    if ATOMIC:
+        tl.atomic_add(out, acc, mask=mask)
+    else:
+        tl.store(out, acc, mask=mask)
+
+
+@triton.jit
+def _shrink_one_row(x_ptr, a_rows, out_ptr, one, r, r_mask, slice_id, k_lo, k_hi, stride_x_tok,
+                    stride_out_slice, stride_out_tok, BLOCK_R: tl.constexpr, ROW_K: tl.constexpr,
+                    ATOMIC: tl.constexpr):
+    """Token `one`, its adapter's only token in the tile, through the A rows: a row reduction
+    over [k_lo, k_hi) instead of BLOCK_M-row dots."""
+    x_row = x_ptr + one.to(tl.int64) * stride_x_tok
+    part = tl.zeros([BLOCK_R, ROW_K], tl.float32)
+    for k0 in range(k_lo, k_hi, ROW_K):
+        k = k0 + tl.arange(0, ROW_K)
+        k_mask = k < k_hi
+        xt = tl.load(x_row + k, mask=k_mask, other=0.0)
+        at = tl.load(a_rows + k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        part += at.to(tl.float32) * xt.to(tl.float32)[None, :]
+    out = out_ptr + slice_id * stride_out_slice + one * stride_out_tok + r
+    if ATOMIC:
+        tl.atomic_add(out, tl.sum(part, axis=1), mask=r_mask)
+    else:
+        tl.store(out, tl.sum(part, axis=1), mask=r_mask)
 
 
 @triton.jit
@@ -333,7 +356,7 @@ def _launch_shrink(x, pool, a_pages, token_slots, ranks, max_rank: int,
         x, pool, a_pages, token_slots, ranks, out, num_tokens, in_features, k_per_split, *common,
         PAGE_RANK=PAGE_RANK, BLOCK_M=config.block_m, BLOCK_R=block_r,
         BLOCK_K=config.block_k, ATOMIC=grid[2] > 1, UPCAST=upcast_loads(x.dtype),
-        ALIGN=row_align(pool, (in_features,)), ROW_RUN_MAX=ROW_RUN_MAX, ROW_K=max(32, 2048 // block_r),
+        ALIGN=row_align(pool, (in_features,)), ROW_RUNS=ROW_RUNS, ROW_K=max(32, 2048 // block_r),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

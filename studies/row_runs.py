@@ -1,4 +1,4 @@
-"""Does the tile path's row reduction for an adapter alone in its tile (lora_paged.ROW_RUN_MAX)
+"""Does the tile path's row reduction for an adapter alone in its tile (lora_paged.ROW_RUNS)
 make a mixed step's LoRA shrink cheaper when the decode rows carry distinct adapters? (GPU;
 issue 27: 112 decodes with 112 adapters beside a 768-token prompt cost 67.5 ms against 40.5 with
 one adapter on the H200.)
@@ -6,7 +6,7 @@ one adapter on the H200.)
 One Llama-3-8B layer's shapes (qkv: in 4,096, three slices; gate_up: 4,096, two; down: 14,336,
 one), rank 16, bf16, 880 tokens: DECODES decode rows first (adapters 1..DECODES, or all adapter
 1), then a prompt of the rest on one adapter. The paged shrink and expand timed (do_bench median)
-with ROW_RUN_MAX 0 (the dot path for every run) and 1.
+with ROW_RUNS off (the dot path for every run) and on.
 
     python studies/row_runs.py [--decodes 112] [--tokens 880] [--out X.json]"""
 
@@ -34,7 +34,7 @@ def _bench_us(fn) -> float:
 
 
 def _time_group(group, name: str, config, slots: torch.Tensor, num_tokens: int) -> dict:
-    """Shrink and expand microseconds of one layer's group with ROW_RUN_MAX 0 and 1, and the
+    """Shrink and expand microseconds of one layer's group with ROW_RUNS off and on, and the
     largest difference between the two shrinks' outputs."""
     in_features, _ = group_dims(config, name)
     dtype = group.pool.dtype
@@ -45,12 +45,12 @@ def _time_group(group, name: str, config, slots: torch.Tensor, num_tokens: int) 
         return lora_paged.lora_shrink_paged(x, group.pool, group.a_pages, slots, group.ranks, 16)
 
     row, outputs = {}, []
-    for row_run_max in (0, 1):
-        lora_paged.ROW_RUN_MAX = row_run_max
+    for row_runs in (False, True):
+        lora_paged.ROW_RUNS = row_runs
         shrunk = shrink()
         outputs.append(shrunk)
-        row[f"shrink_us_row_run_max_{row_run_max}"] = _bench_us(shrink)
-        row[f"expand_us_row_run_max_{row_run_max}"] = _bench_us(
+        row[f"shrink_us_row_runs_{row_runs}"] = _bench_us(shrink)
+        row[f"expand_us_row_runs_{row_runs}"] = _bench_us(
             lambda shrunk=shrunk: lora_paged.lora_expand_paged(y, shrunk, group.pool, group.b_pages, slots,
                                                                group.ranks, group.slice_offsets))
     row["max_abs_diff"] = float((outputs[0] - outputs[1]).abs().max())
@@ -82,7 +82,7 @@ def main() -> None:
                    **_time_group(buffers.group(0, name), name, config, slots, args.tokens)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    lora_paged.ROW_RUN_MAX = 1
+    lora_paged.ROW_RUNS = False
     if args.out:
         result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "rows": rows}
         args.out.write_text(json.dumps(result, indent=1) + "\n")
