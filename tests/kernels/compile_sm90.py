@@ -219,10 +219,11 @@ def _paged_cases() -> Iterator[tuple]:
            dict(PAGE_RANK=paged.PAGE_RANK, BLOCK_R=s.block_r, BLOCK_K=s.block_k, EVEN_K=True,
                 NUM_STAGES=s.num_stages, ALIGN=8), s.num_warps)
     s = lora.shrink_config(2048, 3, 4096, 16, _cpu())
-    yield (f"lora paged shrink {s}", paged._shrink_tiles_kernel,
-           dict(shrink_args, num_tokens=2048, k_per_split=1024, stride_out_slice=2048 * 16),
-           dict(PAGE_RANK=paged.PAGE_RANK, BLOCK_M=s.block_m, BLOCK_R=16, BLOCK_K=s.block_k, ATOMIC=True,
-                UPCAST=False, ALIGN=8), s.num_warps, s.num_stages)
+    for row_runs in (False, True):  # (lora_paged.ROW_RUNS)
+        yield (f"lora paged shrink {s} row_runs={row_runs}", paged._shrink_tiles_kernel,
+               dict(shrink_args, num_tokens=2048, k_per_split=1024, stride_out_slice=2048 * 16),
+               dict(PAGE_RANK=paged.PAGE_RANK, BLOCK_M=s.block_m, BLOCK_R=16, BLOCK_K=s.block_k, ATOMIC=True,
+                    UPCAST=False, ALIGN=8, ROW_RUNS=row_runs, ROW_K=128), s.num_warps, s.num_stages)
     expand_args = dict(y_ptr=BF16, shrunk_ptr=F32, pool_ptr=BF16, b_pages_ptr=I64, token_slots_ptr=I32,
                        ranks_ptr=I32, vectors_ptr=F32, scale_at_ptr=I64, shift_at_ptr=I64,
                        out_features=6144, off0=0, off1=4096, off2=5120, off3=6144, off4=6144,
