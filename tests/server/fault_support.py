@@ -88,13 +88,17 @@ class PostgresCluster:
         return self.url(name)
 
     @contextlib.contextmanager
-    def hung(self) -> Iterator[None]:
+    def hung(self, database: str | None = None) -> Iterator[None]:
         """The server stops answering new connections for the block (its postmaster is
         SIGSTOPped: the kernel still accepts them, nobody answers), as a server stuck or cut off
-        by the network looks to a client."""
+        by the network looks to a client. With `database`, the sessions open on it are ended
+        once the postmaster is stopped (a session opened between ending them and stopping it,
+        as a server's background sync does within a quarter second, would go on answering)."""
         pid = int((self.data_dir / "postmaster.pid").read_text().split()[0])
         os.kill(pid, signal.SIGSTOP)
         try:
+            if database is not None:
+                _end_sessions(pid, database)
             yield
         finally:
             os.kill(pid, signal.SIGCONT)
@@ -106,6 +110,21 @@ class PostgresCluster:
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                 "WHERE datname = %s AND pid <> pg_backend_pid()", (database,)).fetchall()
         return len(rows)
+
+
+def _end_sessions(postmaster: int, database: str) -> None:
+    """SIGTERM (what pg_terminate_backend sends) the postmaster's backends whose process title
+    names `database` (Linux: /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            title = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue  # (gone meanwhile)
+        if parent == postmaster and f" {database} ".encode() in title:
+            os.kill(int(entry.name), signal.SIGTERM)
 
 
 @contextlib.contextmanager

@@ -133,7 +133,7 @@ def test_postgres_that_does_not_answer(
     with _serving_on(cluster, tmp_path, engine, adapter_dirs, connect_timeout_s=1) as serving:
         server, database, served = serving
         cluster.kill_connections(database)  # the pool's connections are gone: it must connect anew
-        with cluster.hung():
+        with cluster.hung(database):
             _outage_checks(server, served)
         print(f"PostgreSQL answering again: served again {_recovered(server):.2f} s later")
         usage = _usage(server, "acme")
