@@ -36,6 +36,18 @@ def mixed():
     engine.close()
 
 
+def test_row_runs_sets_the_kernels_switch_for_the_engine_it_builds(monkeypatch):
+    from loraplex.kernels import lora_paged
+
+    monkeypatch.setattr(lora_paged, "ROW_RUNS", False)
+    engine = server.build_engine(server.parse_args(_args("--row-runs")))
+    engine.close()
+    assert lora_paged.ROW_RUNS is True
+    engine = server.build_engine(server.parse_args(_args()))
+    engine.close()
+    assert lora_paged.ROW_RUNS is False
+
+
 def test_ranks_default_to_the_single_rank_and_must_be_distinct():
     assert server.parse_args(_args()).ranks == (16,)
     assert server.parse_args(_args("--rank", "8")).ranks == (8,)
