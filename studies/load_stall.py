@@ -4,7 +4,8 @@ it (issue 27: the serving simulation puts ~60 ms of each ~100 ms host load on th
 An engine-like thread runs steps back to back (a little Python, as the scheduler's, then a chain
 of matrix products on the device, waited for), while a loader thread runs one part of a host
 load over and over on a Llama-3-8B-shaped rank-16 adapter on all seven projections. The engine
-time lost per load is the steps' wall time during the loads beyond their median alone. Parts:
+time lost per load is the loads' wall time beyond what the steps completed in it take alone
+(their median alone, each). Parts:
 
 - synthetic: the serving pass's loader (a pinned copy of a pool adapter: synthetic_server);
 - pack: LoraSlotBuffers.prepare, the adapter laid out as the pool's pages (every load does it);
@@ -67,7 +68,9 @@ def measure(engine: EngineLoop, part: Callable[[], object], num_loads: int, base
     wall, cpu = time.perf_counter() - started, time.thread_time() - cpu
     ended = time.perf_counter()
     during = [s for end, s in engine.steps[first:] if end <= ended]
-    lost = sum(max(0.0, s - base_s) for s in during)
+    # The window's time beyond what its steps would have taken alone (a step stalled past the
+    # window's end counts too: a part that stops every step shows as its whole length).
+    lost = max(0.0, (ended - started) - len(during) * base_s)
     return {"load_ms": round(1e3 * wall / num_loads, 2), "load_cpu_ms": round(1e3 * cpu / num_loads, 2),
             "steps": len(during),
             "step_p50_ms": round(1e3 * statistics.median(during), 3) if during else None,
