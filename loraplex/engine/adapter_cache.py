@@ -366,7 +366,7 @@ class AdapterCache:
         device, and there is room (dropping unneeded adapters, oldest use first); False if there
         is no room. (A resident adapter needs no host copy to run: reading it again for requests
         queued behind full running places cost the serving pass 15-32 host loads a run with no
-        device load, each holding the engine's thread part of its ~100 ms.)"""
+        device load.)"""
         if digest in self._slot_of:
             return True
         if digest in self._host:

@@ -341,12 +341,6 @@ class LLMEngine:
             self.adapters.forget(digest)
 
     # Tenants ------------------------------------------------------------------------------
-    def reset_prefix_cache(self) -> int:
-        """Forget the cached prompt blocks that no request holds (pinned system prompts hold
-        theirs and stay); returns how many were dropped. Benchmarks that send a workload again
-        call it between runs, so that the second run computes its prompts as the first did."""
-        return self.blocks.reset_prefix_cache()
-
     def set_tenant_weight(self, tenant: str, weight: float) -> None:
         """A tenant's share under contention; the scheduling policy reads it at the next step."""
         self.tenants.set_weight(tenant, weight)
@@ -544,7 +538,13 @@ class LLMEngine:
         self.scheduler.preempt(request)
         return True
 
-    # Registered system prompts ------------------------------------------------------------
+    # The prefix cache and registered system prompts ----------------------------------------
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prompt blocks that no request holds (pinned system prompts hold
+        theirs and stay); returns how many were dropped. Benchmarks that send a workload again
+        call it between runs, so that the second run computes its prompts as the first did."""
+        return self.blocks.reset_prefix_cache()
+
     def pin_prompt(self, key: str, token_ids: list[int], tenant: str | None = None,
                    adapter: str | None = None) -> None:
         """Prefill a system prompt's tokens (under `tenant` and `adapter`, a name or a digest)
