@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels import lora
 from loraplex.kernels._common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -58,13 +59,39 @@ from loraplex.kernels.lora import (
 )
 from loraplex.kernels.reference import PAGE_RANK, num_rank_pages
 
-ROW_RUNS = False
-"""In the tile path (steps past lora.MAX_GEMV_TOKENS tokens), shrink an adapter that has one token
-in a tile (a decode row beside other adapters' rows) by a row reduction instead of BLOCK_M-row
-dots over the whole input dimension, once per adapter in the tile. On the H200 at 112 decodes
-with 112 adapters beside a 768-token prompt the step cost 67.5 ms against 40.5 with one adapter
-(studies/mixed_adapters_cost.py). Off until measured on a GPU (studies/row_runs.py); off, the
-kernel compiles to what it was."""
+SPLIT_LONE = True
+"""In steps past lora.MAX_GEMV_TOKENS tokens (the tile path), a token whose neighbours carry other
+adapters (a decode row beside other adapters' rows: `_lone`) runs through the per-token kernels,
+the rest through the tiles. Without the split, a 32-token tile of decode rows with distinct
+adapters runs the input dimension once per adapter, one after another in one program: on the H200
+112 decodes with 112 adapters beside a 768-token prompt cost 67.5 ms against 40.5 ms with one
+adapter (studies/mixed_adapters_cost.py). A switch so that a GPU can measure both
+(studies/lone_rows.py); the kernels read it at launch (and at a graph's capture)."""
+
+EVERY, LONE_ONLY, RUNS_ONLY = 0, 1, 2
+"""The kernels' LONE argument: which tokens a launch computes (every token, only the lone ones,
+every one but the lone ones)."""
+
+
+@triton.jit
+def _lone(token_slots_ptr, tok, num_tokens):
+    """Whether token(s) `tok` carry a slot that neither neighbour carries (a run of one)."""
+    inside = (tok >= 0) & (tok < num_tokens)
+    slot = tl.load(token_slots_ptr + tok, mask=inside, other=0)
+    before = tl.load(token_slots_ptr + tok - 1, mask=inside & (tok > 0), other=-1)
+    after = tl.load(token_slots_ptr + tok + 1, mask=inside & (tok + 1 < num_tokens), other=-1)
+    return (slot != before) & (slot != after)
+
+
+@triton.jit
+def _computes(token_slots_ptr, tok, num_tokens, slots, LONE: tl.constexpr):
+    """Which of tokens `tok` (slots `slots`) this launch computes: a slot, and in LONE's share."""
+    todo = slots > 0
+    if LONE == 1:
+        todo = todo & _lone(token_slots_ptr, tok, num_tokens)
+    elif LONE == 2:
+        todo = todo & ~_lone(token_slots_ptr, tok, num_tokens)
+    return todo
 
 
 @triton.jit
@@ -78,10 +105,10 @@ def _row_at(pages_ptr, r, mask, row_len, PAGE_RANK: tl.constexpr, ALIGN: tl.cons
 @triton.jit
 def _shrink_rows_kernel(
     x_ptr, pool_ptr, a_pages_ptr, token_slots_ptr, ranks_ptr, out_ptr,
-    in_features, max_rank,
+    num_tokens, in_features, max_rank,
     stride_x_tok, stride_p_slot, stride_p_slice, stride_ranks_slot, stride_out_slice, stride_out_tok,
     PAGE_RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, ALIGN: tl.constexpr,
+    NUM_STAGES: tl.constexpr, ALIGN: tl.constexpr, LONE: tl.constexpr,
 ):
     r0 = tl.program_id(0) * BLOCK_R
     tok = tl.program_id(1)
@@ -90,6 +117,8 @@ def _shrink_rows_kernel(
     slot = tl.load(token_slots_ptr + tok)
     rank = tl.load(ranks_ptr + slot * stride_ranks_slot + slice_id)
     rank = tl.where(slot > 0, rank, 0)
+    if LONE == 1 and not _lone(token_slots_ptr, tok, num_tokens):
+        rank = -1  # the tile kernel computes (and stores) this token: no store here
     acc = tl.zeros([BLOCK_R], tl.float32)
     if r0 < rank:
         r_mask = r < rank
@@ -109,7 +138,7 @@ def _shrink_rows_kernel(
             part += at.to(tl.float32) * xt.to(tl.float32)[None, :]
         acc = tl.sum(part, axis=1)
     out = out_ptr + slice_id * stride_out_slice + tok * stride_out_tok + r
-    tl.store(out, acc, mask=r < max_rank)
+    tl.store(out, acc, mask=r < tl.where(rank >= 0, max_rank, 0))
 
 
 @triton.jit
@@ -118,13 +147,12 @@ def _shrink_tiles_kernel(
     num_tokens, in_features, k_per_split,
     stride_x_tok, stride_p_slot, stride_p_slice, stride_ranks_slot, stride_out_slice, stride_out_tok,
     PAGE_RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    ATOMIC: tl.constexpr, UPCAST: tl.constexpr, ALIGN: tl.constexpr, ROW_RUNS: tl.constexpr,
-    ROW_K: tl.constexpr,
+    ATOMIC: tl.constexpr, UPCAST: tl.constexpr, ALIGN: tl.constexpr, LONE: tl.constexpr,
 ):
     slice_id = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     slots = tl.load(token_slots_ptr + tok, mask=tok < num_tokens, other=0)
-    todo = slots > 0
+    todo = _computes(token_slots_ptr, tok, num_tokens, slots, LONE)
     k_lo = tl.program_id(2) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, in_features)
     r = tl.arange(0, BLOCK_R)
@@ -136,18 +164,8 @@ def _shrink_tiles_kernel(
             r_mask = r < rank
             pages = a_pages_ptr + slot.to(tl.int64) * stride_p_slot + slice_id * stride_p_slice
             a_rows = pool_ptr + _row_at(pages, r, r_mask, in_features, PAGE_RANK, ALIGN)[:, None]
-            if ROW_RUNS:
-                if tl.sum(run.to(tl.int32), axis=0) == 1:  # a decode row among other adapters'
-                    _shrink_one_row(x_ptr, a_rows, out_ptr, tl.max(tl.where(run, tok, -1), axis=0), r,
-                                    r_mask, slice_id, k_lo, k_hi, stride_x_tok, stride_out_slice,
-                                    stride_out_tok, BLOCK_R, ROW_K, ATOMIC)
-                else:
-                    _shrink_run_tile(x_rows, a_rows, out_ptr, tok, run, r, r_mask, slice_id, k_lo, k_hi,
-                                     stride_out_slice, stride_out_tok, BLOCK_M, BLOCK_R, BLOCK_K, ATOMIC,
-                                     UPCAST)
-            else:
-                _shrink_run_tile(x_rows, a_rows, out_ptr, tok, run, r, r_mask, slice_id, k_lo, k_hi,
-                                 stride_out_slice, stride_out_tok, BLOCK_M, BLOCK_R, BLOCK_K, ATOMIC, UPCAST)
+            _shrink_run_tile(x_rows, a_rows, out_ptr, tok, run, r, r_mask, slice_id, k_lo, k_hi,
+                             stride_out_slice, stride_out_tok, BLOCK_M, BLOCK_R, BLOCK_K, ATOMIC, UPCAST)
 
 
 @triton.jit
@@ -175,27 +193,6 @@ def _shrink_run_tile(x_rows, a_rows, out_ptr, tok, run, r, r_mask, slice_id, k_l
 
 
 @triton.jit
-def _shrink_one_row(x_ptr, a_rows, out_ptr, one, r, r_mask, slice_id, k_lo, k_hi, stride_x_tok,
-                    stride_out_slice, stride_out_tok, BLOCK_R: tl.constexpr, ROW_K: tl.constexpr,
-                    ATOMIC: tl.constexpr):
-    """Token `one`, its adapter's only token in the tile, through the A rows: a row reduction
-    over [k_lo, k_hi) instead of BLOCK_M-row dots."""
-    x_row = x_ptr + one.to(tl.int64) * stride_x_tok
-    part = tl.zeros([BLOCK_R, ROW_K], tl.float32)
-    for k0 in range(k_lo, k_hi, ROW_K):
-        k = k0 + tl.arange(0, ROW_K)
-        k_mask = k < k_hi
-        xt = tl.load(x_row + k, mask=k_mask, other=0.0)
-        at = tl.load(a_rows + k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-        part += at.to(tl.float32) * xt.to(tl.float32)[None, :]
-    out = out_ptr + slice_id * stride_out_slice + one * stride_out_tok + r
-    if ATOMIC:
-        tl.atomic_add(out, tl.sum(part, axis=1), mask=r_mask)
-    else:
-        tl.store(out, tl.sum(part, axis=1), mask=r_mask)
-
-
-@triton.jit
 def _expand_kernel(
     y_ptr, shrunk_ptr, pool_ptr, b_pages_ptr, token_slots_ptr, ranks_ptr, vectors_ptr,
     scale_at_ptr, shift_at_ptr,
@@ -203,7 +200,7 @@ def _expand_kernel(
     stride_y_tok, stride_s_slice, stride_s_tok, stride_p_slot, stride_p_slice, stride_ranks_slot,
     PAGE_RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     RANK_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_SCALE: tl.constexpr,
-    HAS_SHIFT: tl.constexpr, ALIGN: tl.constexpr, VEC_ALIGN: tl.constexpr,
+    HAS_SHIFT: tl.constexpr, ALIGN: tl.constexpr, VEC_ALIGN: tl.constexpr, LONE: tl.constexpr,
 ):
     col0 = tl.program_id(0) * BLOCK_N
     cols = col0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features, possibly of several slices
@@ -212,7 +209,7 @@ def _expand_kernel(
     last = _slice_of(tl.minimum(col0 + BLOCK_N, out_features) - 1, off1, off2, off3)
     tok = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     slots = tl.load(token_slots_ptr + tok, mask=tok < num_tokens, other=0)
-    has_adapter = slots > 0
+    has_adapter = _computes(token_slots_ptr, tok, num_tokens, slots, LONE)
     y_tile = y_ptr + tok.to(tl.int64)[:, None] * stride_y_tok + cols[None, :]
     y_mask = has_adapter[:, None] & in_cols[None, :]
     y = tl.load(y_tile, mask=y_mask, other=0.0)
@@ -328,6 +325,11 @@ def lora_shrink_paged_unchecked(
     return _launch_shrink(x, pool, a_pages, token_slots, ranks, max_rank, config)
 
 
+LONE_ROWS_TOKENS = 64
+"""The token count whose per-token shrink config the lone tokens of a tile-path step run with (how
+many are lone is known on the device only)."""
+
+
 def _launch_shrink(x, pool, a_pages, token_slots, ranks, max_rank: int,
                    config: ShrinkConfig) -> torch.Tensor:
     num_tokens, in_features = x.shape
@@ -340,24 +342,26 @@ def _launch_shrink(x, pool, a_pages, token_slots, ranks, max_rank: int,
         return out
     common = (x.stride(0), a_pages.stride(0), a_pages.stride(1), ranks.stride(0), out.stride(0),
               out.stride(1))
-    if config.block_m == 1:
-        grid = (cdiv(max_rank, config.block_r), num_tokens, num_slices)
-        _shrink_rows_kernel[grid](
-            x, pool, a_pages, token_slots, ranks, out, in_features, max_rank, *common,
-            PAGE_RANK=PAGE_RANK, BLOCK_R=config.block_r, BLOCK_K=config.block_k,
-            EVEN_K=in_features % config.block_k == 0, NUM_STAGES=config.num_stages,
-            ALIGN=row_align(pool, (in_features,)), num_warps=config.num_warps,
+    align = row_align(pool, (in_features,))
+    split = config.block_m > 1 and SPLIT_LONE  # tiles for runs, the per-token kernel for lone tokens
+    if config.block_m > 1:
+        k_per_split = cdiv(cdiv(in_features, config.k_splits), config.block_k) * config.block_k
+        grid = (cdiv(num_tokens, config.block_m), num_slices, cdiv(in_features, k_per_split))
+        _shrink_tiles_kernel[grid](
+            x, pool, a_pages, token_slots, ranks, out, num_tokens, in_features, k_per_split, *common,
+            PAGE_RANK=PAGE_RANK, BLOCK_M=config.block_m, BLOCK_R=max(16, next_pow2(max_rank)),
+            BLOCK_K=config.block_k, ATOMIC=grid[2] > 1, UPCAST=upcast_loads(x.dtype), ALIGN=align,
+            LONE=RUNS_ONLY if split else EVERY, num_warps=config.num_warps, num_stages=config.num_stages,
         )
-        return out
-    k_per_split = cdiv(cdiv(in_features, config.k_splits), config.block_k) * config.block_k
-    grid = (cdiv(num_tokens, config.block_m), num_slices, cdiv(in_features, k_per_split))
-    block_r = max(16, next_pow2(max_rank))
-    _shrink_tiles_kernel[grid](
-        x, pool, a_pages, token_slots, ranks, out, num_tokens, in_features, k_per_split, *common,
-        PAGE_RANK=PAGE_RANK, BLOCK_M=config.block_m, BLOCK_R=block_r,
-        BLOCK_K=config.block_k, ATOMIC=grid[2] > 1, UPCAST=upcast_loads(x.dtype),
-        ALIGN=row_align(pool, (in_features,)), ROW_RUNS=ROW_RUNS, ROW_K=max(32, 2048 // block_r),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        if not split:
+            return out
+        config = lora.shrink_config(LONE_ROWS_TOKENS, num_slices, in_features, max_rank, x.device)
+    grid = (cdiv(max_rank, config.block_r), num_tokens, num_slices)
+    _shrink_rows_kernel[grid](
+        x, pool, a_pages, token_slots, ranks, out, num_tokens, in_features, max_rank, *common,
+        PAGE_RANK=PAGE_RANK, BLOCK_R=config.block_r, BLOCK_K=config.block_k,
+        EVEN_K=in_features % config.block_k == 0, NUM_STAGES=config.num_stages, ALIGN=align,
+        LONE=LONE_ONLY if split else EVERY, num_warps=config.num_warps,
     )
     return out
 
@@ -449,19 +453,24 @@ def _launch_expand(y, shrunk, pool, b_pages, token_slots, ranks, offsets: list[i
     max_rank = shrunk.shape[2]
     if num_tokens == 0 or out_features == 0 or (max_rank == 0 and scale_at is None):
         return y
-    grid = (cdiv(out_features, config.block_n), cdiv(num_tokens, config.block_m))
-    chunk = expand_rank_chunk(config, max_rank)
+    split = config.block_m > 1 and SPLIT_LONE  # tiles for runs, the per-token kernel for lone tokens
+    configs = [(config, RUNS_ONLY if split else EVERY)]
+    if split:
+        configs.append((_gemv_expand_config(GEMV_WARPS), LONE_ONLY))
     padded = offsets + [out_features] * (MAX_SLICES + 1 - len(offsets))
     has_scale, has_shift = scale_at is not None, shift_at is not None
-    _expand_kernel[grid](
-        y, shrunk, pool, b_pages, token_slots, ranks, vectors if has_scale else y,
-        scale_at if has_scale else b_pages, shift_at if has_shift else b_pages,
-        num_tokens, out_features, *padded,
-        y.stride(0), shrunk.stride(0), shrunk.stride(1), b_pages.stride(0), b_pages.stride(1),
-        ranks.stride(0),
-        PAGE_RANK=PAGE_RANK, BLOCK_M=config.block_m, BLOCK_N=config.block_n, RANK_CHUNK=chunk,
-        NUM_STAGES=config.num_stages, num_warps=config.num_warps, HAS_SCALE=has_scale,
-        HAS_SHIFT=has_shift, ALIGN=row_align(pool, offsets),
-        VEC_ALIGN=row_align(vectors, (out_features,)) if has_scale else 1,
-    )
+    for config, lone in configs:
+        grid = (cdiv(out_features, config.block_n), cdiv(num_tokens, config.block_m))
+        _expand_kernel[grid](
+            y, shrunk, pool, b_pages, token_slots, ranks, vectors if has_scale else y,
+            scale_at if has_scale else b_pages, shift_at if has_shift else b_pages,
+            num_tokens, out_features, *padded,
+            y.stride(0), shrunk.stride(0), shrunk.stride(1), b_pages.stride(0), b_pages.stride(1),
+            ranks.stride(0),
+            PAGE_RANK=PAGE_RANK, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            RANK_CHUNK=expand_rank_chunk(config, max_rank), NUM_STAGES=config.num_stages,
+            num_warps=config.num_warps, HAS_SCALE=has_scale, HAS_SHIFT=has_shift,
+            ALIGN=row_align(pool, offsets), VEC_ALIGN=row_align(vectors, (out_features,)) if has_scale else 1,
+            LONE=lone,
+        )
     return y

@@ -161,7 +161,7 @@ def word_tokenizer(vocab_size: int) -> Any:
 def build_engine(args: argparse.Namespace) -> LLMEngine:
     from loraplex.kernels import lora_paged
 
-    lora_paged.ROW_RUNS = args.row_runs  # (an experiment's switch: the kernels read it at launch)
+    lora_paged.SPLIT_LONE = args.split_lone  # (an experiment's switch: the kernels read it at launch)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model_config = synthetic.model_config(args.model_overrides)
@@ -339,9 +339,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "run through the engine directly before serving")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--shutdown-timeout", type=int, default=60)
-    parser.add_argument("--row-runs", action=argparse.BooleanOptionalAction, default=False,
-                        help="lora_paged.ROW_RUNS: in steps past 512 tokens, an adapter's lone token in "
-                        "a tile shrunk by a row reduction (default off, until measured)")
+    parser.add_argument("--split-lone", action=argparse.BooleanOptionalAction, default=True,
+                        help="lora_paged.SPLIT_LONE: in steps past 512 tokens, tokens whose neighbours "
+                        "carry other adapters (decode rows) through the per-token LoRA kernels, "
+                        "the rest in tiles (default on; off to measure without)")
     parser.add_argument("--mixed-step-graphs", action=argparse.BooleanOptionalAction,
                         default=EngineConfig.mixed_step_graphs,
                         help="EngineConfig.mixed_step_graphs: capture steps with prompt tokens too "

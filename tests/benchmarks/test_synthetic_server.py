@@ -36,16 +36,16 @@ def mixed():
     engine.close()
 
 
-def test_row_runs_sets_the_kernels_switch_for_the_engine_it_builds(monkeypatch):
+def test_split_lone_sets_the_kernels_switch_for_the_engine_it_builds(monkeypatch):
     from loraplex.kernels import lora_paged
 
-    monkeypatch.setattr(lora_paged, "ROW_RUNS", False)
-    engine = server.build_engine(server.parse_args(_args("--row-runs")))
-    engine.close()
-    assert lora_paged.ROW_RUNS is True
+    monkeypatch.setattr(lora_paged, "SPLIT_LONE", False)
     engine = server.build_engine(server.parse_args(_args()))
     engine.close()
-    assert lora_paged.ROW_RUNS is False
+    assert lora_paged.SPLIT_LONE is True
+    engine = server.build_engine(server.parse_args(_args("--no-split-lone")))
+    engine.close()
+    assert lora_paged.SPLIT_LONE is False
 
 
 def test_ranks_default_to_the_single_rank_and_must_be_distinct():

@@ -50,8 +50,9 @@ def _check_lora(path, monkeypatch, ranks, in_features, slice_sizes, max_rank, sl
     if path.startswith("tiles"):  # the tl.dot path (BLOCK_M > 1) at this tiny batch
         monkeypatch.setattr(lora_paged, "shrink_config", _tiles(lora.shrink_config))
         monkeypatch.setattr(lora_paged, "expand_config", _tiles(lora.expand_config))
-        # tiles-rows: an adapter's lone token in a tile by a row reduction (lora_paged.ROW_RUNS)
-        monkeypatch.setattr(lora_paged, "ROW_RUNS", path == "tiles-rows")
+        # "tiles": runs of a slot in the tiles, lone tokens per token (lora_paged.SPLIT_LONE);
+        # "tiles-unsplit": every token in the tiles
+        monkeypatch.setattr(lora_paged, "SPLIT_LONE", path != "tiles-unsplit")
     a, b, ranks_t, offsets, pool, paged = _lora_case(ranks, in_features, slice_sizes, max_rank, dtype, seed)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(len(slot_list), in_features, generator=g).to(DEVICE, dtype)
@@ -83,14 +84,19 @@ def _tiles(config_of):
 
 
 @pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
-@pytest.mark.parametrize("path", ["gemv", "tiles", "tiles-rows"])
-def test_paged_shrink_expand_match_references_mixed_slots_and_ranks(dtype, path, monkeypatch):
-    out, y = _check_lora(path, monkeypatch, RANKS, 40, (24, 8, 16), 8, [0, 2, 1, 2, 0, 3, 1, 1, 2], dtype)
-    untouched = torch.tensor([0, 2, 1, 2, 0, 3, 1, 1, 2], device=DEVICE) == 0
+@pytest.mark.parametrize("path", ["gemv", "tiles", "tiles-unsplit"])
+@pytest.mark.parametrize("slot_list", [
+    [0, 2, 1, 2, 0, 3, 1, 1, 2],
+    # runs (a prompt chunk) beside lone tokens (decode rows), at both ends and between
+    [3, 3, 3, 1, 2, 1, 0, 0, 2, 2, 2, 2, 3, 1, 1],
+])
+def test_paged_shrink_expand_match_references_mixed_slots_and_ranks(dtype, path, slot_list, monkeypatch):
+    out, y = _check_lora(path, monkeypatch, RANKS, 40, (24, 8, 16), 8, slot_list, dtype)
+    untouched = torch.tensor(slot_list, device=DEVICE) == 0
     assert torch.equal(out[untouched], y[untouched])
 
 
-@pytest.mark.parametrize("path", ["gemv", "tiles", "tiles-rows"])
+@pytest.mark.parametrize("path", ["gemv", "tiles", "tiles-unsplit"])
 def test_paged_ranks_1_to_64_across_page_bounds(path, monkeypatch):
     """Ranks 1, 7, 9, 16, 24 and 64 in tables of max rank 64: rows across rank-page bounds."""
     ranks = [[64, 64], [1, 9], [16, 64], [64, 7], [24, 16]]

@@ -1,14 +1,15 @@
-"""Does the tile path's row reduction for an adapter alone in its tile (lora_paged.ROW_RUNS)
-make a mixed step's LoRA shrink cheaper when the decode rows carry distinct adapters? (GPU;
-issue 27: 112 decodes with 112 adapters beside a 768-token prompt cost 67.5 ms against 40.5 with
-one adapter on the H200.)
+"""Does splitting a tile-path step's lone tokens (decode rows beside other adapters' rows) off to
+the per-token kernels (lora_paged.SPLIT_LONE) make its LoRA shrink and expand cheaper when the
+decode rows carry distinct adapters, and what does the split cost when they do not? (GPU; issue
+27: 112 decodes with 112 adapters beside a 768-token prompt cost 67.5 ms against 40.5 with one
+adapter on the H200.)
 
 One Llama-3-8B layer's shapes (qkv: in 4,096, three slices; gate_up: 4,096, two; down: 14,336,
-one), rank 16, bf16, 880 tokens: DECODES decode rows first (adapters 1..DECODES, or all adapter
-1), then a prompt of the rest on one adapter. The paged shrink and expand timed (do_bench median)
-with ROW_RUNS off (the dot path for every run) and on.
+one), rank 16, bf16, TOKENS tokens each (default 880 and 8,192): DECODES decode rows first
+(adapters 1..DECODES, or all adapter 1), then a prompt of the rest on one adapter. The paged
+shrink and expand timed (do_bench median) with SPLIT_LONE off (every token in the tiles) and on.
 
-    python studies/row_runs.py [--decodes 112] [--tokens 880] [--out X.json]"""
+    python studies/lone_rows.py [--decodes 112] [--tokens 880,8192] [--out X.json]"""
 
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ def _bench_us(fn) -> float:
 
 
 def _time_group(group, name: str, config, slots: torch.Tensor, num_tokens: int) -> dict:
-    """Shrink and expand microseconds of one layer's group with ROW_RUNS off and on, and the
-    largest difference between the two shrinks' outputs."""
+    """Shrink and expand microseconds of one layer's group with SPLIT_LONE off and on, and the
+    largest difference between the two paths' outputs."""
     in_features, _ = group_dims(config, name)
     dtype = group.pool.dtype
     x = torch.randn(num_tokens, in_features, device=slots.device, dtype=dtype)
@@ -44,23 +45,29 @@ def _time_group(group, name: str, config, slots: torch.Tensor, num_tokens: int) 
     def shrink() -> torch.Tensor:
         return lora_paged.lora_shrink_paged(x, group.pool, group.a_pages, slots, group.ranks, 16)
 
+    def expand(shrunk: torch.Tensor) -> torch.Tensor:
+        return lora_paged.lora_expand_paged(y.clone(), shrunk, group.pool, group.b_pages, slots, group.ranks,
+                                            group.slice_offsets)
+
     row, outputs = {}, []
-    for row_runs in (False, True):
-        lora_paged.ROW_RUNS = row_runs
+    for split in (False, True):
+        lora_paged.SPLIT_LONE = split
         shrunk = shrink()
-        outputs.append(shrunk)
-        row[f"shrink_us_row_runs_{row_runs}"] = _bench_us(shrink)
-        row[f"expand_us_row_runs_{row_runs}"] = _bench_us(
-            lambda shrunk=shrunk: lora_paged.lora_expand_paged(y, shrunk, group.pool, group.b_pages, slots,
+        outputs.append((shrunk, expand(shrunk)))
+        row[f"shrink_us_split_{split}"] = _bench_us(shrink)
+        out = y.clone()
+        row[f"expand_us_split_{split}"] = _bench_us(  # (y accumulates: timing only)
+            lambda shrunk=shrunk: lora_paged.lora_expand_paged(out, shrunk, group.pool, group.b_pages, slots,
                                                                group.ranks, group.slice_offsets))
-    row["max_abs_diff"] = float((outputs[0] - outputs[1]).abs().max())
+    row["shrunk_max_abs_diff"] = float((outputs[0][0] - outputs[1][0]).abs().max())
+    row["y_max_abs_diff"] = float((outputs[0][1].float() - outputs[1][1].float()).abs().max())
     return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--decodes", type=int, default=112)
-    parser.add_argument("--tokens", type=int, default=880)
+    parser.add_argument("--tokens", default="880,8192")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--model-overrides", type=json.loads, default={}, help="a smaller shape (CPU check)")
     args = parser.parse_args()
@@ -74,15 +81,16 @@ def main() -> None:
                                         pin=device.type == "cuda")
         buffers.load(slot, host, buffers.own_pages_of(slot, buffers.pages_for(host)))
     rows = []
-    for distinct in (1, args.decodes):
-        slots = torch.full((args.tokens,), num_slots, dtype=torch.int32, device=device)
-        slots[:args.decodes] = torch.arange(args.decodes, device=device) % distinct + 1
-        for name in ("qkv", "gate_up", "down"):
-            row = {"distinct_adapters": distinct, "group": name,
-                   **_time_group(buffers.group(0, name), name, config, slots, args.tokens)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    lora_paged.ROW_RUNS = False
+    for num_tokens in map(int, args.tokens.split(",")):
+        for distinct in (1, args.decodes):
+            slots = torch.full((num_tokens,), num_slots, dtype=torch.int32, device=device)
+            slots[:args.decodes] = torch.arange(args.decodes, device=device) % distinct + 1
+            for name in ("qkv", "gate_up", "down"):
+                row = {"tokens": num_tokens, "distinct_adapters": distinct, "group": name,
+                       **_time_group(buffers.group(0, name), name, config, slots, num_tokens)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    lora_paged.SPLIT_LONE = True
     if args.out:
         result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "rows": rows}
         args.out.write_text(json.dumps(result, indent=1) + "\n")
