@@ -33,6 +33,9 @@ class Ops:
     flora_combine: Callable
     lora_shrink_paged: Callable
     lora_expand_paged: Callable
+    lone_split: Callable
+    """token_slots -> what lora_shrink_paged and lora_expand_paged take as `split` (None: none),
+    made once a forward pass."""
     scale_rows_paged: Callable
     flora_stack_paged: Callable
     flora_combine_paged: Callable
@@ -62,6 +65,7 @@ def reference_ops() -> Ops:
         flora_combine=r.flora_combine,
         lora_shrink_paged=r.lora_shrink_paged,
         lora_expand_paged=r.lora_expand_paged,
+        lone_split=r.no_split,
         scale_rows_paged=r.scale_rows_paged,
         flora_stack_paged=r.flora_stack_paged,
         flora_combine_paged=r.flora_combine_paged,

@@ -57,41 +57,27 @@ from loraplex.kernels.lora import (
     expand_config,
     shrink_config,
 )
-from loraplex.kernels.reference import PAGE_RANK, num_rank_pages
+from loraplex.kernels.reference import PAGE_RANK, LoneSplit, num_rank_pages
+from loraplex.kernels.reference import lone_split as reference_lone_split
 
 SPLIT_LONE = True
-"""In steps past lora.MAX_GEMV_TOKENS tokens (the tile path), a token whose neighbours carry other
-adapters (a decode row beside other adapters' rows: `_lone`) runs through the per-token kernels,
-the rest through the tiles. Without the split, a 32-token tile of decode rows with distinct
-adapters runs the input dimension once per adapter, one after another in one program: on the H200
-112 decodes with 112 adapters beside a 768-token prompt cost 67.5 ms against 40.5 ms with one
-adapter (studies/mixed_adapters_cost.py). A switch so that a GPU can measure both
-(studies/lone_rows.py); the kernels read it at launch (and at a graph's capture)."""
-
-EVERY, LONE_ONLY, RUNS_ONLY = 0, 1, 2
-"""The kernels' LONE argument: which tokens a launch computes (every token, only the lone ones,
-every one but the lone ones)."""
+"""In steps past lora.MAX_GEMV_TOKENS tokens (the tile path), the tokens whose neighbours carry
+other adapters (decode rows beside other adapters' rows; `reference.lone_split`) go through the
+per-token kernels, the rest through the tiles. Without the split, a 32-token tile of decode rows
+with distinct adapters runs the input dimension once per adapter, one after another in one
+program: on the H200, 112 decodes with 112 adapters beside a 768-token prompt cost 67.5 ms
+against 40.5 ms with one adapter (studies/mixed_adapters_cost.py). A switch so that a GPU can
+measure both (studies/lone_rows.py); read at launch (and at a graph's capture)."""
 
 
-@triton.jit
-def _lone(token_slots_ptr, tok, num_tokens):
-    """Whether token(s) `tok` carry a slot that neither neighbour carries (a run of one)."""
-    inside = (tok >= 0) & (tok < num_tokens)
-    slot = tl.load(token_slots_ptr + tok, mask=inside, other=0)
-    before = tl.load(token_slots_ptr + tok - 1, mask=inside & (tok > 0), other=-1)
-    after = tl.load(token_slots_ptr + tok + 1, mask=inside & (tok + 1 < num_tokens), other=-1)
-    return (slot != before) & (slot != after)
-
-
-@triton.jit
-def _computes(token_slots_ptr, tok, num_tokens, slots, LONE: tl.constexpr):
-    """Which of tokens `tok` (slots `slots`) this launch computes: a slot, and in LONE's share."""
-    todo = slots > 0
-    if LONE == 1:
-        todo = todo & _lone(token_slots_ptr, tok, num_tokens)
-    elif LONE == 2:
-        todo = todo & ~_lone(token_slots_ptr, tok, num_tokens)
-    return todo
+def lone_split(token_slots: torch.Tensor) -> LoneSplit | None:
+    """The split of a step's tokens between the tiles and the per-token kernels
+    (reference.lone_split), or None where the step takes the per-token path whole or SPLIT_LONE
+    is off. Device ops only (no host sync): a CUDA graph captures it. The engine computes it
+    once a forward pass (llama.project) and hands it to every shrink and expand."""
+    if not SPLIT_LONE or token_slots.shape[0] <= lora.MAX_GEMV_TOKENS:
+        return None
+    return reference_lone_split(token_slots)
 
 
 @triton.jit
@@ -104,21 +90,23 @@ def _row_at(pages_ptr, r, mask, row_len, PAGE_RANK: tl.constexpr, ALIGN: tl.cons
 
 @triton.jit
 def _shrink_rows_kernel(
-    x_ptr, pool_ptr, a_pages_ptr, token_slots_ptr, ranks_ptr, out_ptr,
-    num_tokens, in_features, max_rank,
+    x_ptr, pool_ptr, a_pages_ptr, token_slots_ptr, token_list_ptr, ranks_ptr, out_ptr,
+    in_features, max_rank,
     stride_x_tok, stride_p_slot, stride_p_slice, stride_ranks_slot, stride_out_slice, stride_out_tok,
     PAGE_RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, ALIGN: tl.constexpr, LONE: tl.constexpr,
+    NUM_STAGES: tl.constexpr, ALIGN: tl.constexpr, TOKEN_LIST: tl.constexpr,
 ):
     r0 = tl.program_id(0) * BLOCK_R
     tok = tl.program_id(1)
     slice_id = tl.program_id(2)
+    if TOKEN_LIST:  # program i takes the i-th listed token (-1: none)
+        tok = tl.load(token_list_ptr + tok)
     r = r0 + tl.arange(0, BLOCK_R)  # [BLOCK_R] rows of this token's shrunk vector
-    slot = tl.load(token_slots_ptr + tok)
+    slot = tl.load(token_slots_ptr + tl.maximum(tok, 0))
     rank = tl.load(ranks_ptr + slot * stride_ranks_slot + slice_id)
     rank = tl.where(slot > 0, rank, 0)
-    if LONE == 1 and not _lone(token_slots_ptr, tok, num_tokens):
-        rank = -1  # the tile kernel computes (and stores) this token: no store here
+    rank = tl.where(tok >= 0, rank, -1)  # -1: no token, nothing stored
+    tok = tl.maximum(tok, 0)
     acc = tl.zeros([BLOCK_R], tl.float32)
     if r0 < rank:
         r_mask = r < rank
@@ -147,12 +135,12 @@ def _shrink_tiles_kernel(
     num_tokens, in_features, k_per_split,
     stride_x_tok, stride_p_slot, stride_p_slice, stride_ranks_slot, stride_out_slice, stride_out_tok,
     PAGE_RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    ATOMIC: tl.constexpr, UPCAST: tl.constexpr, ALIGN: tl.constexpr, LONE: tl.constexpr,
+    ATOMIC: tl.constexpr, UPCAST: tl.constexpr, ALIGN: tl.constexpr,
 ):
     slice_id = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     slots = tl.load(token_slots_ptr + tok, mask=tok < num_tokens, other=0)
-    todo = _computes(token_slots_ptr, tok, num_tokens, slots, LONE)
+    todo = slots > 0
     k_lo = tl.program_id(2) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, in_features)
     r = tl.arange(0, BLOCK_R)
@@ -194,13 +182,13 @@ def _shrink_run_tile(x_rows, a_rows, out_ptr, tok, run, r, r_mask, slice_id, k_l
 
 @triton.jit
 def _expand_kernel(
-    y_ptr, shrunk_ptr, pool_ptr, b_pages_ptr, token_slots_ptr, ranks_ptr, vectors_ptr,
+    y_ptr, shrunk_ptr, pool_ptr, b_pages_ptr, token_slots_ptr, token_list_ptr, ranks_ptr, vectors_ptr,
     scale_at_ptr, shift_at_ptr,
     num_tokens, out_features, off0, off1, off2, off3, off4,
     stride_y_tok, stride_s_slice, stride_s_tok, stride_p_slot, stride_p_slice, stride_ranks_slot,
     PAGE_RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     RANK_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_SCALE: tl.constexpr,
-    HAS_SHIFT: tl.constexpr, ALIGN: tl.constexpr, VEC_ALIGN: tl.constexpr, LONE: tl.constexpr,
+    HAS_SHIFT: tl.constexpr, ALIGN: tl.constexpr, VEC_ALIGN: tl.constexpr, TOKEN_LIST: tl.constexpr,
 ):
     col0 = tl.program_id(0) * BLOCK_N
     cols = col0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features, possibly of several slices
@@ -208,8 +196,13 @@ def _expand_kernel(
     first = _slice_of(col0, off1, off2, off3)
     last = _slice_of(tl.minimum(col0 + BLOCK_N, out_features) - 1, off1, off2, off3)
     tok = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    slots = tl.load(token_slots_ptr + tok, mask=tok < num_tokens, other=0)
-    has_adapter = _computes(token_slots_ptr, tok, num_tokens, slots, LONE)
+    if TOKEN_LIST:  # program i takes the i-th listed token(s) (-1: none)
+        tok = tl.load(token_list_ptr + tok, mask=tok < num_tokens, other=-1)
+        slots = tl.load(token_slots_ptr + tl.maximum(tok, 0), mask=tok >= 0, other=0)
+        tok = tl.maximum(tok, 0)
+    else:
+        slots = tl.load(token_slots_ptr + tok, mask=tok < num_tokens, other=0)
+    has_adapter = slots > 0
     y_tile = y_ptr + tok.to(tl.int64)[:, None] * stride_y_tok + cols[None, :]
     y_mask = has_adapter[:, None] & in_cols[None, :]
     y = tl.load(y_tile, mask=y_mask, other=0.0)
@@ -297,12 +290,13 @@ def _check_pool(name: str, pool: torch.Tensor, dtypes) -> None:
 
 def lora_shrink_paged(
     x: torch.Tensor, pool: torch.Tensor, a_pages: torch.Tensor, token_slots: torch.Tensor,
-    ranks: torch.Tensor, max_rank: int,
+    ranks: torch.Tensor, max_rank: int, split: LoneSplit | None = None,
 ) -> torch.Tensor:
     """x [num_tokens, in], pool [pool_elements] (x's dtype), a_pages [num_slots, num_slices,
     cdiv(max_rank, PAGE_RANK)] int64, token_slots [num_tokens] (0 = no adapter), ranks
     [num_slots, num_slices] int32 -> float32 [num_slices, num_tokens, max_rank], zero past each
-    slot's rank and on rows of slot 0 (as lora.lora_shrink)."""
+    slot's rank and on rows of slot 0 (as lora.lora_shrink). `split`: lone_split(token_slots),
+    where the caller has it (else made here when the step needs it)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     num_tokens, in_features = x.shape
     _check_pool("pool", pool, (x.dtype,))
@@ -312,26 +306,32 @@ def lora_shrink_paged(
     _check_slots(token_slots, ranks, num_tokens, a_pages.shape[0], num_slices)
     device = check_launchable(_shrink_rows_kernel, (x, pool, a_pages, token_slots, ranks))
     config = shrink_config(num_tokens, num_slices, in_features, max_rank, device)
-    return _launch_shrink(x, pool, a_pages, token_slots, ranks, max_rank, config)
+    return _launch_shrink(x, pool, a_pages, token_slots, ranks, max_rank, config, split)
 
 
 def lora_shrink_paged_unchecked(
     x: torch.Tensor, pool: torch.Tensor, a_pages: torch.Tensor, token_slots: torch.Tensor,
-    ranks: torch.Tensor, max_rank: int,
+    ranks: torch.Tensor, max_rank: int, split: LoneSplit | None = None,
 ) -> torch.Tensor:
     """lora_shrink_paged without its argument checks, for inputs that meet its contract by
     construction (the engine's forward: `triton_ops(check_inputs=False)`)."""
     config = shrink_config(x.shape[0], ranks.shape[1], x.shape[1], max_rank, x.device)
-    return _launch_shrink(x, pool, a_pages, token_slots, ranks, max_rank, config)
+    return _launch_shrink(x, pool, a_pages, token_slots, ranks, max_rank, config, split)
 
 
 LONE_ROWS_TOKENS = 64
-"""The token count whose per-token shrink config the lone tokens of a tile-path step run with (how
-many are lone is known on the device only)."""
+"""The token count whose per-token shrink config a tile-path step's lone tokens run with."""
 
 
-def _launch_shrink(x, pool, a_pages, token_slots, ranks, max_rank: int,
-                   config: ShrinkConfig) -> torch.Tensor:
+def _split_of(token_slots: torch.Tensor, config, split: LoneSplit | None) -> LoneSplit | None:
+    """The split a launch follows: the caller's (or one made now) in the tile path, else none."""
+    if config.block_m == 1 or not SPLIT_LONE:
+        return None
+    return split if split is not None else reference_lone_split(token_slots)
+
+
+def _launch_shrink(x, pool, a_pages, token_slots, ranks, max_rank: int, config: ShrinkConfig,
+                   split: LoneSplit | None = None) -> torch.Tensor:
     num_tokens, in_features = x.shape
     num_slices = a_pages.shape[1]
     if num_tokens == 0 or max_rank == 0 or config.block_m > 1:
@@ -343,25 +343,27 @@ def _launch_shrink(x, pool, a_pages, token_slots, ranks, max_rank: int,
     common = (x.stride(0), a_pages.stride(0), a_pages.stride(1), ranks.stride(0), out.stride(0),
               out.stride(1))
     align = row_align(pool, (in_features,))
-    split = config.block_m > 1 and SPLIT_LONE  # tiles for runs, the per-token kernel for lone tokens
+    split = _split_of(token_slots, config, split)
     if config.block_m > 1:
         k_per_split = cdiv(cdiv(in_features, config.k_splits), config.block_k) * config.block_k
         grid = (cdiv(num_tokens, config.block_m), num_slices, cdiv(in_features, k_per_split))
         _shrink_tiles_kernel[grid](
-            x, pool, a_pages, token_slots, ranks, out, num_tokens, in_features, k_per_split, *common,
+            x, pool, a_pages, token_slots if split is None else split.run_slots, ranks, out, num_tokens,
+            in_features, k_per_split, *common,
             PAGE_RANK=PAGE_RANK, BLOCK_M=config.block_m, BLOCK_R=max(16, next_pow2(max_rank)),
             BLOCK_K=config.block_k, ATOMIC=grid[2] > 1, UPCAST=upcast_loads(x.dtype), ALIGN=align,
-            LONE=RUNS_ONLY if split else EVERY, num_warps=config.num_warps, num_stages=config.num_stages,
+            num_warps=config.num_warps, num_stages=config.num_stages,
         )
-        if not split:
+        if split is None:
             return out
         config = lora.shrink_config(LONE_ROWS_TOKENS, num_slices, in_features, max_rank, x.device)
-    grid = (cdiv(max_rank, config.block_r), num_tokens, num_slices)
-    _shrink_rows_kernel[grid](
-        x, pool, a_pages, token_slots, ranks, out, num_tokens, in_features, max_rank, *common,
+    rows = num_tokens if split is None else len(split.lone_tokens)
+    _shrink_rows_kernel[(cdiv(max_rank, config.block_r), rows, num_slices)](
+        x, pool, a_pages, token_slots, token_slots if split is None else split.lone_tokens, ranks, out,
+        in_features, max_rank, *common,
         PAGE_RANK=PAGE_RANK, BLOCK_R=config.block_r, BLOCK_K=config.block_k,
         EVEN_K=in_features % config.block_k == 0, NUM_STAGES=config.num_stages, ALIGN=align,
-        LONE=LONE_ONLY if split else EVERY, num_warps=config.num_warps,
+        TOKEN_LIST=split is not None, num_warps=config.num_warps,
     )
     return out
 
@@ -370,7 +372,7 @@ def lora_expand_paged(
     y: torch.Tensor, shrunk: torch.Tensor, pool: torch.Tensor, b_pages: torch.Tensor,
     token_slots: torch.Tensor, ranks: torch.Tensor, slice_offsets: tuple[int, ...],
     vectors: torch.Tensor | None = None, scale_at: torch.Tensor | None = None,
-    shift_at: torch.Tensor | None = None,
+    shift_at: torch.Tensor | None = None, split: LoneSplit | None = None,
 ) -> torch.Tensor:
     """y [num_tokens, out] += per slice s: shrunk[s] @ B_s[slot][:rank] (B_s transposed,
     [rank, width_s], in b_pages' rank pages of pool), in place, and returned. shrunk
@@ -378,7 +380,8 @@ def lora_expand_paged(
     [num_slots, num_slices, cdiv(max_rank, PAGE_RANK)] int64, slice_offsets (num_slices + 1
     ints from 0 to out; at most 4 slices). The DoRA / IA3 epilogue, for tokens whose slot has
     scale_at[slot] >= 0 (scale_at, shift_at [num_slots] int64 into vectors, the pool as
-    float32): y <- scale * (y + delta) + shift in float32 (shift where shift_at >= 0)."""
+    float32): y <- scale * (y + delta) + shift in float32 (shift where shift_at >= 0). `split`
+    as lora_shrink_paged's."""
     check_tensor("y", y, ndim=2, dtypes=FLOAT_DTYPES)
     num_tokens, out_features = y.shape
     _check_pool("pool", pool, FLOAT_DTYPES)
@@ -405,19 +408,19 @@ def lora_expand_paged(
         extra.append(vectors)
     check_launchable(_expand_kernel, (y, shrunk, pool, b_pages, token_slots, ranks, *extra))
     return _launch_expand(y, shrunk, pool, b_pages, token_slots, ranks, offsets,
-                          paged_expand_config(num_tokens, max_rank), vectors, scale_at, shift_at)
+                          paged_expand_config(num_tokens, max_rank), vectors, scale_at, shift_at, split)
 
 
 def lora_expand_paged_unchecked(
     y: torch.Tensor, shrunk: torch.Tensor, pool: torch.Tensor, b_pages: torch.Tensor,
     token_slots: torch.Tensor, ranks: torch.Tensor, slice_offsets: tuple[int, ...],
     vectors: torch.Tensor | None = None, scale_at: torch.Tensor | None = None,
-    shift_at: torch.Tensor | None = None,
+    shift_at: torch.Tensor | None = None, split: LoneSplit | None = None,
 ) -> torch.Tensor:
     """lora_expand_paged without its argument checks (as lora_shrink_paged_unchecked)."""
     config = paged_expand_config(y.shape[0], shrunk.shape[2])
     return _launch_expand(y, shrunk, pool, b_pages, token_slots, ranks, list(slice_offsets), config,
-                          vectors, scale_at, shift_at)
+                          vectors, scale_at, shift_at, split)
 
 
 GEMV_WARPS = 4
@@ -448,29 +451,32 @@ def expand_rank_chunk(config: ExpandConfig, max_rank: int) -> int:
 
 
 def _launch_expand(y, shrunk, pool, b_pages, token_slots, ranks, offsets: list[int],
-                   config: ExpandConfig, vectors=None, scale_at=None, shift_at=None) -> torch.Tensor:
+                   config: ExpandConfig, vectors=None, scale_at=None, shift_at=None,
+                   split: LoneSplit | None = None) -> torch.Tensor:
     num_tokens, out_features = y.shape
     max_rank = shrunk.shape[2]
     if num_tokens == 0 or out_features == 0 or (max_rank == 0 and scale_at is None):
         return y
-    split = config.block_m > 1 and SPLIT_LONE  # tiles for runs, the per-token kernel for lone tokens
-    configs = [(config, RUNS_ONLY if split else EVERY)]
-    if split:
-        configs.append((_gemv_expand_config(GEMV_WARPS), LONE_ONLY))
+    split = _split_of(token_slots, config, split)
+    if split is None:  # (slots, token list: none, its length)
+        launches = [(config, token_slots, None, num_tokens)]
+    else:  # the tiles on the runs, then the per-token kernel on the listed tokens
+        launches = [(config, split.run_slots, None, num_tokens),
+                    (_gemv_expand_config(GEMV_WARPS), token_slots, split.lone_tokens, len(split.lone_tokens))]
     padded = offsets + [out_features] * (MAX_SLICES + 1 - len(offsets))
     has_scale, has_shift = scale_at is not None, shift_at is not None
-    for config, lone in configs:
-        grid = (cdiv(out_features, config.block_n), cdiv(num_tokens, config.block_m))
+    for config, slots, token_list, rows in launches:
+        grid = (cdiv(out_features, config.block_n), cdiv(rows, config.block_m))
         _expand_kernel[grid](
-            y, shrunk, pool, b_pages, token_slots, ranks, vectors if has_scale else y,
-            scale_at if has_scale else b_pages, shift_at if has_shift else b_pages,
-            num_tokens, out_features, *padded,
+            y, shrunk, pool, b_pages, slots, slots if token_list is None else token_list, ranks,
+            vectors if has_scale else y, scale_at if has_scale else b_pages,
+            shift_at if has_shift else b_pages, rows, out_features, *padded,
             y.stride(0), shrunk.stride(0), shrunk.stride(1), b_pages.stride(0), b_pages.stride(1),
             ranks.stride(0),
             PAGE_RANK=PAGE_RANK, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             RANK_CHUNK=expand_rank_chunk(config, max_rank), NUM_STAGES=config.num_stages,
             num_warps=config.num_warps, HAS_SCALE=has_scale, HAS_SHIFT=has_shift,
             ALIGN=row_align(pool, offsets), VEC_ALIGN=row_align(vectors, (out_features,)) if has_scale else 1,
-            LONE=lone,
+            TOKEN_LIST=token_list is not None,
         )
     return y

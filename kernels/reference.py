@@ -20,6 +20,8 @@ Layout conventions shared with the Triton kernels:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -497,9 +499,48 @@ def _used_slots(slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return used, torch.searchsorted(used, ids).to(slot_ids.dtype)
 
 
+MAX_LONE_TOKENS = 256
+"""Most tokens of a step that LoneSplit lists (those past it stay in the tiles): a step's lone
+tokens are at most its sequences, and 256 is SchedulerConfig.max_num_seqs's default."""
+
+
+class LoneSplit(NamedTuple):
+    """A step's tokens split between the paged LoRA kernels' tiles and their per-token kernels
+    (lora_paged.SPLIT_LONE). The results do not depend on it: the reference ops ignore it."""
+
+    run_slots: torch.Tensor
+    """[num_tokens] int32: token_slots with the listed tokens' slots 0 (the tiles skip them)."""
+    lone_tokens: torch.Tensor
+    """[min(num_tokens, MAX_LONE_TOKENS)] int32: the listed tokens, ascending, then -1."""
+
+
+def lone_split(token_slots: torch.Tensor) -> LoneSplit:
+    """List the lone tokens of `token_slots` [num_tokens] (those whose slot neither neighbour
+    carries: a decode row beside other adapters' rows), the first MAX_LONE_TOKENS of them."""
+    n = token_slots.shape[0]
+    slots = token_slots.to(torch.int32)
+    edge = torch.full((1,), -1, dtype=torch.int32, device=slots.device)
+    before, after = torch.cat([edge, slots[:-1]]), torch.cat([slots[1:], edge])
+    lone = (slots != before) & (slots != after)
+    rank = torch.cumsum(lone, 0, dtype=torch.int32) - 1
+    size = min(n, MAX_LONE_TOKENS)
+    listed = lone & (rank < size)
+    lone_tokens = torch.full((size + 1,), -1, dtype=torch.int32, device=slots.device)
+    index = torch.where(listed, rank, size).to(torch.int64)  # the unlisted to a spare entry
+    lone_tokens.scatter_(0, index, torch.arange(n, dtype=torch.int32, device=slots.device))
+    return LoneSplit(torch.where(listed, 0, slots), lone_tokens[:size])
+
+
+def no_split(token_slots: torch.Tensor) -> None:
+    """reference_ops' lone_split: the reference ops share no work out, so they take no split."""
+    return None
+
+
 def lora_shrink_paged(x: torch.Tensor, pool: torch.Tensor, a_pages: torch.Tensor,
-                      token_slots: torch.Tensor, ranks: torch.Tensor, max_rank: int) -> torch.Tensor:
-    """lora_shrink with A in rank pages (kernels/lora_paged.py's layout)."""
+                      token_slots: torch.Tensor, ranks: torch.Tensor, max_rank: int,
+                      split: LoneSplit | None = None) -> torch.Tensor:
+    """lora_shrink with A in rank pages (kernels/lora_paged.py's layout). `split`: how the
+    Triton kernels share the tokens out (LoneSplit); ignored here."""
     used, local = _used_slots(token_slots)
     top = _top_rank(ranks[used])  # rows past it are zeros: not gathered
     shrunk = lora_shrink(x, paged_lora_a(pool, a_pages[used], ranks[used], x.shape[1], top), local,
@@ -511,10 +552,11 @@ def lora_expand_paged(
     y: torch.Tensor, shrunk: torch.Tensor, pool: torch.Tensor, b_pages: torch.Tensor,
     token_slots: torch.Tensor, ranks: torch.Tensor, slice_offsets: tuple[int, ...],
     vectors: torch.Tensor | None = None, scale_at: torch.Tensor | None = None,
-    shift_at: torch.Tensor | None = None,
+    shift_at: torch.Tensor | None = None, split: LoneSplit | None = None,
 ) -> torch.Tensor:
     """lora_expand with B (transposed) in rank pages and the epilogue's vectors at scale_at,
-    shift_at (-1: none) in vectors, the pool as float32 (kernels/lora_paged.py's layout)."""
+    shift_at (-1: none) in vectors, the pool as float32 (kernels/lora_paged.py's layout).
+    `split` as lora_shrink_paged's."""
     used, local = _used_slots(token_slots)
     ranks = ranks[used]
     lora_b = paged_lora_bt(pool, b_pages[used], ranks, slice_offsets, _top_rank(ranks)).transpose(1, 2)

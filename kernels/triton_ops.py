@@ -18,6 +18,7 @@ from loraplex.kernels.argmax import argmax
 from loraplex.kernels.decode_attention import paged_decode_attention
 from loraplex.kernels.lora import lora_expand, lora_shrink
 from loraplex.kernels.lora_paged import (
+    lone_split,
     lora_expand_paged,
     lora_expand_paged_unchecked,
     lora_shrink_paged,
@@ -56,6 +57,7 @@ def triton_ops(check_inputs: bool = True) -> Ops:
         flora_combine=flora_combine,
         lora_shrink_paged=lora_shrink_paged if check_inputs else lora_shrink_paged_unchecked,
         lora_expand_paged=lora_expand_paged if check_inputs else lora_expand_paged_unchecked,
+        lone_split=lone_split,
         scale_rows_paged=scale_rows_paged,
         flora_stack_paged=flora_stack_paged,
         flora_combine_paged=flora_combine_paged,

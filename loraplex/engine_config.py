@@ -83,6 +83,13 @@ class SchedulerConfig:
     fairness_bound: float = 4096.0
     """With "vtc": how far (in weighted tokens of service) a waiting tenant may fall behind the
     most-served running tenant before one of that tenant's requests is preempted for it."""
+    fairness_patience_tokens: int = 16
+    """With "vtc": a waiting tenant kept out only by a lack of running places preempts nobody while
+    a running request will end by length within this many generated tokens (steps): that place
+    frees soon and goes to the first in line, and a preemption would cost the victim its place
+    and a swap (0: preempt at once). In the H200 serving pass (1,000 adapters over 40 tenants at
+    80% of one adapter's saturated rate) VTC preempted 121-126 requests a run for places that
+    freed within a step or two, and the steps that did took 19.8 ms at p50 against 11.8."""
     fairness_kv_headroom: float = 0.0
     """With "vtc": the share of the KV cache that the most-served tenant's new and resuming
     requests leave free while it is more than `fairness_bound` ahead of another active tenant, so
@@ -121,6 +128,7 @@ class SchedulerConfig:
                f"must be vtc or fcfs, not {self.scheduling_policy!r}")
         _check(self.fairness_bound >= 0, "fairness_bound", "must be >= 0")
         _check(0.0 <= self.fairness_kv_headroom < 1.0, "fairness_kv_headroom", "must be in [0, 1)")
+        _check(self.fairness_patience_tokens >= 0, "fairness_patience_tokens", "must be >= 0 (0: none)")
         _check(self.max_capped_prefill_tokens >= 0, "max_capped_prefill_tokens", "must be >= 0 (0: no cap)")
         _check(self.scheduler_delay_factor >= 0, "scheduler_delay_factor", "must be >= 0 (0: no delay)")
 

@@ -35,30 +35,33 @@ def _bench_us(fn) -> float:
 
 
 def _time_group(group, name: str, config, slots: torch.Tensor, num_tokens: int) -> dict:
-    """Shrink and expand microseconds of one layer's group with SPLIT_LONE off and on, and the
-    largest difference between the two paths' outputs."""
+    """Shrink and expand microseconds of one layer's group with SPLIT_LONE off and on (the split
+    made once, as the engine makes it once a forward pass, and timed apart), and the largest
+    difference between the two paths' outputs."""
     in_features, _ = group_dims(config, name)
     dtype = group.pool.dtype
     x = torch.randn(num_tokens, in_features, device=slots.device, dtype=dtype)
     y = torch.randn(num_tokens, group.slice_offsets[-1], device=slots.device, dtype=dtype)
+    accumulated = y.clone()  # (what the timed expands add into)
 
-    def shrink() -> torch.Tensor:
-        return lora_paged.lora_shrink_paged(x, group.pool, group.a_pages, slots, group.ranks, 16)
+    def shrink(split) -> torch.Tensor:
+        return lora_paged.lora_shrink_paged(x, group.pool, group.a_pages, slots, group.ranks, 16, split)
 
-    def expand(shrunk: torch.Tensor) -> torch.Tensor:
-        return lora_paged.lora_expand_paged(y.clone(), shrunk, group.pool, group.b_pages, slots, group.ranks,
-                                            group.slice_offsets)
+    def expand(shrunk: torch.Tensor, split, out: torch.Tensor) -> torch.Tensor:
+        return lora_paged.lora_expand_paged(out, shrunk, group.pool, group.b_pages, slots, group.ranks,
+                                            group.slice_offsets, split=split)
 
     row, outputs = {}, []
-    for split in (False, True):
-        lora_paged.SPLIT_LONE = split
-        shrunk = shrink()
-        outputs.append((shrunk, expand(shrunk)))
-        row[f"shrink_us_split_{split}"] = _bench_us(shrink)
-        out = y.clone()
-        row[f"expand_us_split_{split}"] = _bench_us(  # (y accumulates: timing only)
-            lambda shrunk=shrunk: lora_paged.lora_expand_paged(out, shrunk, group.pool, group.b_pages, slots,
-                                                               group.ranks, group.slice_offsets))
+    for on in (False, True):
+        lora_paged.SPLIT_LONE = on
+        split = lora_paged.lone_split(slots)
+        if on:
+            row["lone_split_us"] = _bench_us(lambda: lora_paged.lone_split(slots))
+        shrunk = shrink(split)
+        outputs.append((shrunk, expand(shrunk, split, y.clone())))
+        row[f"shrink_us_split_{on}"] = _bench_us(lambda split=split: shrink(split))
+        row[f"expand_us_split_{on}"] = _bench_us(
+            lambda shrunk=shrunk, split=split: expand(shrunk, split, accumulated))
     row["shrunk_max_abs_diff"] = float((outputs[0][0] - outputs[1][0]).abs().max())
     row["y_max_abs_diff"] = float((outputs[0][1].float() - outputs[1][1].float()).abs().max())
     return row

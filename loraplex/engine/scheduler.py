@@ -198,6 +198,8 @@ class Scheduler:
         policy preempt a request that ran before this step for it (for a slot, one that holds
         its slot alone, so that the slot frees). Returns the victim's id and the tokens it had
         been given in this step, or None if the policy lets `blocked` wait."""
+        if not for_slot and self._place_frees_soon():
+            return None
         new = {seq.request_id for seq in plan.new}
         candidates = [r for r in self.running if r.request_id not in new]
         if for_slot:
@@ -209,6 +211,15 @@ class Scheduler:
         tokens = scheduled.pop(victim.request_id, 0)
         self._preempt(victim, plan, "fairness")
         return victim.request_id, tokens
+
+    def _place_frees_soon(self) -> bool:
+        """Every running place is taken and a running request will end by length within
+        SchedulerConfig.fairness_patience_tokens steps (its place then goes to the first in line)."""
+        patience = self.config.fairness_patience_tokens
+        if patience == 0 or len(self.running) < self.config.max_num_seqs:
+            return False
+        return any(r.num_computed_tokens >= r.num_prompt_tokens
+                   and r.max_num_tokens - r.num_tokens <= patience for r in self.running)
 
     def _reserve_running(
         self, request: Request, num_new: int, plan: StepPlan, scheduled: dict[str, int],

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -98,6 +98,14 @@ class LoraMetadata:
     output); IA3 on q/k/v, gate/up and down's input, and FLoRA, do not."""
     flora: FloraRows | None = None
     """Set when some token carries a FLoRA adapter."""
+    lone_split: Any = None
+    """Ops.lone_split(token_slots), made by the first layer that needs it in a forward pass (so
+    inside a CUDA graph's capture) and handed to every LoRA shrink and expand; NO_SPLIT when
+    the ops make none."""
+
+
+NO_SPLIT = ()
+"""LoraMetadata.lone_split once the ops have made none."""
 
 
 @dataclass

@@ -40,13 +40,14 @@ class NoAdapters:
 
 class Simulation:
     def __init__(self, policy: str, weights: dict[str, float], bound: float = 1024.0,
-                 capped_prefill: int = 1024, kv_headroom: float = 0.0) -> None:
+                 capped_prefill: int = 1024, kv_headroom: float = 0.0, patience: int = 0) -> None:
         self.tenants = TenantTable()
         for tenant, weight in weights.items():
             self.tenants.set_weight(tenant, weight)
         self.policy = (VtcPolicy(self.tenants, bound) if policy == "vtc" else FcfsPolicy(self.tenants))
         config = SchedulerConfig(max_num_seqs=MAX_SEQS, max_num_batched_tokens=512,
-                                 max_capped_prefill_tokens=capped_prefill, fairness_kv_headroom=kv_headroom)
+                                 max_capped_prefill_tokens=capped_prefill, fairness_kv_headroom=kv_headroom,
+                                 fairness_patience_tokens=patience)
         self.blocks = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
         self.host = HostBlockPool(4 * NUM_BLOCKS)
         self.scheduler = Scheduler(config, self.blocks, NoAdapters(), self.policy, self.host)
@@ -234,6 +235,28 @@ def test_a_light_prompt_goes_before_the_chunks_of_a_heavier_tenants_running_prom
     assert wait == (0 if policy == "vtc" else 3), wait
     heavy = sim.unfinished["heavy-0"]
     assert heavy.num_prompt_charged == (512 + 448 if policy == "vtc" else 2000)  # vtc: the rest of the budget
+
+
+@pytest.mark.parametrize("patience", [0, 8])
+def test_a_tenant_kept_out_by_full_places_waits_for_one_that_frees_soon(patience):
+    """Every running place is the heavy tenant's, far ahead in service, when a light request
+    arrives: with no patience a heavy request is preempted for it at once; with 8 tokens of
+    patience, nobody is, while a heavy request ends within 8 steps; its place goes to the light
+    request, first in line."""
+    sim = Simulation("vtc", {}, bound=64.0, patience=patience)
+    for i in range(MAX_SEQS):
+        sim.add("heavy", 16, 12 if i == 0 else 400)  # one of them ends early
+    while len(sim.scheduler.running) < MAX_SEQS or sim.tick < 4:
+        sim.step()
+    sim.add("light", 16, 4)
+    while "light-16" not in {seq.request_id for seq in sim.last_plan.new}:
+        sim.step()
+        sim.check_accounting()
+        assert sim.tick < 40
+    preemptions = sum(n for (cause, _), n in sim.scheduler.preemptions.items() if cause == "fairness")
+    assert preemptions == (1 if patience == 0 else 0), sim.scheduler.preemptions
+    if patience:
+        assert "heavy-0" not in sim.unfinished  # the place it left
 
 
 def test_a_fairness_victims_blocks_admit_the_waiting_request_in_the_same_step():

@@ -215,29 +215,28 @@ def _paged_cases() -> Iterator[tuple]:
                        out_ptr=F32, in_features=4096, stride_x_tok=4096, stride_ranks_slot=3,
                        stride_out_slice=64 * 16, stride_out_tok=16, **pages)
     s = lora.shrink_config(64, 3, 4096, 16, _cpu())
-    for lone in (paged.EVERY, paged.LONE_ONLY):
-        yield (f"lora paged shrink {s} lone={lone}", paged._shrink_rows_kernel,
-               dict(shrink_args, num_tokens=64, max_rank=16),
+    for token_list in (False, True):  # (lora_paged.SPLIT_LONE: a tile-path step's lone tokens)
+        yield (f"lora paged shrink {s} token_list={token_list}", paged._shrink_rows_kernel,
+               dict(shrink_args, token_list_ptr=I32, max_rank=16),
                dict(PAGE_RANK=paged.PAGE_RANK, BLOCK_R=s.block_r, BLOCK_K=s.block_k, EVEN_K=True,
-                    NUM_STAGES=s.num_stages, ALIGN=8, LONE=lone), s.num_warps)
+                    NUM_STAGES=s.num_stages, ALIGN=8, TOKEN_LIST=token_list), s.num_warps)
     s = lora.shrink_config(2048, 3, 4096, 16, _cpu())
-    for lone in (paged.EVERY, paged.RUNS_ONLY):
-        yield (f"lora paged shrink {s} lone={lone}", paged._shrink_tiles_kernel,
-               dict(shrink_args, num_tokens=2048, k_per_split=1024, stride_out_slice=2048 * 16),
-               dict(PAGE_RANK=paged.PAGE_RANK, BLOCK_M=s.block_m, BLOCK_R=16, BLOCK_K=s.block_k, ATOMIC=True,
-                    UPCAST=False, ALIGN=8, LONE=lone), s.num_warps, s.num_stages)
+    yield (f"lora paged shrink {s}", paged._shrink_tiles_kernel,
+           dict(shrink_args, num_tokens=2048, k_per_split=1024, stride_out_slice=2048 * 16),
+           dict(PAGE_RANK=paged.PAGE_RANK, BLOCK_M=s.block_m, BLOCK_R=16, BLOCK_K=s.block_k, ATOMIC=True,
+                UPCAST=False, ALIGN=8), s.num_warps, s.num_stages)
     expand_args = dict(y_ptr=BF16, shrunk_ptr=F32, pool_ptr=BF16, b_pages_ptr=I64, token_slots_ptr=I32,
-                       ranks_ptr=I32, vectors_ptr=F32, scale_at_ptr=I64, shift_at_ptr=I64,
+                       token_list_ptr=I32, ranks_ptr=I32, vectors_ptr=F32, scale_at_ptr=I64, shift_at_ptr=I64,
                        out_features=6144, off0=0, off1=4096, off2=5120, off3=6144, off4=6144,
                        stride_y_tok=6144, stride_s_slice=64 * 16, stride_s_tok=16, stride_ranks_slot=3,
                        **pages)
-    for num_tokens, lone in ((64, paged.EVERY), (64, paged.LONE_ONLY), (2048, paged.RUNS_ONLY)):
+    for num_tokens, token_list in ((64, False), (64, True), (2048, False)):
         e = paged.paged_expand_config(num_tokens, 16)
-        yield (f"lora paged expand {e} lone={lone}", paged._expand_kernel,
+        yield (f"lora paged expand {e} token_list={token_list}", paged._expand_kernel,
                dict(expand_args, num_tokens=num_tokens),
                dict(PAGE_RANK=paged.PAGE_RANK, BLOCK_M=e.block_m, BLOCK_N=e.block_n,
                     RANK_CHUNK=paged.expand_rank_chunk(e, 16), NUM_STAGES=e.num_stages,
-                    HAS_SCALE=True, HAS_SHIFT=True, ALIGN=8, VEC_ALIGN=4, LONE=lone),
+                    HAS_SCALE=True, HAS_SHIFT=True, ALIGN=8, VEC_ALIGN=4, TOKEN_LIST=token_list),
                e.num_warps)
     yield ("scale rows paged", famp._scale_rows_kernel,
            dict(x_ptr=BF16, vectors_ptr=F32, scale_at_ptr=I64, slots_ptr=I32, out_ptr=BF16,

@@ -96,6 +96,19 @@ def test_paged_shrink_expand_match_references_mixed_slots_and_ranks(dtype, path,
     assert torch.equal(out[untouched], y[untouched])
 
 
+def test_lone_split_lists_tokens_whose_neighbours_carry_other_slots(monkeypatch):
+    slots = torch.tensor([3, 3, 1, 2, 1, 0, 0, 2], dtype=torch.int32)
+    split = ref.lone_split(slots)
+    assert split.lone_tokens.tolist() == [2, 3, 4, 7, -1, -1, -1, -1]
+    assert split.run_slots.tolist() == [3, 3, 0, 0, 0, 0, 0, 0]
+    # Past MAX_LONE_TOKENS the lone tokens stay in the tiles.
+    monkeypatch.setattr(ref, "MAX_LONE_TOKENS", 2)
+    split = ref.lone_split(slots)
+    assert split.lone_tokens.tolist() == [2, 3]
+    assert split.run_slots.tolist() == [3, 3, 0, 0, 1, 0, 0, 2]
+    assert ref.lone_split(torch.tensor([5], dtype=torch.int32)).lone_tokens.tolist() == [0]
+
+
 @pytest.mark.parametrize("path", ["gemv", "tiles", "tiles-unsplit"])
 def test_paged_ranks_1_to_64_across_page_bounds(path, monkeypatch):
     """Ranks 1, 7, 9, 16, 24 and 64 in tables of max rank 64: rows across rank-page bounds."""
