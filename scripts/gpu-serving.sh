@@ -42,9 +42,10 @@
 # splits the server's CPU per token between the engine thread, the event loop and the rest.
 # SERVER_EXTRA adds synthetic_server flags (e.g. "--hold-places-for-loading --fairness-bound 16384
 # --max-num-seqs 256": a later flag wins).
-# PYSPY=1 samples the server's threads with py-spy during the Poisson run over 1,000 adapters (its
-# wheel carried in ./wheels: pip download py-spy): pyspy-poisson-1000-threads.txt (every thread,
-# idle included) and -gil.txt (only the thread holding the GIL), collapsed stacks, in the tarball.
+# PYSPY=1 samples the server's threads with py-spy (its wheel carried in ./wheels: pip download
+# py-spy) during the runs named in PYSPY_RUNS (default "poisson-1000"; e.g. "issue-1
+# issue-1000-again"), 30 s at most each: pyspy-<run>-threads.txt (every thread, idle included) and
+# -gil.txt (only the thread holding the GIL), collapsed stacks, in the tarball.
 # STEP_LOG=1 has the server note every step in steps.csv (synthetic_server --step-log), in the tarball.
 # MIXED_GRAPHS=0 runs steps with prompt tokens eagerly (EngineConfig.mixed_step_graphs off; on by
 # default); DELAY_FACTOR sets SchedulerConfig.scheduler_delay_factor (default 1.0; it applies
@@ -78,6 +79,7 @@ if [ -n "${SWITCH_INTERVAL_MS:-}" ]; then SERVER_OPTS+=(--switch-interval-ms "$S
 if [ "${MIXED_GRAPHS:-1}" = 0 ]; then SERVER_OPTS+=(--no-mixed-step-graphs); fi
 if [ -n "${DELAY_FACTOR:-}" ]; then SERVER_OPTS+=(--scheduler-delay-factor "$DELAY_FACTOR"); fi
 PYSPY=${PYSPY:-0}
+PYSPY_RUNS=${PYSPY_RUNS:-poisson-1000}
 if [ "${STEP_LOG:-0}" = 1 ]; then SERVER_OPTS+=(--step-log "$RES/steps.csv"); fi
 read -r -a EXTRA <<< "${SERVER_EXTRA:-}"
 SERVER_OPTS+=(${EXTRA[@]+"${EXTRA[@]}"})
@@ -95,6 +97,7 @@ timeout 90 python3 -m pip install -q --no-index --find-links wheels fastapi fast
 timeout 90 scripts/gpu-pass.sh install > /dev/null 2>&1 || echo "project install failed (see gpu-pass)" | tee -a "$OUT/install.log"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/install.log"
 fi
+if [ "$PYSPY" = 1 ]; then python3 -m pip install -q --no-index --find-links wheels py-spy > /dev/null 2>&1; fi
 
 # The saturation workload: every request at once; the offline pass runs the very same list.
 COMMON=(--num-tenants 40 --prompt-len 256 --prompt-dist longtail --max-prompt-len 1024 --output-len 128
@@ -125,12 +128,23 @@ bench() {  # TAG CAP_S [options...]: one run, limited to CAP_S and to what the b
     if [ "$limit" -lt 10 ]; then stamp "skip $tag (budget spent)"; return 1; fi
     stamp "bench $tag (limit $limit s)"
     echo "$tag $(date +%s.%N)" >> "$RES/run-starts.log"  # Unix time, beside the step log's
+    local spies=()
+    if [ "$PYSPY" = 1 ] && [[ " $PYSPY_RUNS " == *" $tag "* ]]; then  # where the server's threads spend it
+        for mode in threads gil; do
+            local flags=(--threads --idle); [ $mode = gil ] && flags=(--threads --gil)
+            timeout 70 py-spy record --pid $SERVER --rate 50 --duration $(( limit < 30 ? limit : 30 )) \
+                --nonblocking --format raw "${flags[@]}" -o "$RES/pyspy-$tag-$mode.txt" \
+                > "$RES/pyspy-$tag-$mode.log" 2>&1 &
+            spies+=($!)
+        done
+    fi
     timeout $(( limit + 20 )) python3 -m loraplex.benchmarks serve --setup "$WORK/setup.json" --tag "$tag" \
         --out "$RES" --no-plot --time-limit "$limit" --reset-prefix-cache "${COMMON[@]}" "$@" \
         2>>"$RES/bench-progress.log" \
         | tee "$RES/serve-$tag.log" \
         | grep -E '"(completed|failed|request_throughput|output_throughput|p99|server_cpu_ms_per_token)"' \
         | tr -d '\n '; echo
+    for spy in ${spies[@]+"${spies[@]}"}; do wait "$spy"; done
     publish
 }
 rate_of() { python3 -c "import json,sys; print(json.load(open('$RES/serve-$1.json'))['request_throughput'])"; }
@@ -139,18 +153,7 @@ if bench saturation-1000 $SAT_LIMIT --num-prompts $N_SAT --num-adapters 1000 && 
     SAT=$(rate_of saturation-1000)
     RATE=$(python3 -c "print(round(0.8 * $SAT, 2))")
     echo "saturated: $SAT req/s; Poisson at $RATE req/s"
-    SPIES=()
-    if [ "$PYSPY" = 1 ]; then  # where the server's threads spend the Poisson run (and who holds the GIL)
-        python3 -m pip install -q --no-index --find-links wheels py-spy > /dev/null 2>&1
-        for mode in threads gil; do
-            flags=(--threads --idle); [ $mode = gil ] && flags=(--threads --gil)
-            timeout 70 py-spy record --pid $SERVER --rate 50 --duration 30 --nonblocking --format raw "${flags[@]}" \
-                -o "$RES/pyspy-poisson-1000-$mode.txt" > "$RES/pyspy-$mode.log" 2>&1 &
-            SPIES+=($!)
-        done
-    fi
     bench poisson-1000 $POISSON_LIMIT --num-prompts $N_SAT --num-adapters 1000 --request-rate "$RATE"
-    for spy in ${SPIES[@]+"${SPIES[@]}"}; do wait "$spy"; done  # 30 s of samples each, ended by now
     bench poisson-32 $POISSON_LIMIT --num-prompts $N_SAT --num-adapters 32 --request-rate "$RATE"
     # Issue 27's own terms: 80% of the ONE-adapter saturated rate; 1,000 adapters (new draws: seed
     # 27) against one adapter at that rate, then the same 1,000-adapter run again (its adapters

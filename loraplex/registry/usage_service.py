@@ -6,6 +6,8 @@ was lost) then adds nothing."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import delete, select, update
@@ -15,7 +17,7 @@ from sqlalchemy.orm import Session
 from loraplex.registry.database import Database
 from loraplex.registry.names import check_name
 from loraplex.registry.records import UsageRecord
-from loraplex.registry.registry_errors import InvalidInputError
+from loraplex.registry.registry_errors import InvalidInputError, NotFoundError
 from loraplex.registry.tables import Adapter, Tenant, Usage, UsageWrite, utcnow
 from loraplex.registry.tenant_service import find_tenant
 
@@ -34,6 +36,19 @@ def hour_of(at: datetime) -> datetime:
     return at.astimezone(timezone.utc).replace(minute=0, second=0, microsecond=0)
 
 
+@dataclass(frozen=True)
+class UsageEntry:
+    """One tenant's and adapter's tokens (and requests) to add for the hour of `at`."""
+
+    tenant: str
+    adapter: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    num_requests: int = 1
+    at: datetime | None = None
+    """When (now if None): its UTC hour is the row it adds to."""
+
+
 class UsageService:
     def __init__(self, db: Database) -> None:
         self._db = db
@@ -44,28 +59,38 @@ class UsageService:
         """Add one request's (or a batch's) tokens to the tenant's counters for the hour of
         `at` (now by default), and count the requests on the adapter. With `write_id` (unique
         to this write), a write already recorded under it adds nothing and returns False."""
-        if adapter is not None:
-            check_name(adapter, "adapter")
-        counts = {"num_requests": num_requests, "prompt_tokens": prompt_tokens,
-                  "completion_tokens": completion_tokens}
-        for field, value in counts.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise InvalidInputError(f"{field} must be a non-negative integer", param=field)
-        if write_id is not None and not 0 < len(write_id) <= MAX_WRITE_ID_LENGTH:
-            raise InvalidInputError(f"write_id must have 1 to {MAX_WRITE_ID_LENGTH} characters",
-                                    param="write_id")
-        hour = hour_of(at or utcnow())
+        entry = UsageEntry(tenant, adapter, prompt_tokens, completion_tokens, num_requests, at)
+        _check_entry(entry)
+        _check_write_id(write_id)
         with self._db.write() as session:
             tenant_id = find_tenant(session, tenant).id
             if write_id is not None and not _claim(session, write_id):
                 return False
-            _increment(session, tenant_id, adapter or BASE_MODEL, hour, counts)
-            if adapter is not None and num_requests:
-                session.execute(
-                    update(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.name == adapter)
-                    .values(num_requests_served=Adapter.num_requests_served + num_requests)
-                )
+            _add(session, tenant_id, entry)
         return True
+
+    def record_many(self, entries: Sequence[UsageEntry], write_id: str | None = None) -> tuple[str, ...]:
+        """Add every entry in one transaction (the usage recorder's batch: one commit for all
+        the tenants and adapters whose requests finished together, not one each). The entries
+        of tenants that no longer exist are skipped: their names are returned. With `write_id`,
+        a write already recorded under it adds nothing (and skips nobody)."""
+        for entry in entries:
+            _check_entry(entry)
+        _check_write_id(write_id)
+        with self._db.write() as session:
+            if write_id is not None and not _claim(session, write_id):
+                return ()
+            tenant_ids: dict[str, int | None] = {}
+            for entry in entries:
+                if entry.tenant not in tenant_ids:
+                    try:
+                        tenant_ids[entry.tenant] = find_tenant(session, entry.tenant).id
+                    except NotFoundError:
+                        tenant_ids[entry.tenant] = None
+                tenant_id = tenant_ids[entry.tenant]
+                if tenant_id is not None:
+                    _add(session, tenant_id, entry)
+        return tuple(sorted(tenant for tenant, tenant_id in tenant_ids.items() if tenant_id is None))
 
     def query(self, *, tenant: str | None = None, adapter: str | None = None,
               since: datetime | None = None, until: datetime | None = None
@@ -89,6 +114,32 @@ class UsageService:
                             completion_tokens=row.completion_tokens)
                 for row, name in session.execute(query)
             )
+
+
+def _check_entry(entry: UsageEntry) -> None:
+    if entry.adapter is not None:
+        check_name(entry.adapter, "adapter")
+    for field in _COUNTERS:
+        value = getattr(entry, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise InvalidInputError(f"{field} must be a non-negative integer", param=field)
+
+
+def _check_write_id(write_id: str | None) -> None:
+    if write_id is not None and not 0 < len(write_id) <= MAX_WRITE_ID_LENGTH:
+        raise InvalidInputError(f"write_id must have 1 to {MAX_WRITE_ID_LENGTH} characters",
+                                param="write_id")
+
+
+def _add(session: Session, tenant_id: int, entry: UsageEntry) -> None:
+    """The entry's counters into its hour's row, and its requests onto its adapter."""
+    counts = {field: getattr(entry, field) for field in _COUNTERS}
+    _increment(session, tenant_id, entry.adapter or BASE_MODEL, hour_of(entry.at or utcnow()), counts)
+    if entry.adapter is not None and entry.num_requests:
+        session.execute(
+            update(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.name == entry.adapter)
+            .values(num_requests_served=Adapter.num_requests_served + entry.num_requests)
+        )
 
 
 def _increment(session: Session, tenant_id: int, adapter: str, hour: datetime,

@@ -1,16 +1,17 @@
 """Usage accounting off the request path: finished requests are queued here and written to the
 registry (tokens in and out per tenant, adapter and hour) by one background thread, which
-gathers the requests that finish within BATCH_WINDOW_S of the first into one write per (tenant,
-adapter, hour): a busy server writes a few times a second, not once per request (each write
-holds the GIL for a millisecond or two beside the engine thread). `flush` and `close` do not wait
-for the window.
+gathers the requests that finish within BATCH_WINDOW_S of the first into one transaction, summed
+per (tenant, adapter, hour): a busy server writes a few times a second, not once per request or
+once per adapter (each transaction holds the GIL for a millisecond or two beside the engine
+thread, and 1,000 adapters' requests finish under many adapters at once). `flush` and `close` do
+not wait for the window.
 
 Nothing is dropped while the database is unavailable or full: what could not be written stays
 buffered, summed per (tenant, adapter, hour) so the buffer stays small however long the outage,
 and is written when the database answers again (retried every RETRY_S at most). Each write is one
 transaction carrying an id of its own: a write retried after its answer was lost (the COMMIT
 reached the database, the answer did not come back) finds its id there and adds nothing, so no
-request is counted twice. A group that was tried is closed: requests that finish later go into a
+request is counted twice. A batch that was tried is closed: requests that finish later go into a
 new one. Only a tenant deleted meanwhile is skipped, and what is still buffered when the
 process stops after CLOSE_RETRY_S of trying is logged as lost. A process killed outright loses what
 is buffered: the requests of the last BATCH_WINDOW_S (plus any outage under way)."""
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from loraplex.registry import Registry
-from loraplex.registry.registry_errors import NotFoundError
+from loraplex.registry.usage_service import UsageEntry
 
 logger = logging.getLogger(__name__)
 
@@ -90,29 +91,33 @@ class UsageRecorder:
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
-        # (tenant, adapter, hour, write id) -> a group. A group's write id is None while it takes
-        # requests; its first write gives it one, kept for every retry (it takes no more then).
-        pending: dict[tuple[str, str | None, datetime, str | None], _Group] = {}
+        # The open batch, (tenant, adapter, hour) -> a group, takes requests until it is tried;
+        # then it is closed under a write id of its own, kept for every retry.
+        batch: dict[tuple[str, str | None, datetime], _Group] = {}
+        closed: dict[str, dict[tuple[str, str | None, datetime], _Group]] = {}
         is_closing, delay = False, 0.0
         while True:
-            batch = self._gather(timeout_s=delay if pending else None)
-            is_closing = is_closing or None in batch
-            for item in batch:
+            items = self._gather(timeout_s=delay if closed else None)
+            is_closing = is_closing or None in items
+            for item in items:
                 if isinstance(item, UsageItem):
-                    group = pending.setdefault((item.tenant, item.adapter, _hour(item.at), None), _Group())
+                    group = batch.setdefault((item.tenant, item.adapter, _hour(item.at)), _Group())
                     group.num_items += 1
                     group.prompt_tokens += item.prompt_tokens
                     group.completion_tokens += item.completion_tokens
-            num_written = self._write(pending)
+            if batch:
+                closed[secrets.token_hex(16)], batch = batch, {}
+            num_written = self._write(closed)
             with self._done:
                 self._num_done += num_written
                 self._done.notify_all()
-            delay = 0.0 if not pending else min(RETRY_S, max(0.1, delay * 2))
-            if is_closing and (not pending or self._is_past_close()):
+            delay = 0.0 if not closed else min(RETRY_S, max(0.1, delay * 2))
+            if is_closing and (not closed or self._is_past_close()):
                 break
-        for (tenant, adapter, _, _), group in pending.items():
-            logger.error("usage of tenant %s (adapter %s) lost: %d requests, %d+%d tokens", tenant,
-                         adapter, group.num_items, group.prompt_tokens, group.completion_tokens)
+        for groups in closed.values():
+            for (tenant, adapter, _), group in groups.items():
+                logger.error("usage of tenant %s (adapter %s) lost: %d requests, %d+%d tokens", tenant,
+                             adapter, group.num_items, group.prompt_tokens, group.completion_tokens)
 
     def _is_past_close(self) -> bool:
         if self._close_deadline is None:
@@ -137,29 +142,23 @@ class UsageRecorder:
             batch.append(self._queue.get())
         return batch
 
-    def _write(self, pending: dict[tuple[str, str | None, datetime, str | None], _Group]) -> int:
-        """Write each buffered group in its own transaction; those written (or of deleted
-        tenants) leave `pending`, the others are closed under their write id. Returns how many
-        requests left it."""
+    def _write(self, closed: dict[str, dict[tuple[str, str | None, datetime], _Group]]) -> int:
+        """Write each closed batch in one transaction under its write id; those written leave
+        `closed`, the others stay for a retry. Returns how many requests left it."""
         num_done = 0
-        for key, group in list(pending.items()):
-            tenant, adapter, hour, write_id = key
-            if write_id is None:
-                del pending[key]
-                write_id = secrets.token_hex(16)
-                key = (tenant, adapter, hour, write_id)
-                pending[key] = group
+        for write_id, groups in list(closed.items()):
+            entries = [UsageEntry(tenant, adapter, group.prompt_tokens, group.completion_tokens,
+                                  group.num_items, hour) for (tenant, adapter, hour), group in groups.items()]
             try:
-                self._registry.usage.record(tenant, adapter, prompt_tokens=group.prompt_tokens,
-                                            completion_tokens=group.completion_tokens,
-                                            num_requests=group.num_items, at=hour, write_id=write_id)
-            except NotFoundError:
-                logger.info("usage of deleted tenant %s not recorded", tenant)
+                skipped = self._registry.usage.record_many(entries, write_id=write_id)
             except Exception as exc:
-                logger.warning("usage of tenant %s kept for a later write: %s", tenant, exc)
+                logger.warning("usage of %d requests kept for a later write: %s",
+                               sum(g.num_items for g in groups.values()), exc)
                 continue
-            del pending[key]
-            num_done += group.num_items
+            for tenant in skipped:
+                logger.info("usage of deleted tenant %s not recorded", tenant)
+            del closed[write_id]
+            num_done += sum(group.num_items for group in groups.values())
         return num_done
 
 

@@ -16,6 +16,7 @@ from loraplex.registry.registry_errors import (
     InvalidInputError,
     NotFoundError,
 )
+from loraplex.registry.usage_service import UsageEntry
 from tests.registry.registry_support import write_adapter
 
 
@@ -62,6 +63,26 @@ def test_a_usage_write_done_again_under_its_id_adds_nothing(registry: Registry) 
     assert (row.num_requests, row.prompt_tokens, row.completion_tokens) == (4, 6, 8)
     with pytest.raises(InvalidInputError):
         registry.usage.record("acme", None, prompt_tokens=1, completion_tokens=1, write_id="x" * 33)
+
+
+def test_a_batch_of_usage_is_one_write_that_skips_deleted_tenants(registry: Registry, tmp_path: Path) -> None:
+    """The usage recorder's batch: every tenant's and adapter's entry in one transaction under one
+    write id; a tenant deleted meanwhile is skipped and named; the same write again adds nothing."""
+    registry.adapters.upload_dir("acme", "sql", write_adapter(tmp_path / "a"))
+    registry.tenants.create("beta")
+    nine = datetime(2025, 3, 1, 9, 15, tzinfo=timezone.utc)
+    entries = [UsageEntry("acme", "sql", 10, 5, 2, nine), UsageEntry("acme", None, 7, 1, 1, nine),
+               UsageEntry("ghost", None, 3, 3, 1, nine), UsageEntry("beta", None, 100, 1, 4, nine)]
+    assert registry.usage.record_many(entries, write_id="b1") == ("ghost",)
+    assert registry.usage.record_many(entries, write_id="b1") == ()  # a retry: nothing added
+    rows = registry.usage.query(since=nine)
+    assert sorted(((r.tenant, r.adapter, r.num_requests, r.prompt_tokens, r.completion_tokens)
+                   for r in rows), key=str) == [("acme", "sql", 2, 10, 5), ("acme", None, 1, 7, 1),
+                                                ("beta", None, 4, 100, 1)]
+    assert registry.adapters.get("acme", "sql").num_requests_served == 2
+    with pytest.raises(InvalidInputError, match="prompt_tokens"):  # refused whole, before writing
+        registry.usage.record_many([UsageEntry("beta", None, 1, 1), UsageEntry("acme", None, -1, 1)])
+    assert sum(r.num_requests for r in registry.usage.query(tenant="beta")) == 4
 
 
 def test_usage_adds_up_per_tenant_adapter_and_hour(registry: Registry, tmp_path: Path) -> None:
