@@ -7,8 +7,9 @@ thread, and 1,000 adapters' requests finish under many adapters at once). `flush
 not wait for the window.
 
 Nothing is dropped while the database is unavailable or full: what could not be written stays
-buffered, summed per (tenant, adapter, hour) so the buffer stays small however long the outage,
-and is written when the database answers again (retried every RETRY_S at most). Each write is one
+buffered, each batch summed per (tenant, adapter, hour) (a batch a try at most: the buffer grows
+by at most one entry per tenant, adapter and hour every RETRY_S of an outage), and is written
+when the database answers again (retried every RETRY_S at most). Each write is one
 transaction carrying an id of its own: a write retried after its answer was lost (the COMMIT
 reached the database, the answer did not come back) finds its id there and adds nothing, so no
 request is counted twice. A batch that was tried is closed: requests that finish later go into a
