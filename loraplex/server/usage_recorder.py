@@ -153,7 +153,9 @@ class UsageRecorder:
             try:
                 skipped = self._registry.usage.record_many(entries, write_id=write_id)
             except Exception as exc:
-                logger.warning("usage of %d requests kept for a later write: %s",
+                tenants = sorted({tenant for tenant, _, _ in groups})
+                logger.warning("usage of tenant%s %s kept for a later write (%d requests): %s",
+                               "s" if len(tenants) > 1 else "", ", ".join(tenants),
                                sum(g.num_items for g in groups.values()), exc)
                 continue
             for tenant in skipped:
