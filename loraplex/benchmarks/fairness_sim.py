@@ -34,6 +34,7 @@ from loraplex.benchmarks.results import RESULTS, write
 from loraplex.benchmarks.serve_workload import BenchRequest
 from loraplex.benchmarks.slot_sim import SlotSimConfig, SlotSimulation, StepModel
 from loraplex.engine.prefix_cache import block_hashes
+from loraplex.engine_config import SchedulerConfig
 
 H100_OFFLINE_STEP = StepModel(base_ms=6.8, per_decode_ms=0.062, per_prefill_token_ms=0.030,
                               per_sampled_token_ms=0.0, per_swapped_out_block_ms=0.040)
@@ -55,6 +56,8 @@ class FairnessSimConfig:
     """VTC's prompt-chunk cap (0: none, the engine's default)."""
     fairness_kv_headroom: float = 0.0
     """SchedulerConfig.fairness_kv_headroom (0: none, the engine's default)."""
+    fairness_patience_tokens: int = SchedulerConfig.fairness_patience_tokens
+    """SchedulerConfig.fairness_patience_tokens (the engine's default)."""
     preload_adapters: bool = True
     """Each run's adapters are resident before it starts, as in the GPU benchmark's VTC run (its
     earlier runs on the same engine loaded all four; the light tenants' adapters are cold in its
@@ -75,6 +78,7 @@ def simulate_run(config: FairnessSimConfig, policy: str, heavy: bool = True) -> 
         num_host_blocks=config.num_host_blocks, policy=policy, fairness_bound=config.fairness_bound,
         max_capped_prefill_tokens=config.max_capped_prefill_tokens,
         fairness_kv_headroom=config.fairness_kv_headroom, request_overhead_ms=0.0, step=config.step,
+        fairness_patience_tokens=config.fairness_patience_tokens,
         scheduler_delay_factor=config.scheduler_delay_factor))
     requests = make_arrivals(config.workload, heavy)
     if config.preload_adapters:
@@ -126,6 +130,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="token budget of a step (default 8192, as the GPU benchmark's)")
     parser.add_argument("--fairness-kv-headroom", type=float, default=0.0,
                         help="SchedulerConfig.fairness_kv_headroom (default 0: none, as the engine)")
+    parser.add_argument("--fairness-patience-tokens", type=int,
+                        default=SchedulerConfig.fairness_patience_tokens,
+                        help="SchedulerConfig.fairness_patience_tokens (default %(default)s, as the engine)")
     parser.add_argument("--eager-floor-ms", type=float, default=H100_OFFLINE_STEP.eager_floor_ms,
                         help="the least a step with prompt tokens takes (StepModel.eager_floor_ms)")
     parser.add_argument("--scheduler-delay-factor", type=float, default=1.0,
@@ -139,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         config = FairnessSimConfig(workload=workload, max_num_batched_tokens=args.max_num_batched_tokens,
                                    max_capped_prefill_tokens=args.max_capped_prefill_tokens,
                                    fairness_kv_headroom=args.fairness_kv_headroom,
+                                   fairness_patience_tokens=args.fairness_patience_tokens,
                                    step=replace(H100_OFFLINE_STEP, eager_floor_ms=args.eager_floor_ms),
                                    scheduler_delay_factor=args.scheduler_delay_factor)
         result = simulate(config)

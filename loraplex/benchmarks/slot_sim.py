@@ -183,6 +183,8 @@ class SlotSimConfig:
     """SchedulerConfig.hold_places_for_loading."""
     fairness_kv_headroom: float = 0.0
     """SchedulerConfig.fairness_kv_headroom."""
+    fairness_patience_tokens: int = SchedulerConfig.fairness_patience_tokens
+    """SchedulerConfig.fairness_patience_tokens."""
     scheduler_delay_factor: float = 1.0
     """SchedulerConfig.scheduler_delay_factor (it acts only with the step model's eager floor)."""
     host_load_ms: float = 40.0
@@ -320,6 +322,7 @@ class SlotSimulation:
                             max_capped_prefill_tokens=config.max_capped_prefill_tokens,
                             hold_places_for_loading=config.hold_places_for_loading,
                             fairness_kv_headroom=config.fairness_kv_headroom,
+                            fairness_patience_tokens=config.fairness_patience_tokens,
                             scheduler_delay_factor=config.scheduler_delay_factor),
             self.blocks, self.adapters, policy, HostBlockPool(config.num_host_blocks), clock=clock)
         self.scheduler.delays_prompts = config.step.eager_floor_ms > 0 and not config.step.mixed_graph_tokens
