@@ -73,8 +73,8 @@ measure both (studies/lone_rows.py); read at launch (and at a graph's capture)."
 def lone_split(token_slots: torch.Tensor) -> LoneSplit | None:
     """The split of a step's tokens between the tiles and the per-token kernels
     (reference.lone_split), or None where the step takes the per-token path whole or SPLIT_LONE
-    is off. Device ops only (no host sync): a CUDA graph captures it. The engine computes it
-    once a forward pass (llama.project) and hands it to every shrink and expand."""
+    is off. Device ops only (no host sync): a CUDA graph captures it. The model runner makes it
+    once a forward pass (LoraMetadata.split), and every shrink and expand follows it."""
     if not SPLIT_LONE or token_slots.shape[0] <= lora.MAX_GEMV_TOKENS:
         return None
     return reference_lone_split(token_slots)
@@ -152,32 +152,22 @@ def _shrink_tiles_kernel(
             r_mask = r < rank
             pages = a_pages_ptr + slot.to(tl.int64) * stride_p_slot + slice_id * stride_p_slice
             a_rows = pool_ptr + _row_at(pages, r, r_mask, in_features, PAGE_RANK, ALIGN)[:, None]
-            _shrink_run_tile(x_rows, a_rows, out_ptr, tok, run, r, r_mask, slice_id, k_lo, k_hi,
-                             stride_out_slice, stride_out_tok, BLOCK_M, BLOCK_R, BLOCK_K, ATOMIC, UPCAST)
-
-
-@triton.jit
-def _shrink_run_tile(x_rows, a_rows, out_ptr, tok, run, r, r_mask, slice_id, k_lo, k_hi,
-                     stride_out_slice, stride_out_tok, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                     BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, UPCAST: tl.constexpr):
-    """One adapter's tokens of a tile (`run`) through its A rows: BLOCK_M-row dots over the
-    input dimension [k_lo, k_hi)."""
-    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < k_hi
-        xt = tl.load(x_rows + k[None, :], mask=run[:, None] & k_mask[None, :], other=0.0)
-        at = tl.load(a_rows + k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-        if UPCAST:  # float32's accuracy on the tensor cores (plain tf32 is off by ~1e-3)
-            acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), input_precision="tf32x3")
-        else:
-            acc += tl.dot(xt, tl.trans(at))
-    out = out_ptr + slice_id * stride_out_slice + tok[:, None] * stride_out_tok + r[None, :]
-    mask = run[:, None] & r_mask[None, :]
-    if ATOMIC:
-        tl.atomic_add(out, acc, mask=mask)
-    else:
-        tl.store(out, acc, mask=mask)
+            acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = k < k_hi
+                xt = tl.load(x_rows + k[None, :], mask=run[:, None] & k_mask[None, :], other=0.0)
+                at = tl.load(a_rows + k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+                if UPCAST:  # float32's accuracy on the tensor cores (plain tf32 is off by ~1e-3)
+                    acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), input_precision="tf32x3")
+                else:
+                    acc += tl.dot(xt, tl.trans(at))
+            out = out_ptr + slice_id * stride_out_slice + tok[:, None] * stride_out_tok + r[None, :]
+            mask = run[:, None] & r_mask[None, :]
+            if ATOMIC:
+                tl.atomic_add(out, acc, mask=mask)
+            else:
+                tl.store(out, acc, mask=mask)
 
 
 @triton.jit
@@ -295,8 +285,9 @@ def lora_shrink_paged(
     """x [num_tokens, in], pool [pool_elements] (x's dtype), a_pages [num_slots, num_slices,
     cdiv(max_rank, PAGE_RANK)] int64, token_slots [num_tokens] (0 = no adapter), ranks
     [num_slots, num_slices] int32 -> float32 [num_slices, num_tokens, max_rank], zero past each
-    slot's rank and on rows of slot 0 (as lora.lora_shrink). `split`: lone_split(token_slots),
-    where the caller has it (else made here when the step needs it)."""
+    slot's rank and on rows of slot 0 (as lora.lora_shrink). `split`: lone_split(token_slots)
+    to share a tile-path step out between the tiles and the per-token kernel (None: every token
+    in the tiles)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     num_tokens, in_features = x.shape
     _check_pool("pool", pool, (x.dtype,))
@@ -323,13 +314,6 @@ LONE_ROWS_TOKENS = 64
 """The token count whose per-token shrink config a tile-path step's lone tokens run with."""
 
 
-def _split_of(token_slots: torch.Tensor, config, split: LoneSplit | None) -> LoneSplit | None:
-    """The split a launch follows: the caller's (or one made now) in the tile path, else none."""
-    if config.block_m == 1 or not SPLIT_LONE:
-        return None
-    return split if split is not None else reference_lone_split(token_slots)
-
-
 def _launch_shrink(x, pool, a_pages, token_slots, ranks, max_rank: int, config: ShrinkConfig,
                    split: LoneSplit | None = None) -> torch.Tensor:
     num_tokens, in_features = x.shape
@@ -343,7 +327,7 @@ def _launch_shrink(x, pool, a_pages, token_slots, ranks, max_rank: int, config: 
     common = (x.stride(0), a_pages.stride(0), a_pages.stride(1), ranks.stride(0), out.stride(0),
               out.stride(1))
     align = row_align(pool, (in_features,))
-    split = _split_of(token_slots, config, split)
+    split = split if config.block_m > 1 else None  # (the per-token path takes every token anyway)
     if config.block_m > 1:
         k_per_split = cdiv(cdiv(in_features, config.k_splits), config.block_k) * config.block_k
         grid = (cdiv(num_tokens, config.block_m), num_slices, cdiv(in_features, k_per_split))
@@ -457,7 +441,7 @@ def _launch_expand(y, shrunk, pool, b_pages, token_slots, ranks, offsets: list[i
     max_rank = shrunk.shape[2]
     if num_tokens == 0 or out_features == 0 or (max_rank == 0 and scale_at is None):
         return y
-    split = _split_of(token_slots, config, split)
+    split = split if config.block_m > 1 else None  # (the per-token path takes every token anyway)
     if split is None:  # (slots, token list: none, its length)
         launches = [(config, token_slots, None, num_tokens)]
     else:  # the tiles on the runs, then the per-token kernel on the listed tokens

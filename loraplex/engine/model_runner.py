@@ -239,8 +239,10 @@ class ModelRunner:
                                             s.group_starts[:shape.num_group_starts])
         lora = None
         if shape.has_lora:
-            lora = LoraMetadata(s.token_slots[:t], self.lora, has_input_scale=shape.has_input_scale,
-                                has_expand=shape.has_expand, flora=s.flora if shape.has_flora else None)
+            slots = s.token_slots[:t]
+            lora = LoraMetadata(slots, self.lora, has_input_scale=shape.has_input_scale,
+                                has_expand=shape.has_expand, flora=s.flora if shape.has_flora else None,
+                                split=self.ops.lone_split(slots) if shape.has_expand else None)
         with forward_context(ForwardContext(self.kv_cache, attention, lora)):
             input_ids = s.input_ids[:t]
             input_ids = torch.where(input_ids == PENDING, self.row_tokens[s.token_rows[:t]], input_ids)

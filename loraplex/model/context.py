@@ -98,14 +98,10 @@ class LoraMetadata:
     output); IA3 on q/k/v, gate/up and down's input, and FLoRA, do not."""
     flora: FloraRows | None = None
     """Set when some token carries a FLoRA adapter."""
-    lone_split: Any = None
-    """Ops.lone_split(token_slots), made by the first layer that needs it in a forward pass (so
-    inside a CUDA graph's capture) and handed to every LoRA shrink and expand; NO_SPLIT when
-    the ops make none."""
-
-
-NO_SPLIT = ()
-"""LoraMetadata.lone_split once the ops have made none."""
+    split: Any = None
+    """Ops.lone_split(token_slots): how every LoRA shrink and expand of the pass shares its tokens
+    out (None: no split). Made once a forward pass by the model runner, inside a CUDA graph's
+    capture where there is one."""
 
 
 @dataclass

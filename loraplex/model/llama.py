@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.kernels import Ops
-from loraplex.model.context import NO_SPLIT, FloraRows, LoraSlotWeights, get_forward_context
+from loraplex.model.context import FloraRows, LoraSlotWeights, get_forward_context
 from loraplex.model.model_config import ModelConfig
 from loraplex.model.rope import cos_sin_cache
 
@@ -55,12 +55,9 @@ def project(layer: int, group: str, ops: Ops, x: torch.Tensor, weight: torch.Ten
         y = _flora_project(ops, x, weight, bias, w, slots, lora.flora)
     if not lora.has_expand:
         return y
-    if lora.lone_split is None:
-        lora.lone_split = ops.lone_split(slots) or NO_SPLIT
-    split = lora.lone_split or None
-    shrunk = ops.lora_shrink_paged(x, w.pool, w.a_pages, slots, w.ranks, w.max_rank, split)
+    shrunk = ops.lora_shrink_paged(x, w.pool, w.a_pages, slots, w.ranks, w.max_rank, lora.split)
     return ops.lora_expand_paged(y, shrunk, w.pool, w.b_pages, slots, w.ranks, w.slice_offsets, w.vectors,
-                                 w.scale_at, w.shift_at, split)
+                                 w.scale_at, w.shift_at, lora.split)
 
 
 FLORA_FUSED_MAX_ROWS = 256

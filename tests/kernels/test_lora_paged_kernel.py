@@ -50,20 +50,18 @@ def _check_lora(path, monkeypatch, ranks, in_features, slice_sizes, max_rank, sl
     if path.startswith("tiles"):  # the tl.dot path (BLOCK_M > 1) at this tiny batch
         monkeypatch.setattr(lora_paged, "shrink_config", _tiles(lora.shrink_config))
         monkeypatch.setattr(lora_paged, "expand_config", _tiles(lora.expand_config))
-        # "tiles": runs of a slot in the tiles, lone tokens per token (lora_paged.SPLIT_LONE);
-        # "tiles-unsplit": every token in the tiles
-        monkeypatch.setattr(lora_paged, "SPLIT_LONE", path != "tiles-unsplit")
     a, b, ranks_t, offsets, pool, paged = _lora_case(ranks, in_features, slice_sizes, max_rank, dtype, seed)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(len(slot_list), in_features, generator=g).to(DEVICE, dtype)
     y = torch.randn(len(slot_list), offsets[-1], generator=g).to(DEVICE, dtype)
     slots = guarded_1d(torch.tensor(slot_list, dtype=torch.int32, device=DEVICE))
+    split = _split_for(path, slots)
     weights = pool.view(dtype)
     with poisoned_allocations(lora_paged):
         shrunk = lora_paged.lora_shrink_paged(guarded_rows(x), weights, paged.a_pages, slots, ranks_t,
-                                              max_rank)
+                                              max_rank, split)
         out = lora_paged.lora_expand_paged(guarded_rows(y), shrunk, weights, paged.b_pages, slots, ranks_t,
-                                           offsets)
+                                           offsets, split=split)
     want_shrunk = ref.lora_shrink_paged(x, weights, paged.a_pages, slots, ranks_t, max_rank)
     want_y = ref.lora_expand_paged(y.clone(), want_shrunk, weights, paged.b_pages, slots, ranks_t, offsets)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
@@ -77,6 +75,12 @@ def _check_lora(path, monkeypatch, ranks, in_features, slice_sizes, max_rank, sl
     torch.testing.assert_close(want_y, ref.lora_expand(y.clone(), slot_shrunk, b, slots, ranks_t, offsets),
                                atol=bit[0], rtol=bit[1])
     return out, y
+
+
+def _split_for(path: str, slots: torch.Tensor):
+    """"tiles": runs of a slot in the tiles, lone tokens through the per-token kernels
+    (lora_paged.SPLIT_LONE's split, as the model runner makes it); otherwise no split."""
+    return ref.lone_split(slots) if path == "tiles" else None
 
 
 def _tiles(config_of):
@@ -130,12 +134,14 @@ def test_unchecked_shrink_expand_give_the_checked_results(path, monkeypatch):
     y = torch.randn(6, offsets[-1], generator=g).to(DEVICE)
     slots = torch.tensor([0, 2, 1, 2, 3, 1], dtype=torch.int32, device=DEVICE)
     weights = pool.view(torch.float32)
-    shrunk = lora_paged.lora_shrink_paged(x, weights, paged.a_pages, slots, ranks_t, 8)
-    fast = lora_paged.lora_shrink_paged_unchecked(x, weights, paged.a_pages, slots, ranks_t, 8)
+    split = _split_for(path, slots)
+    shrunk = lora_paged.lora_shrink_paged(x, weights, paged.a_pages, slots, ranks_t, 8, split)
+    fast = lora_paged.lora_shrink_paged_unchecked(x, weights, paged.a_pages, slots, ranks_t, 8, split)
     assert torch.equal(fast, shrunk)
-    want = lora_paged.lora_expand_paged(y.clone(), shrunk, weights, paged.b_pages, slots, ranks_t, offsets)
+    want = lora_paged.lora_expand_paged(y.clone(), shrunk, weights, paged.b_pages, slots, ranks_t, offsets,
+                                        split=split)
     got = lora_paged.lora_expand_paged_unchecked(y.clone(), shrunk, weights, paged.b_pages, slots, ranks_t,
-                                                 tuple(offsets))
+                                                 tuple(offsets), split=split)
     assert torch.equal(got, want)
 
 
@@ -149,10 +155,10 @@ def test_paged_ranks_take_pages_for_their_own_rank():
 
 
 @pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
-@pytest.mark.parametrize("path", ["gemv", "tiles"])
+@pytest.mark.parametrize("path", ["gemv", "tiles", "tiles-unsplit"])
 @pytest.mark.parametrize("with_shift", [False, True])
 def test_paged_dora_ia3_epilogue_matches_the_slot_reference(dtype, path, with_shift, monkeypatch):
-    if path == "tiles":
+    if path.startswith("tiles"):
         monkeypatch.setattr(lora_paged, "expand_config", _tiles(lora.expand_config))
     a, b, ranks, offsets = _slot_buffers(RANKS, 40, SLICES, 8, dtype, DEVICE)
     scale, scaled, shift = _scales(len(RANKS), offsets[-1], (1, 3), with_shift, DEVICE)
@@ -165,7 +171,8 @@ def test_paged_dora_ia3_epilogue_matches_the_slot_reference(dtype, path, with_sh
     shift_at = paged.shift_at if with_shift else None
     vectors = pool.view(torch.float32)
     out = lora_paged.lora_expand_paged(guarded_rows(y), shrunk, pool.view(dtype), paged.b_pages, slots,
-                                       ranks, offsets, vectors, paged.scale_at, shift_at)
+                                       ranks, offsets, vectors, paged.scale_at, shift_at,
+                                       _split_for(path, slots))
     want = ref.lora_expand(y.clone(), shrunk, b, slots, ranks, offsets, scale, scaled, shift)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out, want, atol=tol, rtol=tol)

@@ -1,15 +1,20 @@
-"""llama.project hands every LoRA shrink and expand of a forward pass the one work split
-(Ops.lone_split) that the first layer needing it made: inside a CUDA graph's capture, so that a
-replay remakes it from the step's adapter slots."""
+"""Every LoRA shrink and expand of a forward pass follows the one work split (Ops.lone_split)
+that the model runner made for it (LoraMetadata.split); the runner makes it once a pass, inside
+the pass (so inside a CUDA graph's capture, and a replay remakes it from the step's slots)."""
 
 import dataclasses
 from types import SimpleNamespace
 
 import torch
 
+from loraplex.benchmarks import synthetic_server as server
 from loraplex.kernels import reference_ops
 from loraplex.model.context import ForwardContext, LoraMetadata, forward_context
 from loraplex.model.llama import project
+from loraplex.types import SamplingParams
+
+TINY = ('{"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, '
+        '"num_key_value_heads": 2, "num_hidden_layers": 2}')
 
 
 def _group(out_features: int, rank: int) -> SimpleNamespace:
@@ -19,12 +24,8 @@ def _group(out_features: int, rank: int) -> SimpleNamespace:
                            shift_at=None)
 
 
-def test_one_split_a_forward_pass_reaches_every_shrink_and_expand():
-    made, seen = [], []
-
-    def lone_split(token_slots):
-        made.append(token_slots)
-        return ("split", len(made))
+def test_project_hands_the_passes_split_to_every_shrink_and_expand():
+    seen = []
 
     def shrink(x, pool, a_pages, slots, ranks, max_rank, split):
         seen.append(("shrink", split))
@@ -34,39 +35,38 @@ def test_one_split_a_forward_pass_reaches_every_shrink_and_expand():
         seen.append(("expand", split))
         return y
 
-    ops = dataclasses.replace(reference_ops(), lone_split=lone_split, lora_shrink_paged=shrink,
-                              lora_expand_paged=expand)
+    ops = dataclasses.replace(reference_ops(), lora_shrink_paged=shrink, lora_expand_paged=expand)
     groups = {"qkv": _group(12, 4), "o": _group(8, 4)}
     buffers = SimpleNamespace(group=lambda layer, name: groups[name])
-    slots = torch.tensor([1, 0, 1], dtype=torch.int32)
-    x = torch.randn(3, 8)
-    for step in range(2):
-        lora = LoraMetadata(slots, buffers)
-        with forward_context(ForwardContext(None, None, lora)):
-            for layer in range(2):
-                project(layer, "qkv", ops, x, torch.randn(12, 8))
-                project(layer, "o", ops, x[:, :4], torch.randn(8, 4))
-        assert len(made) == step + 1  # one a forward pass
-        assert made[-1] is slots
-    assert [split for _, split in seen] == [("split", 1)] * 8 + [("split", 2)] * 8
-
-
-def test_ops_that_make_no_split_pass_none():
-    seen = []
-    base = reference_ops()
-
-    def shrink(*args):
-        seen.append(args[-1])
-        return base.lora_shrink_paged(*args)
-
-    ops = dataclasses.replace(base, lora_shrink_paged=shrink, lora_expand_paged=lambda *args: args[0])
-    group = _group(8, 4)
-    group.pool = torch.zeros(64)
-    group.a_pages = torch.zeros(2, 1, 1, dtype=torch.int64)
-    group.ranks = torch.zeros(2, 1, dtype=torch.int32)
-    buffers = SimpleNamespace(group=lambda layer, name: group)
-    lora = LoraMetadata(torch.tensor([1, 0], dtype=torch.int32), buffers)
+    split = object()
+    lora = LoraMetadata(torch.tensor([1, 0, 1], dtype=torch.int32), buffers, split=split)
     with forward_context(ForwardContext(None, None, lora)):
-        project(0, "o", ops, torch.randn(2, 4), torch.randn(8, 4))
-        project(1, "o", ops, torch.randn(2, 4), torch.randn(8, 4))
-    assert seen == [None, None]
+        for layer in range(2):
+            project(layer, "qkv", ops, torch.randn(3, 8), torch.randn(12, 8))
+            project(layer, "o", ops, torch.randn(3, 4), torch.randn(8, 4))
+    assert seen == [(kind, split) for _ in range(4) for kind in ("shrink", "expand")]
+
+
+def test_the_runner_makes_one_split_a_forward_pass_from_the_steps_slots():
+    engine = server.build_engine(server.parse_args(["--setup", "unused.json", "--device", "cpu",
+                                                    "--model-overrides", TINY, "--num-adapters", "4",
+                                                    "--max-model-len", "256"]))
+    try:
+        adapters = server.SyntheticAdapters(4, 2, server.make_pools(engine, (16,)))
+        engine.set_adapter_loader(adapters.load)
+        made, forwards = [], []
+        runner = engine.runner
+        runner.ops = dataclasses.replace(runner.ops, lone_split=lambda slots: made.append(slots.clone()))
+        forward = runner.forward
+        runner.forward = lambda shape, *args: forwards.append(shape.num_tokens) or forward(shape, *args)
+        for i in range(3):
+            engine.add_request(f"r{i}", prompt_token_ids=[5 + i] * 20, params=SamplingParams(max_tokens=3),
+                               adapter=server.synthetic_digest(i), tenant="t000")
+        while engine.has_unfinished_requests():
+            engine.step()
+        # One split a pass, every pass carrying adapters, over that pass's tokens.
+        assert [len(slots) for slots in made] == forwards and forwards
+        assert all(slots.dtype == torch.int32 and bool((slots > 0).any()) for slots in made)
+        assert sum(forwards) >= 60 + 3 * 2  # the prompts, then the decodes
+    finally:
+        engine.close()
