@@ -315,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     names = [stage.name for stage in REDUCED.stages]
     parser.add_argument("--stages", default=",".join(names), help=f"comma-separated, of {', '.join(names)}")
-    parser.add_argument("--budget-s", type=float, default=480.0,
-                        help="the whole pass, install excluded (default 480: a 600 s device call)")
+    parser.add_argument("--budget-s", type=float, default=540.0,
+                        help="the whole pass, install excluded (default 540: a 600 s device call)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="where the records are read")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where regression-<device>.json goes")
     parser.add_argument("--work", type=Path, help="the stages' own results and logs (default: a temporary "

@@ -38,8 +38,8 @@ def _page(a, bt, ranks, offsets, scale=None, shift=None, scaled=None, num_pages=
     return pool, paged
 
 
-def _lora_case(ranks, in_features, slice_sizes, max_rank, dtype, seed=0):
-    a, b, ranks_t, offsets = _slot_buffers(ranks, in_features, slice_sizes, max_rank, dtype, DEVICE,
+def _lora_case(ranks, in_features, slice_sizes, max_rank, dtype, seed=0, device=DEVICE):
+    a, b, ranks_t, offsets = _slot_buffers(ranks, in_features, slice_sizes, max_rank, dtype, device,
                                            seed=seed)
     pool, paged = _page(a, b.transpose(1, 2), ranks_t, offsets, seed=seed)
     return a, b, ranks_t, offsets, pool, paged
@@ -226,9 +226,10 @@ def test_paged_flora_stack_and_combine_match_the_slot_kernels(dtype, per_slice):
 def test_the_paged_references_follow_only_the_slots_a_call_uses():
     """The engine's tables have a row for every slot (hundreds on a small model); the CPU path
     (these references) gathers only the rows that the call's tokens name: the others' entries,
-    pointing far past the pool here, are never followed, and the results are the same."""
-    a, b, ranks, offsets, pool, paged = _lora_case(RANKS, 40, (24, 8, 16), 8, torch.float32)
-    scale, scaled, _ = _scales(len(RANKS), offsets[-1], (1, 3), False, DEVICE)
+    pointing far past the pool here, are never followed, and the results are the same. (On the CPU
+    on every machine: a GPU would assert on the device where the CPU raises IndexError.)"""
+    a, b, ranks, offsets, pool, paged = _lora_case(RANKS, 40, (24, 8, 16), 8, torch.float32, device="cpu")
+    scale, scaled, _ = _scales(len(RANKS), offsets[-1], (1, 3), False, "cpu")
     _, scaled_paged = _page(a, b.transpose(1, 2), ranks, offsets, scale, None, scaled.tolist())
     weights, vectors = pool.view(torch.float32), pool.view(torch.float32)
     g = torch.Generator().manual_seed(8)
