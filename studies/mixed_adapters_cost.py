@@ -36,9 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     options = server.parse_args(["--setup", "unused.json", *args.server_args])
     engine = server.build_engine(options)
-    adapters = server.SyntheticAdapters(options.num_adapters, options.num_tenants,
-                                        server.make_pools(engine, options.ranks))
-    engine.set_adapter_loader(adapters.load)
+    server.prepare_engine(engine, options)
     device = engine.device
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(0)

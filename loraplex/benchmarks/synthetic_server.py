@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import functools
 import hashlib
 import json
 import logging
@@ -53,6 +54,7 @@ from loraplex.benchmarks.serve_workload import (
     make_workload,
     tenant_name,
 )
+from loraplex.engine.core_client import EngineCoreClient, EngineView
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.lora_weights import HostAdapter
 from loraplex.engine_config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
@@ -158,38 +160,72 @@ def word_tokenizer(vocab_size: int) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0")
 
 
-def build_engine(args: argparse.Namespace) -> LLMEngine:
-    from loraplex.kernels import lora_paged
-
-    lora_paged.SPLIT_LONE = args.split_lone  # (an experiment's switch: the kernels read it at launch)
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model_config = synthetic.model_config(args.model_overrides)
-    started = time.perf_counter()
-    model = synthetic.random_model(model_config, engine_ops(device), dtype, device, args.max_model_len)
-    engine = LLMEngine(EngineConfig(
-        model=MODEL_ID, device=args.device, dtype=str(dtype).removeprefix("torch."),
-        max_model_len=args.max_model_len, seed=0, cache=CacheConfig(block_size=16),
-        mixed_step_graphs=args.mixed_step_graphs,
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
+    return EngineConfig(
+        model=MODEL_ID, device=args.device, dtype=dtype, max_model_len=args.max_model_len, seed=0,
+        cache=CacheConfig(block_size=16), mixed_step_graphs=args.mixed_step_graphs,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   scheduler_delay_factor=args.scheduler_delay_factor,
                                   fairness_bound=args.fairness_bound,
                                   hold_places_for_loading=args.hold_places_for_loading),
         lora=LoRAConfig(max_lora_rank=max(args.ranks), max_loras=args.max_loras),
-    ), model=model)
+    )
+
+
+def build_engine(args: argparse.Namespace, config: EngineConfig | None = None) -> LLMEngine:
+    from loraplex.kernels import lora_paged
+
+    lora_paged.SPLIT_LONE = args.split_lone  # (an experiment's switch: the kernels read it at launch)
+    config = config or engine_config(args)
+    device = torch.device(config.device)
+    model_config = synthetic.model_config(args.model_overrides)
+    started = time.perf_counter()
+    model = synthetic.random_model(model_config, engine_ops(device), getattr(torch, config.dtype), device,
+                                   args.max_model_len)
+    engine = LLMEngine(config, model=model)
     engine.tokenizer = word_tokenizer(model_config.vocab_size)
     logger.info("engine built in %.1f s: %s", time.perf_counter() - started, engine.memory.describe())
     return engine
 
 
-def make_pools(engine: LLMEngine, ranks: tuple[int, ...]) -> dict[int, list[HostAdapter]]:
-    """POOL_SIZE random adapters of each rank; the first rank's seeds are 5000... (a single
-    `--rank` gets the adapters it always had)."""
-    pin = engine.device.type == "cuda"
-    return {rank: [synthetic.random_adapter(engine.model_config, rank, engine.dtype, engine.device,
-                                            f"pool-r{rank}-{i}", seed=5000 + 100 * k + i, pin=pin)
+def make_pools(model_config: Any, dtype: torch.dtype, device: torch.device,
+               ranks: tuple[int, ...]) -> dict[int, list[HostAdapter]]:
+    """POOL_SIZE random adapters of each rank on `device` (pinned where it is a GPU's host); the
+    first rank's seeds are 5000... (a single `--rank` gets the adapters it always had)."""
+    pin = device.type == "cuda"
+    return {rank: [synthetic.random_adapter(model_config, rank, dtype, device, f"pool-r{rank}-{i}",
+                                            seed=5000 + 100 * k + i, pin=pin)
                    for i in range(POOL_SIZE)] for k, rank in enumerate(ranks)}
+
+
+def prepare_engine(engine: LLMEngine, args: argparse.Namespace) -> SyntheticAdapters:
+    """The engine's synthetic adapters and loader, its step log, and the offline pass (where
+    asked): in the process that holds the engine."""
+    adapters = SyntheticAdapters(args.num_adapters, args.num_tenants,
+                                 make_pools(engine.model_config, engine.dtype, engine.device, args.ranks))
+    engine.set_adapter_loader(adapters.load)
+    if args.step_log is not None:
+        atexit.register(log_steps(engine, args.step_log).close)
+    if args.offline is not None:
+        workload = WorkloadConfig(**(args.offline | {"vocab_size": engine.model_config.vocab_size}))
+        result = run_offline(engine, workload)
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"serve-offline-{result['device'].replace(' ', '-').lower()}.json"
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps(result), flush=True)
+        write_device_bytes(engine, adapters, args.out, "after the offline pass")
+    return adapters
+
+
+def build_core_engine(args: argparse.Namespace, config: EngineConfig) -> LLMEngine:
+    """`--engine-process`: what the engine-core process runs to make its engine. The server's
+    adapter loader replaces the one set here once the server starts (adapters then cross the pipe,
+    as `loraplex serve --engine-process` sends them)."""
+    engine = build_engine(args, config)
+    prepare_engine(engine, args)
+    return engine
 
 
 def device_bytes_by_rank(engine: LLMEngine, adapters: SyntheticAdapters, when: str) -> dict[str, Any]:
@@ -302,7 +338,8 @@ def _drain(engine: LLMEngine) -> None:
         engine.step()
 
 
-def set_up_registry(data_dir: Path, engine: LLMEngine, num_tenants: int) -> tuple[Any, dict[str, str], str]:
+def set_up_registry(data_dir: Path, engine: LLMEngine | EngineView,
+                    num_tenants: int) -> tuple[Any, dict[str, str], str]:
     from loraplex.registry import Registry, RegistryConfig
 
     registry = Registry.open(RegistryConfig(data_dir=data_dir))
@@ -358,6 +395,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--step-log", type=Path, help="write a CSV line a step here: when it started "
                         "(Unix time), its wall time, prompt tokens, running, waiting, waiting for an "
                         "adapter, and preemptions, host loads and slot loads so far")
+    parser.add_argument("--engine-process", action="store_true",
+                        help="the engine in a process of its own (`loraplex serve --engine-process`): the "
+                        "offline pass and the step log run there; the device bytes after the drain are "
+                        "not written")
     parser.add_argument("--switch-interval-ms", type=float, help="sys.setswitchinterval for this "
                         "process (default: Python's 5 ms): how long the engine thread may wait for the "
                         "GIL while the event loop holds it")
@@ -368,7 +409,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def log_steps(engine: LLMEngine, path: Path) -> TextIO:
     """Note every step of `engine` in `path` (CSV); returns the file, for the caller to close."""
-    out = path.open("w")
+    out = path.open("w", buffering=1)  # line by line: an engine-core process ends without atexit
     out.write("start_s,wall_ms,prompt_tokens,running,waiting,adapter_waits,preemptions,host_loads,"
               "slot_loads\n")
     step, scheduler, adapters = engine.step, engine.scheduler, engine.adapters
@@ -400,24 +441,21 @@ def main(argv: list[str] | None = None) -> int:
 
     _configure_logging()
     logging.getLogger("loraplex.server.usage_recorder").setLevel(logging.WARNING)  # names not in the registry
-    engine = build_engine(args)
-    adapters = SyntheticAdapters(args.num_adapters, args.num_tenants, make_pools(engine, args.ranks))
-    engine.set_adapter_loader(adapters.load)
-    if args.step_log is not None:
-        atexit.register(log_steps(engine, args.step_log).close)
-    if args.offline is not None:
-        workload = WorkloadConfig(**(args.offline | {"vocab_size": engine.model_config.vocab_size}))
-        result = run_offline(engine, workload)
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"serve-offline-{result['device'].replace(' ', '-').lower()}.json"
-        path.write_text(json.dumps(result, indent=1) + "\n")
-        print(json.dumps(result), flush=True)
-        write_device_bytes(engine, adapters, args.out, "after the offline pass")
+    if args.engine_process:
+        engine = EngineCoreClient.start(engine_config(args), functools.partial(build_core_engine, args),
+                                        word_tokenizer(synthetic.model_config(args.model_overrides).vocab_size))
+        facts = engine.view
+        # The server's adapters: names, and the loads the core asks for (host memory; no CUDA here).
+        pools = make_pools(facts.model_config, facts.dtype, torch.device("cpu"), args.ranks)
+        adapters = SyntheticAdapters(args.num_adapters, args.num_tenants, pools)
+    else:
+        engine = facts = build_engine(args)
+        adapters = prepare_engine(engine, args)
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="loraplex-synthetic-"))
-    registry, keys, admin_key = set_up_registry(data_dir, engine, args.num_tenants)
+    registry, keys, admin_key = set_up_registry(data_dir, facts, args.num_tenants)
     url = f"http://{args.host}:{args.port}"
     args.setup.write_text(json.dumps({"url": url, "model_id": MODEL_ID, "keys": keys, "admin_key": admin_key,
-                                      "vocab_size": engine.model_config.vocab_size}))
+                                      "vocab_size": facts.model_config.vocab_size}))
     app = create_app(ServerConfig(model_id=MODEL_ID, max_requests_in_flight=4096), registry, engine, adapters)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            timeout_graceful_shutdown=args.shutdown_timeout),
@@ -425,10 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("serving %s on %s with %d adapters of rank %s over %d tenants", MODEL_ID, url,
                 args.num_adapters, "/".join(map(str, args.ranks)), args.num_tenants)
     freeze_startup_heap()
-    server.run()
-    write_device_bytes(engine, adapters, args.out, "after the drain")
+    server.run()  # (an engine-core process is stopped as the server's lifespan ends)
+    if not args.engine_process:
+        write_device_bytes(engine, adapters, args.out, "after the drain")
+        engine.close()
     registry.close()
-    engine.close()
     return 0
 
 

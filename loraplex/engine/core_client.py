@@ -89,19 +89,22 @@ class EngineCoreClient:
         atexit.register(self.shutdown)  # a non-daemon child would otherwise hold the exit
 
     @classmethod
-    def start(cls, config: EngineConfig) -> EngineCoreClient:
+    def start(cls, config: EngineConfig, build: Callable[[EngineConfig], Any] | None = None,
+              tokenizer: Any = None) -> EngineCoreClient:
         """Spawn the core and wait until it has built the engine (weights, memory plan, CUDA
-        graphs); an engine that cannot be built raises its error here (ModelLoadError, ...)."""
+        graphs); an engine that cannot be built raises its error here (ModelLoadError, ...).
+        `build` (it must pickle) makes the engine in the core instead of LLMEngine(config), and
+        `tokenizer` is then the server's (else loaded from config.model)."""
         # Spawned, never forked (CUDA); not a daemon, so that it may spawn tensor-parallel workers.
         context = mp.get_context("spawn")
         conn, child = context.Pipe()
         process = context.Process(target=run_engine_core, name=CORE_PROCESS_NAME,
-                                  args=(config, child, os.getpid()))
+                                  args=(config, child, os.getpid(), build))
         process.start()
         child.close()  # the child's end lives in the child only: its death closes the pipe
-        tokenizer, tokenizer_error = None, None
+        tokenizer_error = None
         try:  # while the core builds the engine
-            tokenizer = load_tokenizer(config.model)
+            tokenizer = tokenizer or load_tokenizer(config.model)
         except Exception as exc:  # noqa: BLE001 - raised below, unless the core says why first
             tokenizer_error = exc
         try:

@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -54,13 +55,15 @@ ADAPTER_LOAD_TIMEOUT_S = 600.0
 """How long the engine's adapter loader waits for the server to send an adapter."""
 
 
-def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int) -> None:
-    """The process's entry point."""
+def run_engine_core(config: EngineConfig, conn: Connection, parent_pid: int,
+                    build: Callable[[EngineConfig], LLMEngine] | None = None) -> None:
+    """The process's entry point; `build` makes the engine instead of LLMEngine(config) (a
+    benchmark's engine on a model with random weights: loraplex.benchmarks.synthetic_server)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _configure_logging()
     try:
-        engine = LLMEngine(config)
+        engine = (build or LLMEngine)(config)
     except BaseException as exc:  # noqa: BLE001 - the server re-raises it
         conn.send(CallFailed(None, portable(exc), traceback.format_exc()))
         return

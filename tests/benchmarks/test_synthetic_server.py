@@ -30,8 +30,8 @@ def _args(*ranks: str) -> list[str]:
 def mixed():
     args = server.parse_args(_args("--ranks", "8,16,64"))
     engine = server.build_engine(args)
-    adapters = server.SyntheticAdapters(NUM_ADAPTERS, NUM_TENANTS, server.make_pools(engine, args.ranks))
-    engine.set_adapter_loader(adapters.load)
+    args.num_adapters, args.num_tenants = NUM_ADAPTERS, NUM_TENANTS
+    adapters = server.prepare_engine(engine, args)
     yield engine, adapters
     engine.close()
 
@@ -120,11 +120,10 @@ def test_the_offline_pass_loads_the_workloads_adapters_before_it_measures(mixed)
 
 
 def test_the_step_log_notes_every_step_with_its_prompt_tokens_and_loads(tmp_path):
-    args = server.parse_args(_args("--rank", "8"))
+    args = server.parse_args(_args("--rank", "8", "--num-adapters", "4", "--num-tenants", "2"))
     engine = server.build_engine(args)
     try:
-        adapters = server.SyntheticAdapters(4, 2, server.make_pools(engine, args.ranks))
-        engine.set_adapter_loader(adapters.load)
+        server.prepare_engine(engine, args)
         log = server.log_steps(engine, tmp_path / "steps.csv")
         workload = server.WorkloadConfig(num_prompts=6, num_tenants=2, num_adapters=4, prompt_len=8,
                                          output_len=3, zipf_alpha=0.5, seed=5, vocab_size=1000)
@@ -167,3 +166,80 @@ def test_issue_27s_terms_set_1000_adapters_against_one_and_against_themselves_ag
     assert summary["rate"] == 40.0 and summary["met"] is met
     assert summary["ttft_p99_vs_one_adapter"] == round(p99_many / 500.0, 3)
     assert summary["cold_loads"] == {"one adapter": 0, "1,000 adapters": 150, "1,000 adapters again": 3}
+
+
+def test_with_engine_process_the_server_answers_as_the_engine_does_and_the_core_logs_its_steps(tmp_path):
+    """`--engine-process`: the engine (random model, offline pass, step log) in the core process,
+    the adapters loaded by the server and sent over the pipe; a completion over HTTP with an adapter
+    equals the one an engine built here gives (the same seeds on the CPU), and SIGTERM drains it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    options = _args("--rank", "8", "--num-adapters", "6", "--num-tenants", "2")
+    workload = {"num_prompts": 4, "num_tenants": 2, "num_adapters": 6, "prompt_len": 8, "output_len": 2,
+                "seed": 1}
+    setup, steps = tmp_path / "setup.json", tmp_path / "steps.csv"
+    argv = [*options, "--port", "0", "--offline", json.dumps(workload), "--out", str(tmp_path),
+            "--step-log", str(steps), "--engine-process"]
+    argv[argv.index("unused.json")] = str(setup)
+    port = _free_port()
+    argv[argv.index("--port") + 1] = str(port)
+    log = (tmp_path / "server.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "loraplex.benchmarks.synthetic_server", *argv],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+        keys = json.loads(setup.read_text())["keys"]
+        prompt = "w5 w6 w7 w8 w9"
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                            headers={"Authorization": f"Bearer {keys[adapter_owner(3, 2)]}"},
+                            json={"model": adapter_name(3), "prompt": prompt, "max_tokens": 5,
+                                  "temperature": 0}).raise_for_status().json()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    server_log = (tmp_path / "server.log").read_text()
+    assert "engine core running in process" in server_log
+    offline = json.loads(next(tmp_path.glob("serve-offline-*.json")).read_text())
+    assert offline["completed"] == 4
+    rows = steps.read_text().splitlines()[1:]
+    assert sum(int(row.split(",")[2]) for row in rows) >= 4 * 8  # the offline pass's prompts, then HTTP's
+
+    args = server.parse_args(options)
+    engine = server.build_engine(args)
+    try:
+        server.prepare_engine(engine, args)
+        engine.add_request("here", prompt_token_ids=engine.tokenizer(prompt)["input_ids"],
+                           params=SamplingParams(max_tokens=5, temperature=0.0),
+                           adapter=server.synthetic_digest(3))
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+    finally:
+        engine.close()
+    assert outputs[-1].finished and len(outputs[-1].token_ids) == 5
+    assert answer["choices"][0]["text"] == outputs[-1].text
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -48,12 +48,11 @@ def test_project_hands_the_passes_split_to_every_shrink_and_expand():
 
 
 def test_the_runner_makes_one_split_a_forward_pass_from_the_steps_slots():
-    engine = server.build_engine(server.parse_args(["--setup", "unused.json", "--device", "cpu",
-                                                    "--model-overrides", TINY, "--num-adapters", "4",
-                                                    "--max-model-len", "256"]))
+    args = server.parse_args(["--setup", "unused.json", "--device", "cpu", "--model-overrides", TINY,
+                              "--num-adapters", "4", "--num-tenants", "2", "--max-model-len", "256"])
+    engine = server.build_engine(args)
     try:
-        adapters = server.SyntheticAdapters(4, 2, server.make_pools(engine, (16,)))
-        engine.set_adapter_loader(adapters.load)
+        server.prepare_engine(engine, args)
         made, forwards = [], []
         runner = engine.runner
         runner.ops = dataclasses.replace(runner.ops, lone_split=lambda slots: made.append(slots.clone()))
