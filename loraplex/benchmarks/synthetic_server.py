@@ -145,6 +145,12 @@ class SyntheticAdapters:
 
         return HostAdapter(digest, source.rank, copy(source.a), copy(source.b), copy(source.ranks))
 
+    def locate(self, digest: str) -> functools.partial[HostAdapter]:
+        """`--engine-process`: the core reads adapters itself, from its own pools (the blob store
+        of this benchmark), as it would read a real server's blob files."""
+        self._index[digest]  # noqa: B018 - a digest that is not ours raises KeyError here
+        return functools.partial(_read_in_core, digest)
+
     def weight_bytes(self, rank: int) -> int:
         """Bytes of the A and B weights of an adapter of `rank` (host memory, unpadded)."""
         return self._pools[rank][0].num_bytes
@@ -219,13 +225,23 @@ def prepare_engine(engine: LLMEngine, args: argparse.Namespace) -> SyntheticAdap
     return adapters
 
 
+_core_adapters: SyntheticAdapters | None = None
+"""In the engine-core process: its synthetic adapters, which SyntheticAdapters.locate reads."""
+
+
 def build_core_engine(args: argparse.Namespace, config: EngineConfig) -> LLMEngine:
-    """`--engine-process`: what the engine-core process runs to make its engine. The server's
-    adapter loader replaces the one set here once the server starts (adapters then cross the pipe,
-    as `loraplex serve --engine-process` sends them)."""
+    """`--engine-process`: what the engine-core process runs to make its engine. Once the server
+    starts, the core asks it for each adapter and reads it here (SyntheticAdapters.locate), as
+    `loraplex serve --engine-process` has its core read blob files."""
+    global _core_adapters
     engine = build_engine(args, config)
-    prepare_engine(engine, args)
+    _core_adapters = prepare_engine(engine, args)
     return engine
+
+
+def _read_in_core(digest: str) -> HostAdapter:
+    assert _core_adapters is not None, "not in a synthetic server's engine-core process"
+    return _core_adapters.load(digest)
 
 
 def device_bytes_by_rank(engine: LLMEngine, adapters: SyntheticAdapters, when: str) -> dict[str, Any]:

@@ -60,6 +60,8 @@ from loraplex.types import RequestOutput, SamplingParams, StreamingWindow
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+AdapterLocator = Callable[[str], Callable[[], Any]]
+"""digest -> a function that pickles and reads the adapter where it is called (in the core)."""
 CORE_PROCESS_NAME = "loraplex-engine-core"
 STOP_GRACE_S = 10.0
 """How long shutdown waits for the core to exit before it is terminated, then killed."""
@@ -80,6 +82,7 @@ class EngineCoreClient:
         self._ids = itertools.count(1)
         self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._adapter_loader: AdapterLoader | None = None
+        self._adapter_locator: AdapterLocator | None = None
         self._loads = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="loraplex-core-adapters")
         self._is_stopping = False
         self._writer = threading.Thread(target=self._write, name="loraplex-core-writer", daemon=True)
@@ -153,10 +156,12 @@ class EngineCoreClient:
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)
 
-    def set_adapter_loader(self, loader: AdapterLoader) -> None:
+    def set_adapter_loader(self, loader: AdapterLoader, locate: AdapterLocator | None = None) -> None:
         """Serve adapters by digest from `loader` (run here, on a thread of this process; the
-        adapter goes to the core)."""
-        self._adapter_loader = loader
+        adapter's tensors go to the core), or, with `locate`, tell the core where to read each
+        (`locate(digest)`: a function that pickles, which the core calls on its own loader thread):
+        then no tensor crosses the pipe, where a request would wait behind it."""
+        self._adapter_loader, self._adapter_locator = loader, locate
         self._outbox.put(UseAdapterLoader())
 
     def _ask(self, make: Callable[[int], Any]) -> Future:
@@ -277,9 +282,12 @@ class EngineCoreClient:
     def _send_adapter(self, wanted: AdapterWanted) -> None:
         """On a loader thread: read the adapter the core asks for, and send it."""
         try:
-            if self._adapter_loader is None:
+            if self._adapter_locator is not None:
+                reply = AdapterLoaded(wanted.load_id, read=self._adapter_locator(wanted.digest))
+            elif self._adapter_loader is None:
                 raise RuntimeError("no adapter loader is set")
-            reply = AdapterLoaded(wanted.load_id, self._adapter_loader(wanted.digest))
+            else:
+                reply = AdapterLoaded(wanted.load_id, self._adapter_loader(wanted.digest))
         except Exception as exc:  # noqa: BLE001 - the requests that need it fail with it
             reply = AdapterLoaded(wanted.load_id, error=portable(exc))
         self._outbox.put(reply)
@@ -371,5 +379,5 @@ class EngineView:
     def window_problem(self, window: StreamingWindow) -> str | None:
         return window_problem(window, self.config.cache.block_size, self.max_model_len)
 
-    def set_adapter_loader(self, loader: AdapterLoader) -> None:
-        self._client.set_adapter_loader(loader)
+    def set_adapter_loader(self, loader: AdapterLoader, locate: AdapterLocator | None = None) -> None:
+        self._client.set_adapter_loader(loader, locate)

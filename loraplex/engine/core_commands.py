@@ -4,6 +4,7 @@ CallFailed); the others are not."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from loraplex.adapter_format import LoraAdapter
@@ -56,11 +57,14 @@ class UseAdapterLoader:
 
 @dataclass(frozen=True)
 class AdapterLoaded:
-    """The server's answer to an AdapterWanted: the adapter, or why it could not be read."""
+    """The server's answer to an AdapterWanted: the adapter, where the core reads it itself
+    (`read`: a function that pickles, called with no arguments on the core's loader thread, e.g.
+    a partial of the blob-store read with the adapter's files), or why it could not be found."""
 
     load_id: int
     adapter: LoraAdapter | HostAdapter | None = None
     error: BaseException | None = None
+    read: Callable[[], LoraAdapter | HostAdapter] | None = None
 
 
 @dataclass(frozen=True)

@@ -149,7 +149,7 @@ class EngineCore:
                     if command.error is not None:
                         future.set_exception(command.error)
                     else:
-                        future.set_result(command.adapter)
+                        future.set_result(command)
                 continue
             self._commands.put(command)
             self._wake.set()
@@ -249,7 +249,7 @@ class EngineCore:
     # Adapters -----------------------------------------------------------------------------
     def _load_adapter(self, digest: str) -> Any:
         """The engine's adapter loader (on the adapter cache's worker thread): ask the server
-        for the adapter and wait for it."""
+        for the adapter and wait for it, or for where it is, and read it here."""
         future: Future = Future()
         with self._loads_lock:
             self._next_load += 1
@@ -257,10 +257,11 @@ class EngineCore:
             self._loads[load_id] = future
         self._send(AdapterWanted(load_id, digest))
         try:
-            return future.result(ADAPTER_LOAD_TIMEOUT_S)
+            answer: AdapterLoaded = future.result(ADAPTER_LOAD_TIMEOUT_S)
         finally:
             with self._loads_lock:
                 self._loads.pop(load_id, None)
+        return answer.adapter if answer.read is None else answer.read()  # (read here, off the pipe)
 
     def _fail_loads(self, exc: BaseException) -> None:
         with self._loads_lock:

@@ -9,7 +9,9 @@ unavailable, records read before are reused (cache.read_cached)."""
 
 from __future__ import annotations
 
+import functools
 import logging
+from pathlib import Path
 
 from loraplex.adapter_format import BaseModelShape, LoraAdapter, load_adapter
 from loraplex.registry import Registry
@@ -59,18 +61,28 @@ class AdapterNames:
     def load(self, digest: str) -> LoraAdapter:
         """The engine's adapter loader (runs on its loader thread): the adapter of `digest`,
         read and validated again from the blob store."""
+        return self.locate(digest)()
+
+    def locate(self, digest: str) -> functools.partial[LoraAdapter]:
+        """Where the adapter of `digest` is: a call that reads and validates it, and pickles (an
+        engine-core process reads the blob files itself, on its loader thread, so that the
+        adapter's tensors never cross the pipe)."""
         record = self._blobs.get(digest)
         if record is None:
             raise RegistryError(f"no adapter with digest {digest[:12]} was asked for on this server")
-        try:
-            adapter = load_adapter(record.config_path.read_bytes(), record.weights_path, self._shape,
-                                   self._max_rank)
-        except FileNotFoundError:
-            raise RegistryError(f"the blobs of adapter {record.tenant}/{record.name} are missing "
-                                f"from the blob store") from None
-        if adapter.digest != digest:
-            raise RegistryError(f"the blobs of adapter {record.tenant}/{record.name} do not match "
-                                f"its recorded digest")
-        logger.info("read adapter %s (asked for as %s/%s) for the engine", digest[:16], record.tenant,
-                    record.name)
-        return adapter
+        return functools.partial(read_blobs, digest, f"{record.tenant}/{record.name}", record.config_path,
+                                 record.weights_path, self._shape, self._max_rank)
+
+
+def read_blobs(digest: str, label: str, config_path: Path, weights_path: Path, shape: BaseModelShape,
+               max_rank: int) -> LoraAdapter:
+    """The adapter `label` (tenant/name) of `digest` from its blob files, validated; RegistryError
+    if they are missing or hold another adapter."""
+    try:
+        adapter = load_adapter(config_path.read_bytes(), weights_path, shape, max_rank)
+    except FileNotFoundError:
+        raise RegistryError(f"the blobs of adapter {label} are missing from the blob store") from None
+    if adapter.digest != digest:
+        raise RegistryError(f"the blobs of adapter {label} do not match its recorded digest")
+    logger.info("read adapter %s (asked for as %s) for the engine", digest[:16], label)
+    return adapter

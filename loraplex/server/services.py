@@ -66,7 +66,10 @@ class Services:
             llm = core.view
         adapters = adapters or AdapterNames(registry, llm.model_config.shape, llm.config.lora.max_lora_rank,
                                             config.registry_cache_ttl_s, config.registry_max_stale_s)
-        llm.set_adapter_loader(adapters.load)
+        if core is None:
+            llm.set_adapter_loader(adapters.load)
+        else:  # the core reads each adapter itself, where `locate` says
+            core.set_adapter_loader(adapters.load, adapters.locate)
         engine = core or AsyncEngine(llm)
         monitor = EngineMonitor(engine, config.engine_poll_interval_s)
         shared = None if registry.db.is_sqlite else SharedLimits(

@@ -7,6 +7,7 @@ The last test kills the core: the module's server is not used after it."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -22,8 +23,9 @@ import pytest
 from loraplex.engine.core_client import EngineCoreClient
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.registry import RegistryConfig
+from loraplex.registry.registry_errors import RegistryError
 from tests.server.conftest import add_adapters
-from tests.server.server_support import MODEL_ID, Server, engine_config, serve, upload_files
+from tests.server.server_support import MODEL_ID, Server, engine_config, replace_config, serve, upload_files
 
 GREEDY = {"temperature": 0, "max_tokens": 8}
 LONG = 480
@@ -131,6 +133,38 @@ def test_a_client_that_leaves_a_stream_stops_its_engine_work(core_server: Server
         assert _engine_state(core_server)["num_requests_running"] == 1
     _wait_until(lambda: _engine_state(core_server)["num_requests_running"] == 0, 5, "the running count drop")
     assert core_server.metric("loraplex:requests_aborted_total") == 1
+
+
+def test_the_core_reads_adapters_where_the_server_says_and_a_missing_blob_fails_that_request_only(
+        core_server: Server, core: EngineCoreClient, adapter_dirs: dict[str, Path], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The server tells the core where an adapter's blobs are (AdapterNames.locate: a call that
+    pickles); the core reads them itself, so no tensor crosses the pipe. Blobs gone from the store
+    fail the requests for that adapter (a 500: the server's fault; the reason in its log), and the
+    others go on."""
+    import pickle
+    import shutil
+
+    from loraplex.server.adapter_names import AdapterNames
+
+    folder = tmp_path / "alpha"
+    shutil.copytree(adapter_dirs["qv"], folder)
+    replace_config(folder, lora_alpha=3)  # a digest (and a config blob) of its own
+    record = core_server.registry.adapters.upload_dir("globex", "fragile", folder)
+    view = core.view
+    names = AdapterNames(core_server.registry, view.model_config.shape, view.config.lora.max_lora_rank, 60)
+    asyncio.run(names.lookup("globex", "fragile"))
+    read = pickle.loads(pickle.dumps(names.locate(record.digest)))
+    assert read().digest == names.load(record.digest).digest == record.digest
+    with pytest.raises(RegistryError, match="asked for on this server"):
+        names.locate("0" * 64)
+
+    record.config_path.unlink()
+    client = core_server.openai("globex")
+    with pytest.raises(openai.InternalServerError):
+        client.completions.create(model="fragile", prompt="Hello there", **GREEDY)
+    assert "the blobs of adapter globex/fragile are missing from the blob store" in caplog.text
+    assert client.completions.create(model="shared", prompt="Hello there", **GREEDY).choices[0].text
 
 
 def test_a_killed_engine_process_fails_requests_with_503(core_server: Server, core: EngineCoreClient) -> None:
