@@ -54,6 +54,7 @@ from loraplex.benchmarks.serve_workload import (
     make_workload,
     tenant_name,
 )
+from loraplex.cli.serve import use_engine_process
 from loraplex.engine.core_client import EngineCoreClient, EngineView
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.lora_weights import HostAdapter
@@ -411,15 +412,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--step-log", type=Path, help="write a CSV line a step here: when it started "
                         "(Unix time), its wall time, prompt tokens, running, waiting, waiting for an "
                         "adapter, and preemptions, host loads and slot loads so far")
-    parser.add_argument("--engine-process", action="store_true",
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="the engine in a process of its own (`loraplex serve --engine-process`): the "
                         "offline pass and the step log run there; the device bytes after the drain are "
-                        "not written")
+                        "not written. Default as `loraplex serve`'s: on where the device is a GPU")
     parser.add_argument("--switch-interval-ms", type=float, help="sys.setswitchinterval for this "
                         "process (default: Python's 5 ms): how long the engine thread may wait for the "
                         "GIL while the event loop holds it")
     args = parser.parse_args(argv)
     args.ranks = args.ranks or (args.rank,)
+    args.engine_process = use_engine_process(args.engine_process, args.device)
     return args
 
 

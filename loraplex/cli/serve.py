@@ -82,12 +82,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="a client that takes longer to send a request's headers, sends its body "
                         "slower than 1 KiB/s after this long, or leaves a response unread this long is "
                         f"disconnected (slowloris, stalled readers; default {DEFAULT_CLIENT_TIMEOUT_S:g})")
-    parser.add_argument("--engine-process", action="store_true",
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="run the engine (scheduler, adapter cache, KV pool, model) in a process "
                         "of its own beside the HTTP server's, so that the server's event loop and the "
-                        "engine's steps do not share one GIL (vLLM V1's layout; default: an engine "
-                        "thread in the server's process). If that process dies, requests fail with "
-                        "503 and /ready fails; see docs/engine-process.md")
+                        "engine's steps do not share one GIL (vLLM V1's layout); --no-engine-process: "
+                        "an engine thread in the server's process. Default: on where the engine runs "
+                        "on a GPU, off on the CPU. If that process dies, requests fail with 503 and "
+                        "/ready fails; see docs/engine-process.md")
     add_registry_options(parser)
     add_engine_flags(parser)
     parser.set_defaults(run=run)
@@ -118,16 +119,32 @@ def run(args: argparse.Namespace) -> None:
                     "missing blobs", config.url.split("://")[0], len(report.removed_blobs),
                     len(report.removed_temp_files), len(report.missing_blobs))
         served = _served_model(args, config.data_dir)
-        if args.engine_process:
-            engine = EngineCoreClient.start(engine_config(str(served.folder), args))
+        settings = engine_config(str(served.folder), args)
+        separate = use_engine_process(args.engine_process, settings.device)
+        if separate:
+            engine = EngineCoreClient.start(settings)
             facts = engine.view
         else:
-            engine = facts = LLMEngine(engine_config(str(served.folder), args))
+            engine = facts = LLMEngine(settings)
         try:
             _serve(args, registry, served, config.data_dir, engine, facts)
         finally:
-            if args.engine_process:
+            if separate:
                 engine.shutdown()
+
+
+def use_engine_process(asked: bool | None, device: str) -> bool:
+    """`--engine-process` / `--no-engine-process` where given; else on where the engine runs on a
+    GPU (on the H200's serving pass it took p99 TTFT at 80% of the saturated rate from 8.9 s to
+    1.6 s with 1,000 adapters, the engine no longer sharing the server's GIL), off on the CPU
+    (the quick start and the tests: one process, nothing to gain on two cores)."""
+    if asked is not None:
+        return asked
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device == "cuda"
 
 
 def _serve(args: argparse.Namespace, registry: Registry, served: ServedModel, data_dir: Path,

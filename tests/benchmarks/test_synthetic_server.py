@@ -48,6 +48,13 @@ def test_split_lone_sets_the_kernels_switch_for_the_engine_it_builds(monkeypatch
     assert lora_paged.SPLIT_LONE is False
 
 
+def test_the_engine_process_defaults_as_loraplex_serves_does():
+    assert server.parse_args(_args()).engine_process is False  # --device cpu
+    assert server.parse_args(_args("--engine-process")).engine_process is True
+    assert server.parse_args([*_args(), "--device", "cuda"]).engine_process is True  # (the later flag wins)
+    assert server.parse_args(["--setup", "s.json", "--no-engine-process"]).engine_process is False
+
+
 def test_ranks_default_to_the_single_rank_and_must_be_distinct():
     assert server.parse_args(_args()).ranks == (16,)
     assert server.parse_args(_args("--rank", "8")).ranks == (8,)

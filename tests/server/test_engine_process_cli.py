@@ -85,3 +85,20 @@ def test_sigterm_drains_and_stops_the_engine_process(tmp_path: Path, model: Path
         output = served.output()
         assert "Traceback" not in output and "did not stop" not in output
         assert "engine core running in process" in output
+
+
+def test_the_engine_process_is_the_default_on_a_gpu_and_the_flags_override_it(monkeypatch) -> None:
+    import torch
+
+    from loraplex.cli import build_parser
+    from loraplex.cli.serve import use_engine_process
+
+    assert use_engine_process(None, "cuda") and not use_engine_process(None, "cpu")
+    assert use_engine_process(True, "cpu") and not use_engine_process(False, "cuda")
+    for present in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda present=present: present)
+        assert use_engine_process(None, "auto") is present
+    parse = build_parser().parse_args
+    assert parse(["serve"]).engine_process is None
+    assert parse(["serve", "--engine-process"]).engine_process is True
+    assert parse(["serve", "--no-engine-process"]).engine_process is False
