@@ -41,11 +41,15 @@
 # may wait for the GIL while the event loop holds it); serve-summary.json's http_vs_offline
 # splits the server's CPU per token between the engine thread, the event loop and the rest.
 # SERVER_EXTRA adds synthetic_server flags (e.g. "--hold-places-for-loading --fairness-bound 16384
-# --max-num-seqs 256": a later flag wins).
+# --max-num-seqs 256": a later flag wins). On a GPU the engine runs in a process of its own, as
+# `loraplex serve`'s does there (the engine-core process: the offline pass, the step log and the
+# device bytes after it come from that process); SERVER_EXTRA=--no-engine-process runs it on a
+# thread of the server's process instead (runs 1-6 of bench/results/serve-h200-2026-11-28/).
 # PYSPY=1 samples the server's threads with py-spy (its wheel carried in ./wheels: pip download
 # py-spy) during the runs named in PYSPY_RUNS (default "poisson-1000"; e.g. "issue-1
 # issue-1000-again"), 30 s at most each: pyspy-<run>-threads.txt (every thread, idle included) and
-# -gil.txt (only the thread holding the GIL), collapsed stacks, in the tarball.
+# -gil.txt (only the thread holding the GIL), collapsed stacks, in the tarball; the engine-core
+# process is sampled with the server (--subprocesses; its stacks carry its pid).
 # STEP_LOG=1 has the server note every step in steps.csv (synthetic_server --step-log), in the tarball.
 # MIXED_GRAPHS=0 runs steps with prompt tokens eagerly (EngineConfig.mixed_step_graphs off; on by
 # default); DELAY_FACTOR sets SchedulerConfig.scheduler_delay_factor (default 1.0; it applies
@@ -132,7 +136,7 @@ bench() {  # TAG CAP_S [options...]: one run, limited to CAP_S and to what the b
     if [ "$PYSPY" = 1 ] && [[ " $PYSPY_RUNS " == *" $tag "* ]]; then  # where the server's threads spend it
         for mode in threads gil; do
             local flags=(--threads --idle); [ $mode = gil ] && flags=(--threads --gil)
-            timeout 70 py-spy record --pid $SERVER --rate 50 --duration $(( limit < 30 ? limit : 30 )) \
+            timeout 70 py-spy record --pid $SERVER --subprocesses --rate 50 --duration $(( limit < 30 ? limit : 30 )) \
                 --nonblocking --format raw "${flags[@]}" -o "$RES/pyspy-$tag-$mode.txt" \
                 > "$RES/pyspy-$tag-$mode.log" 2>&1 &
             spies+=($!)

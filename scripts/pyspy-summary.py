@@ -6,7 +6,8 @@ that appear in the most samples (anywhere in the stack: inclusive) and that were
     python3 scripts/pyspy-summary.py pyspy-poisson-1000-gil.txt [--top 12]
 
 With a `--gil` recording the samples are those of the thread that held the GIL, so the share by
-thread is who held it, and for how much of the recording."""
+thread is who held it, and for how much of the recording. A recording with `--subprocesses` (the
+server and its engine-core process) names each thread's process too."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from pathlib import Path
 
 THREAD = re.compile(r"^thread \(\w+\): ([^;]*)")
 """A stack's first frame names its thread (`thread (0x7f..): loraplex-engine`)."""
+PROCESS = re.compile(r"^process (\d+)")
+"""With `--subprocesses` a frame before it names the process (`process 1234:"python3 -m ..."`)."""
 
 
 def main() -> None:
@@ -33,8 +36,13 @@ def main() -> None:
         if not stack or not count.isdigit():
             continue
         frames = stack.split(";")
+        process = PROCESS.match(frames[0])
+        if process:
+            frames = frames[1:]
         match = THREAD.match(frames[0])
         thread = match.group(1) if match else frames[0]
+        if process:
+            thread = f"{thread} (pid {process.group(1)})"
         samples = int(count)
         by_thread[thread] += samples
         for frame in set(frames[1:]):
