@@ -50,7 +50,8 @@
 # issue-1000-again"), 30 s at most each: pyspy-<run>-threads.txt (every thread, idle included) and
 # -gil.txt (only the thread holding the GIL), collapsed stacks, in the tarball; the engine-core
 # process is sampled with the server (--subprocesses; its stacks carry its pid).
-# STEP_LOG=1 has the server note every step in steps.csv (synthetic_server --step-log), in the tarball.
+# STEP_LOG=1 has the server note every step in steps.csv (synthetic_server --step-log) and each
+# step's own device time in steps-device.csv, both in the tarball.
 # MIXED_GRAPHS=0 runs steps with prompt tokens eagerly (EngineConfig.mixed_step_graphs off; on by
 # default); DELAY_FACTOR sets SchedulerConfig.scheduler_delay_factor (default 1.0; it applies
 # only with MIXED_GRAPHS=0).

@@ -34,6 +34,7 @@ from loraplex.benchmarks.fairness_workload import (
 )
 from loraplex.benchmarks.results import RESULTS, write
 from loraplex.benchmarks.serve_workload import FIRST_TOKEN, BenchRequest
+from loraplex.benchmarks.step_timing import TimedStep
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.policy import FcfsPolicy, VtcPolicy
 from loraplex.engine_config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
@@ -185,6 +186,8 @@ def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[BenchReq
     end = config.duration_s + config.drain_s
     tokens = steps = 0
     step_log: list[tuple[int, int, float]] = []  # per busy step: prompt tokens planned, running, wall s
+    timed: list[TimedStep] = []
+    engine.time_steps(lambda plan, device_s: timed.append(TimedStep.of(plan, device_s)))
     while (now := time.perf_counter() - started) < end and (pending or engine.has_unfinished_requests()):
         while pending and pending[0].arrival_s <= now:
             request = pending.pop(0)
@@ -204,6 +207,7 @@ def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[BenchReq
             step_log.append((engine.num_prompt_tokens - prompt_before, len(engine.scheduler.running),
                              time.perf_counter() - step_start))
     elapsed = time.perf_counter() - started
+    engine.time_steps(None)
     for request_id in arrived:  # those still unfinished at the end (abort ignores the others)
         engine.abort(request_id)
     engine.drain()
@@ -222,6 +226,8 @@ def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[BenchReq
         "output_tokens_per_s": round(tokens / elapsed, 1), **per_tenant,
         "steps": steps, "prompt_tokens": after.num_prompt_tokens - before.num_prompt_tokens,
         "steps_by_prompt_tokens": _steps_by_prompt_tokens(step_log),
+        "device_s": round(sum(t.device_s for t in timed), 2),
+        "device_by_prompt_tokens": device_by_prompt_tokens(timed),
         "preemptions_per_minute": {k: round((n - before.preemptions.get(k, 0)) / minutes, 1)
                                    for k, n in after.preemptions.items() if n - before.preemptions.get(k, 0)},
         "swap_out_gb": round(swapped_out / 1e9, 2), "swap_in_gb": round(swapped_in / 1e9, 2),
@@ -238,11 +244,42 @@ def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[BenchReq
 STEP_BUCKETS = ((0, 0), (1, 1024), (1025, 2048), (2049, 4096), (4097, 1 << 30))
 
 
+def device_by_prompt_tokens(timed: list[TimedStep]) -> dict[str, dict[str, float]]:
+    """The steps by the prompt tokens each planned, with each step's own device time (not its
+    wall time, which with async scheduling is the step before it's): how many, mean and p99
+    device ms, their total, the mean requests a step, and the same mean for the steps that
+    moved KV to or from the host pool against those that did not (a swap-out makes the step
+    wait for its copy; swap-ins run beside it)."""
+    buckets = {}
+    for low, high in STEP_BUCKETS:
+        rows = [t for t in timed if low <= t.prompt_tokens <= high]
+        if not rows:
+            continue
+        swapping = [t.device_s for t in rows if t.swap_in_blocks or t.swap_out_blocks]
+        quiet = [t.device_s for t in rows if not (t.swap_in_blocks or t.swap_out_blocks)]
+        times = [t.device_s for t in rows]
+        label = f"{low}-{high}" if high < 1 << 30 else f">{low - 1}"
+        buckets[label] = {
+            "steps": len(rows), "device_s": round(sum(times), 3),
+            "mean_device_ms": round(float(np.mean(times)) * 1e3, 2),
+            "p99_device_ms": round(float(np.percentile(times, 99)) * 1e3, 2),
+            "mean_prompt_tokens": round(float(np.mean([t.prompt_tokens for t in rows])), 1),
+            "mean_requests": round(float(np.mean([t.requests for t in rows])), 1),
+            "steps_moving_kv": len(swapping),
+            "mean_device_ms_moving_kv": round(float(np.mean(swapping)) * 1e3, 2) if swapping else None,
+            "mean_device_ms_not_moving_kv": round(float(np.mean(quiet)) * 1e3, 2) if quiet else None,
+            "blocks_in_out": [sum(t.swap_in_blocks for t in rows), sum(t.swap_out_blocks for t in rows)],
+        }
+    return buckets
+
+
 def _steps_by_prompt_tokens(step_log: list[tuple[int, int, float]]) -> dict[str, dict[str, float]]:
     """The busy steps by how many prompt tokens they planned: how many, their mean, p99 and
     longest wall time (the engine overlaps a step with the next one's planning, so this is the
-    step's share of the run), and the mean number of requests running; to set against the
-    step-time model that the fairness simulation uses, and the p99 times between tokens."""
+    step's share of the run: with async scheduling mostly the device time of the step before
+    it, which device_by_prompt_tokens gives each step itself), and the mean number of requests
+    running; to set against the step-time model that the fairness simulation uses, and the p99
+    times between tokens."""
     buckets = {}
     for low, high in STEP_BUCKETS:
         rows = [(n, running, dt) for n, running, dt in step_log if low <= n <= high]

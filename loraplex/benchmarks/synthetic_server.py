@@ -54,6 +54,7 @@ from loraplex.benchmarks.serve_workload import (
     make_workload,
     tenant_name,
 )
+from loraplex.benchmarks.step_timing import log_device_steps
 from loraplex.cli.serve import use_engine_process
 from loraplex.engine.core_client import EngineCoreClient, EngineView
 from loraplex.engine.llm_engine import LLMEngine
@@ -215,6 +216,8 @@ def prepare_engine(engine: LLMEngine, args: argparse.Namespace) -> SyntheticAdap
     engine.set_adapter_loader(adapters.load)
     if args.step_log is not None:
         atexit.register(log_steps(engine, args.step_log).close)
+        device_log = args.step_log.with_name(f"{args.step_log.stem}-device{args.step_log.suffix}")
+        atexit.register(log_device_steps(engine, device_log).close)
     if args.offline is not None:
         workload = WorkloadConfig(**(args.offline | {"vocab_size": engine.model_config.vocab_size}))
         result = run_offline(engine, workload)
@@ -411,7 +414,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="SchedulerConfig.hold_places_for_loading (default %(default)s)")
     parser.add_argument("--step-log", type=Path, help="write a CSV line a step here: when it started "
                         "(Unix time), its wall time, prompt tokens, running, waiting, waiting for an "
-                        "adapter, and preemptions, host loads and slot loads so far")
+                        "adapter, and preemptions, host loads and slot loads so far; and beside it "
+                        "(NAME-device.csv) a line a collected step: its own device time and what it "
+                        "planned (prompt tokens, requests, KV blocks swapped in and out)")
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="the engine in a process of its own (`loraplex serve --engine-process`): the "
                         "offline pass and the step log run there; the device bytes after the drain are "

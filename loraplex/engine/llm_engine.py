@@ -223,6 +223,7 @@ class LLMEngine:
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device.type == "cuda")
         self._in_flight: InFlight | None = None
+        self._on_step_timed: Callable[[StepPlan, float], None] | None = None
         self.eos_token_ids = frozenset(self._eos_ids())
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, Detokenizer] = {}
@@ -807,7 +808,18 @@ class LLMEngine:
         except Exception as exc:
             logger.exception("engine step failed")
             return self._fail([r.request_id for r in step.sampling if not r.is_finished], exc)
+        if self._on_step_timed is not None and result.device_s is not None:
+            self._on_step_timed(step.plan, result.device_s)
         return self.process(step, result)
+
+    def time_steps(self, on_step: Callable[[StepPlan, float], None] | None) -> None:
+        """Call `on_step(plan, device seconds)` as each step is collected (None: stop timing):
+        the step's own time on the device, where a step's wall time (with async scheduling, the
+        time to collect the step before it) says little about what it planned. Two CUDA events
+        a step; a benchmark's instrument (loraplex bench fairness, the synthetic server's step
+        log). Engines whose model runs in worker processes do not time their steps."""
+        self._on_step_timed = on_step
+        self.runner.time_steps = on_step is not None
 
     def process(self, step: InFlight, result: StepResult) -> list[RequestOutput]:
         """Record a step's tokens, apply stops and build the outputs."""

@@ -20,6 +20,7 @@ step's tokens, advances the grammars and fills the masks while the device comput
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -75,6 +76,8 @@ class StartedStep:
     logits: torch.Tensor  # [num_samples, vocab] float32: the model's own
     tokens: torch.Tensor  # [num_samples] int64: drawn without masks
     prompt: prompt_logprobs.QueuedPromptLogprobs | None = None
+    started: torch.cuda.Event | float | None = None
+    """With `time_steps`: where the step began (an event on the stream; perf_counter on CPU)."""
 
 
 @dataclass
@@ -90,6 +93,10 @@ class LaunchedStep:
     prompt_logprobs: prompt_logprobs.QueuedPromptLogprobs | None = None
     request_ids: list[str] = field(default_factory=list)
     """The step's scheduled requests, in plan order (kept when it scores prompt tokens)."""
+    started: torch.cuda.Event | None = None
+    """With `time_steps` on CUDA: the event recorded where the step began."""
+    device_s: float | None = None
+    """With `time_steps` on CPU: the launch's time (the CPU runs it as it is launched)."""
 
 
 class ModelRunner:
@@ -117,6 +124,8 @@ class ModelRunner:
         self.on_logits: Callable[[list[str], torch.Tensor], None] | None = None
         """Called at launch with the sampled request ids and their logits [num_samples, vocab]
         (a benchmark's hook; it may synchronise)."""
+        self.time_steps = False
+        """Time each step on the device (StepResult.device_s): two CUDA events a step."""
         self.graphs: DecodeGraphs | None = None
         if use_cuda_graphs:
             self.graphs = DecodeGraphs(self, max_num_seqs, model.config.vocab_size,
@@ -133,13 +142,21 @@ class ModelRunner:
     def begin(self, plan: StepPlan) -> StartedStep | None:
         """Apply the plan, fill its inputs and queue the forward pass, which draws every sample
         without masks; None if the plan computes nothing. `finish` completes the step."""
+        started = self._start_timer() if self.time_steps else None
         self.apply(plan)
         if self.swapper is not None:
             self.swapper.before_step(plan.swap_out, plan.swap_in)
         if plan.is_empty:
             return None
         filled = self.prepare(plan)
-        return StartedStep(plan, filled, *self.run(filled.shape, filled.prompt))
+        return StartedStep(plan, filled, *self.run(filled.shape, filled.prompt), started=started)
+
+    def _start_timer(self) -> torch.cuda.Event | float:
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def finish(self, started: StartedStep | None, masks: TokenMasks | None) -> LaunchedStep:
         """Draw the samples that `masks` constrains again under their masks (the others keep
@@ -149,7 +166,12 @@ class ModelRunner:
         tokens = started.tokens
         if masks is not None and masks.request_ids:
             tokens = self.sample_masked(started, masks)
-        return self.dispatch(started.plan, started.filled, started.logits, tokens, started.prompt)
+        launched = self.dispatch(started.plan, started.filled, started.logits, tokens, started.prompt)
+        if isinstance(started.started, float):
+            launched.device_s = time.perf_counter() - started.started
+        elif started.started is not None:
+            launched.started = started.started
+        return launched
 
     def apply(self, plan: StepPlan) -> None:
         """Bring the runner's records up to date with the plan. Window blocks dropped (attention
@@ -292,7 +314,7 @@ class ModelRunner:
             self._queue_logprobs(step, logits, tokens, sample_rows)
             step.tokens = _to_host(tokens)
         if self.device.type == "cuda":
-            step.done = torch.cuda.Event()
+            step.done = torch.cuda.Event(enable_timing=self.time_steps)
             step.done.record()
         batch = self.batch
         batch.num_computed[filled.rows] += np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
@@ -311,7 +333,9 @@ class ModelRunner:
         tokens = step.tokens.tolist()
         for (tokens_of_row, index), token in zip(step.placeholders, tokens):
             tokens_of_row[index] = token  # a row dropped since holds a list no one reads
-        result = StepResult(step.sampled_ids, tokens)
+        result = StepResult(step.sampled_ids, tokens, device_s=step.device_s)
+        if step.started is not None and step.done is not None:
+            result.device_s = step.started.elapsed_time(step.done) / 1e3
         if step.logprobs is not None:
             self._collect_logprobs(step, result)
         if step.prompt_logprobs is not None:

@@ -99,3 +99,6 @@ class StepResult:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
     """Request id -> (prompt index of the first entry, entries): the prompt tokens the step
     scored, for requests that asked (a request recomputed after preemption scores again)."""
+    device_s: float | None = None
+    """With the runner's `time_steps`: the step's time on the device (CUDA events from its
+    start on the stream to its results; on CPU the launch's own time), else None."""

@@ -130,8 +130,8 @@ def test_the_step_log_notes_every_step_with_its_prompt_tokens_and_loads(tmp_path
     args = server.parse_args(_args("--rank", "8", "--num-adapters", "4", "--num-tenants", "2"))
     engine = server.build_engine(args)
     try:
-        server.prepare_engine(engine, args)
-        log = server.log_steps(engine, tmp_path / "steps.csv")
+        args.step_log = tmp_path / "steps.csv"
+        server.prepare_engine(engine, args)  # (writes both logs)
         workload = server.WorkloadConfig(num_prompts=6, num_tenants=2, num_adapters=4, prompt_len=8,
                                          output_len=3, zipf_alpha=0.5, seed=5, vocab_size=1000)
         for i, request in enumerate(server.make_workload(workload)):
@@ -144,13 +144,19 @@ def test_the_step_log_notes_every_step_with_its_prompt_tokens_and_loads(tmp_path
             num_steps += 1
     finally:
         engine.close()
-    log.close()
     lines = (tmp_path / "steps.csv").read_text().splitlines()
     header = lines[0].split(",")
     rows = [dict(zip(header, line.split(","))) for line in lines[1:]]
     assert header[:3] == ["start_s", "wall_ms", "prompt_tokens"] and len(rows) == num_steps
     assert sum(int(r["prompt_tokens"]) for r in rows) == engine.num_prompt_tokens > 0
     assert int(rows[-1]["host_loads"]) == engine.adapters.num_host_loads > 0
+    # Beside it, a line a collected step, with its own device time and what it planned.
+    lines = (tmp_path / "steps-device.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    timed = [dict(zip(header, line.split(","))) for line in lines[1:]]
+    assert header[:3] == ["collected_s", "device_ms", "prompt_tokens"]
+    assert 0 < len(timed) <= num_steps and all(float(t["device_ms"]) > 0 for t in timed)
+    assert sum(int(t["prompt_tokens"]) for t in timed) == engine.num_prompt_tokens
 
 
 def _run_json(rate: float, p99_ms: float, throughput: float, host_loads: int) -> dict:
@@ -227,6 +233,8 @@ def test_with_engine_process_the_server_answers_as_the_engine_does_and_the_core_
     assert offline["completed"] == 4
     rows = steps.read_text().splitlines()[1:]
     assert sum(int(row.split(",")[2]) for row in rows) >= 4 * 8  # the offline pass's prompts, then HTTP's
+    timed = (tmp_path / "steps-device.csv").read_text().splitlines()[1:]
+    assert sum(int(row.split(",")[2]) for row in timed) == sum(int(row.split(",")[2]) for row in rows)
 
     args = server.parse_args(options)
     engine = server.build_engine(args)
