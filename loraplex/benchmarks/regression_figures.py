@@ -138,8 +138,11 @@ def figures(sel: Selection) -> tuple[Figure, ...]:
         # The goal of 0.90 has not been met yet (0.73 on the H100): held to its record only.
         Figure("serving HTTP / offline throughput", "serving", HIGHER, 0.10,
                lambda r: _get(r.get("http_vs_offline"), "ratio")),
+        # All the server's processes (the engine-core process too, the default on a GPU since
+        # 4203050): comparable with records made with an engine thread, where one process held it all.
         Figure("serving server CPU ms / token", "serving", LOWER, 0.20,
-               lambda r: _get(r.get("http_vs_offline"), "server_cpu_ms_per_token")),
+               lambda r: _get(r.get("http_vs_offline"), "total_cpu_ms_per_token")
+               or _get(r.get("http_vs_offline"), "server_cpu_ms_per_token")),
         Figure("serving offline tok/s", "serving", HIGHER, 0.10,
                lambda r: _get(r.get("http_vs_offline"), "offline_output_throughput"), is_size_robust=False),
     )

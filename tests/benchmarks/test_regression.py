@@ -208,3 +208,19 @@ def test_the_whole_pass_on_the_cpu(tmp_path: Path) -> None:
     again = rf.records(all_figures, tmp_path / "out", "cpu", regression.SMOKE.argv())
     assert {name: r.value for name, r in again.items()} == {n: f["now"] for n, f in report["figures"].items()}
     assert all(r.source == "reduced, regression-cpu.json (smoke)" for r in again.values())
+
+
+def test_the_serving_cpu_figure_counts_the_engine_process_and_reads_older_records() -> None:
+    """With the engine in a process of its own the server's process is not all the CPU: the
+    figure is the three thread figures' sum (the core's, the event loop's, the rest's), which an
+    engine thread's run also adds up to; a record from before them gives its server figure."""
+    from loraplex.benchmarks import serve_report
+
+    figure = _figure("serving server CPU ms / token")
+    engine = {"server_cpu_ms_per_token": 0.077, "engine_thread_cpu_ms_per_token": 0.157,
+              "event_loop_cpu_ms_per_token": 0.053, "other_threads_cpu_ms_per_token": 0.024}
+    assert serve_report.total_cpu_ms_per_token(engine) == 0.234
+    summary = {"http_vs_offline": {"server_cpu_ms_per_token": 0.077, "total_cpu_ms_per_token": 0.234}}
+    assert figure.read(summary) == 0.234
+    assert figure.read({"http_vs_offline": {"server_cpu_ms_per_token": 0.443}}) == 0.443
+    assert serve_report.total_cpu_ms_per_token({"server_cpu_ms_per_token": 0.3}) == 0.3
