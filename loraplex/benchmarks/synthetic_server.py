@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
@@ -92,14 +93,15 @@ class SyntheticAdapters:
     adapters that exist only as seeds. `pools` maps each rank to its random adapters, in the
     order that shares the adapters out: adapter j has the (j % len(pools))-th rank."""
 
-    def __init__(self, num_adapters: int, num_tenants: int, pools: dict[int, list[HostAdapter]]) -> None:
-        self._pools = pools
+    def __init__(self, num_adapters: int, num_tenants: int, pools: dict[int, list[HostAdapter]],
+                 core: AdapterSet | None = None) -> None:
+        """`core`: the set an engine-core process makes for itself and reads from (`locate`)."""
+        self._pools, self._core = pools, core
         self.ranks = tuple(pools)
         self._num_tenants = num_tenants
         self._index = {synthetic_digest(j): j for j in range(num_adapters)}
         self._records = {(adapter_owner(j, num_tenants), adapter_name(j)): self._record(j)
                          for j in range(num_adapters)}
-        self.num_loads = 0
 
     def rank_of(self, j: int) -> int:
         return self.ranks[j % len(self.ranks)]
@@ -139,7 +141,6 @@ class SyntheticAdapters:
     def load(self, digest: str) -> HostAdapter:
         """Runs on the engine's loader thread: a fresh pinned copy of a pool adapter of j's rank."""
         source = self._source(self._index[digest])
-        self.num_loads += 1
 
         def copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             return {group: torch.empty_like(t, pin_memory=t.is_pinned()).copy_(t)
@@ -148,10 +149,12 @@ class SyntheticAdapters:
         return HostAdapter(digest, source.rank, copy(source.a), copy(source.b), copy(source.ranks))
 
     def locate(self, digest: str) -> functools.partial[HostAdapter]:
-        """`--engine-process`: the core reads adapters itself, from its own pools (the blob store
-        of this benchmark), as it would read a real server's blob files."""
+        """`--engine-process`: the core reads adapters itself, from the set it made (the blob
+        store of this benchmark), as it would read a real server's blob files."""
+        if self._core is None:
+            raise RuntimeError("these synthetic adapters name no engine-core set to read from")
         self._index[digest]  # noqa: B018 - a digest that is not ours raises KeyError here
-        return functools.partial(_read_in_core, digest)
+        return functools.partial(read_synthetic, self._core, digest)
 
     def weight_bytes(self, rank: int) -> int:
         """Bytes of the A and B weights of an adapter of `rank` (host memory, unpadded)."""
@@ -211,8 +214,7 @@ def make_pools(model_config: Any, dtype: torch.dtype, device: torch.device,
 def prepare_engine(engine: LLMEngine, args: argparse.Namespace) -> SyntheticAdapters:
     """The engine's synthetic adapters and loader, its step log, and the offline pass (where
     asked): in the process that holds the engine."""
-    adapters = SyntheticAdapters(args.num_adapters, args.num_tenants,
-                                 make_pools(engine.model_config, engine.dtype, engine.device, args.ranks))
+    adapters = synthetic_adapters(AdapterSet.of(args))
     engine.set_adapter_loader(adapters.load)
     if args.step_log is not None:
         atexit.register(log_steps(engine, args.step_log).close)
@@ -229,23 +231,47 @@ def prepare_engine(engine: LLMEngine, args: argparse.Namespace) -> SyntheticAdap
     return adapters
 
 
-_core_adapters: SyntheticAdapters | None = None
-"""In the engine-core process: its synthetic adapters, which SyntheticAdapters.locate reads."""
+@dataclass(frozen=True)
+class AdapterSet:
+    """What a synthetic server's adapters are made from: their number, owners and ranks, and the
+    model, dtype and device of their pools (seeded: a process that makes the set gets the same
+    adapters)."""
+
+    num_adapters: int
+    num_tenants: int
+    ranks: tuple[int, ...]
+    model_overrides: str
+    """synthetic.model_config's overrides, as JSON."""
+    dtype: str
+    device: str
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> AdapterSet:
+        return cls(args.num_adapters, args.num_tenants, tuple(args.ranks),
+                   json.dumps(args.model_overrides, sort_keys=True), engine_config(args).dtype, args.device)
+
+
+@functools.cache
+def synthetic_adapters(spec: AdapterSet) -> SyntheticAdapters:
+    """The adapters of `spec`, made once a process (the engine's loader, the offline pass and
+    the reads that `locate` sends share them)."""
+    model_config = synthetic.model_config(json.loads(spec.model_overrides))
+    pools = make_pools(model_config, getattr(torch, spec.dtype), torch.device(spec.device), spec.ranks)
+    return SyntheticAdapters(spec.num_adapters, spec.num_tenants, pools, core=spec)
+
+
+def read_synthetic(spec: AdapterSet, digest: str) -> HostAdapter:
+    """In the engine-core process: the adapter of `digest` from its own set."""
+    return synthetic_adapters(spec).load(digest)
 
 
 def build_core_engine(args: argparse.Namespace, config: EngineConfig) -> LLMEngine:
     """`--engine-process`: what the engine-core process runs to make its engine. Once the server
-    starts, the core asks it for each adapter and reads it here (SyntheticAdapters.locate), as
+    starts, the core asks it for each adapter and reads it from its own set (`locate`), as
     `loraplex serve --engine-process` has its core read blob files."""
-    global _core_adapters
     engine = build_engine(args, config)
-    _core_adapters = prepare_engine(engine, args)
+    prepare_engine(engine, args)
     return engine
-
-
-def _read_in_core(digest: str) -> HostAdapter:
-    assert _core_adapters is not None, "not in a synthetic server's engine-core process"
-    return _core_adapters.load(digest)
 
 
 def device_bytes_by_rank(engine: LLMEngine, adapters: SyntheticAdapters, when: str) -> dict[str, Any]:
@@ -468,9 +494,10 @@ def main(argv: list[str] | None = None) -> int:
         engine = EngineCoreClient.start(engine_config(args), functools.partial(build_core_engine, args),
                                         word_tokenizer(synthetic.model_config(args.model_overrides).vocab_size))
         facts = engine.view
-        # The server's adapters: names, and the loads the core asks for (host memory; no CUDA here).
+        # The server's adapters: names and records (on the host: no CUDA here); the core reads the
+        # adapters it asks for from its own set (SyntheticAdapters.locate).
         pools = make_pools(facts.model_config, facts.dtype, torch.device("cpu"), args.ranks)
-        adapters = SyntheticAdapters(args.num_adapters, args.num_tenants, pools)
+        adapters = SyntheticAdapters(args.num_adapters, args.num_tenants, pools, core=AdapterSet.of(args))
     else:
         engine = facts = build_engine(args)
         adapters = prepare_engine(engine, args)

@@ -83,6 +83,19 @@ def test_the_ranks_come_in_equal_shares_and_records_carry_each_adapters_own(mixe
     assert torch.equal(first.a["qkv"], again.a["qkv"])
 
 
+def test_locate_sends_a_read_of_the_cores_own_set_that_gives_the_same_adapter(mixed):
+    import pickle
+
+    _, adapters = mixed
+    digest = server.synthetic_digest(4)
+    read = pickle.loads(pickle.dumps(adapters.locate(digest)))
+    assert torch.equal(read().a["qkv"], adapters.load(digest).a["qkv"])
+    with pytest.raises(KeyError):
+        adapters.locate(server.synthetic_digest(NUM_ADAPTERS))  # not one of ours
+    with pytest.raises(RuntimeError, match="no engine-core set"):
+        server.SyntheticAdapters(2, 1, {8: [adapters.load(digest)]}).locate(server.synthetic_digest(0))
+
+
 def test_device_bytes_per_resident_adapter_are_proportional_to_rank(mixed, tmp_path):
     engine, adapters = mixed
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
