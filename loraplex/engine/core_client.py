@@ -56,7 +56,7 @@ from loraplex.engine.grammar import CompiledGrammar, GrammarCompiler
 from loraplex.engine.streaming import window_problem
 from loraplex.engine_config import EngineConfig
 from loraplex.model.tokenizer import load_tokenizer
-from loraplex.types import RequestOutput, SamplingParams, StreamingWindow
+from loraplex.types import RequestOutput, SamplingParams, StreamingWindow, TokenLogprob
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -268,9 +268,15 @@ class EngineCoreClient:
                 if output.finished:
                     del self._listeners[output.request_id]
                 output.prompt_token_ids = listener.prompt_token_ids
-                if is_delta:
+                if is_delta:  # (the core's _send_outputs)
                     output.token_ids = listener.token_ids + output.new_token_ids
-                listener.token_ids = output.token_ids
+                    output.text = listener.text + output.text
+                    if output.logprobs is not None:
+                        output.logprobs = listener.logprobs + output.logprobs
+                    if output.prompt_logprobs is None:
+                        output.prompt_logprobs = listener.prompt_logprobs
+                listener.token_ids, listener.text = output.token_ids, output.text
+                listener.logprobs, listener.prompt_logprobs = output.logprobs or [], output.prompt_logprobs
                 batches.setdefault(listener.loop, []).append((listener.stream, output))
         for loop, batch in batches.items():
             try:
@@ -334,12 +340,16 @@ class EngineCoreClient:
 
 @dataclass
 class _Listener:
-    """A request's stream, and what the core sends only once (its prompt, its tokens so far)."""
+    """A request's stream, and what the core sends only once (its prompt, and its tokens, text
+    and log-probs so far, and the prompt's log-probs)."""
 
     loop: asyncio.AbstractEventLoop
     stream: _Stream
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def _add_adapter(engine: Any, name: str, source: Any) -> str:

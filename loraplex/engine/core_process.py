@@ -94,8 +94,8 @@ class EngineCore:
         self._loads: dict[int, Future] = {}
         self._next_load = 0
         self._loads_lock = threading.Lock()
-        self._num_sent: dict[str, int] = {}
-        """Output tokens sent so far of each unfinished request."""
+        self._sent: dict[str, _Sent] = {}
+        """What the server has of each unfinished request."""
         self._grammar_threads = ThreadPoolExecutor(1, thread_name_prefix="loraplex-core-grammars")
         self._compiling: set[str] = set()
         """Requests set aside while their constraint compiles."""
@@ -167,7 +167,7 @@ class EngineCore:
                 return
             if isinstance(command, Abort):
                 self.engine.abort(command.request_id)
-                self._num_sent.pop(command.request_id, None)
+                self._sent.pop(command.request_id, None)
                 if command.request_id in self._compiling:
                     self._aborted_while_compiling.add(command.request_id)
                 continue
@@ -215,27 +215,37 @@ class EngineCore:
         engine.add_request(command.request_id, params=command.params, adapter=command.adapter,
                            prompt_token_ids=command.prompt_token_ids, tenant=command.tenant,
                            sample_of=command.sample_of, grammar=grammar, documents=command.documents)
-        self._num_sent[command.request_id] = 0
+        self._sent[command.request_id] = _Sent()
         return None
 
     # Outputs ------------------------------------------------------------------------------
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
-        """One message a step. The prompt goes once (the server keeps it); the tokens as the
-        step's new ones where they extend those sent."""
+        """One message a step. The prompt goes once (the server keeps it); the tokens, the text
+        and the log-probs as what the step added where they extend what was sent (the text only
+        grows but where a stop string is cut off at the end), and the prompt's log-probs with
+        the first output only (they are complete from it on and never change)."""
         if not outputs:
             return
         is_delta = []
         for output in outputs:
-            sent = self._num_sent.get(output.request_id)
-            delta = sent is not None and len(output.token_ids) == sent + len(output.new_token_ids)
+            sent = self._sent.get(output.request_id)
+            logprobs = output.logprobs or ()
+            delta = (sent is not None
+                     and len(output.token_ids) == sent.num_tokens + len(output.new_token_ids)
+                     and len(logprobs) >= sent.num_logprobs and output.text.startswith(sent.text))
             is_delta.append(delta)
             if output.finished:
-                self._num_sent.pop(output.request_id, None)
+                self._sent.pop(output.request_id, None)
             elif sent is not None:
-                self._num_sent[output.request_id] = len(output.token_ids)
+                self._sent[output.request_id] = _Sent(len(output.token_ids), output.text, len(logprobs), True)
             output.prompt_token_ids = []  # a fresh object every step: the engine keeps none
             if delta:
                 output.token_ids = []
+                output.text = output.text[len(sent.text):]
+                if output.logprobs is not None:
+                    output.logprobs = output.logprobs[sent.num_logprobs:]
+                if sent.has_output:
+                    output.prompt_logprobs = None
         self._send(StepOutputs(outputs, is_delta))
 
     def _send(self, message: Any) -> None:
@@ -269,6 +279,17 @@ class EngineCore:
         for future in loads.values():
             if future.set_running_or_notify_cancel():
                 future.set_exception(exc)
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """What the server has of a request's outputs: its tokens, text and log-probs so far, and
+    whether it has had an output (with the prompt's log-probs)."""
+
+    num_tokens: int = 0
+    text: str = ""
+    num_logprobs: int = 0
+    has_output: bool = False
 
 
 @dataclass(frozen=True)

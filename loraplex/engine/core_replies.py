@@ -58,9 +58,11 @@ class CallFailed:
 
 @dataclass(frozen=True)
 class StepOutputs:
-    """One step's outputs, all in one message. Each output's `prompt_token_ids` is left empty
-    and its `token_ids` holds only the step's new tokens when they extend what was sent before
-    (`is_delta`): the server puts both back from what it keeps of the request."""
+    """One step's outputs, all in one message. Each output's `prompt_token_ids` is left empty;
+    where the step's output extends what was sent before (`is_delta`), its `token_ids` is empty
+    (the step's tokens are its `new_token_ids`), its `text` and `logprobs` hold only what the step
+    added, and its `prompt_logprobs` is None after the first output: the server puts them back
+    from what it keeps of the request."""
 
     outputs: list[RequestOutput]
     is_delta: list[bool]

@@ -1,7 +1,8 @@
 """The engine-core loop (loraplex.engine.core_process.EngineCore) on a stub engine, in a thread
 of the test process: it stops when the server's end of its pipe closes (the server died),
 failing the adapter loads that wait on the server; a step's outputs go as one message with the
-prompt left out and the tokens as deltas; errors cross the pipe with their code and param."""
+prompt left out and the tokens, text and log-probs as deltas; errors cross the pipe with their
+code and param."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from loraplex.engine.core_process import EngineCore, portable
 from loraplex.engine.core_replies import CallDone, CallFailed, StepOutputs
 from loraplex.engine.grammar import GrammarError
 from loraplex.errors import InvalidRequestError, UnknownAdapterError
-from loraplex.types import RequestOutput, SamplingParams, StructuredOutput
+from loraplex.types import RequestOutput, SamplingParams, StructuredOutput, TokenLogprob
 
 
 class StubGrammars:
@@ -58,8 +59,12 @@ class StubEngine:
             finished = len(tokens) == 2
             if finished:
                 del self.requests[request_id]
-            outputs.append(RequestOutput(request_id, [1, 2, 3], list(tokens), "", finished,
-                                         "length" if finished else None, new_token_ids=tokens[-1:]))
+            text = "".join(f"<{t}>" for t in tokens)
+            outputs.append(RequestOutput(
+                request_id, [1, 2, 3], list(tokens), text, finished, "length" if finished else None,
+                new_token_ids=tokens[-1:], new_text=f"<{tokens[-1]}>",
+                logprobs=[TokenLogprob(t, -0.5) for t in tokens],
+                prompt_logprobs=[None, TokenLogprob(2, -1.0), TokenLogprob(3, -2.0)]))
         return outputs
 
     def abort(self, request_id: str) -> bool:
@@ -96,6 +101,11 @@ def test_a_step_is_one_message_with_the_prompt_left_out_and_tokens_as_deltas() -
     assert [(o.prompt_token_ids, o.token_ids, o.new_token_ids) for s in steps for o in s.outputs] == [
         ([], [], [7]), ([], [], [8])]
     assert [s.is_delta for s in steps] == [[True], [True]]
+    # the text and the log-probs as what the step added; the prompt's log-probs with the first only
+    first, second = (s.outputs[0] for s in steps)
+    assert (first.text, second.text) == ("<7>", "<8>")
+    assert [lp.token_id for lp in first.logprobs] == [7] and [lp.token_id for lp in second.logprobs] == [8]
+    assert len(first.prompt_logprobs) == 3 and second.prompt_logprobs is None
     server.send(Shutdown())
     thread.join(5)
     assert not thread.is_alive()
