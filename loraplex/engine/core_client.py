@@ -23,7 +23,7 @@ import pickle
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,7 +31,6 @@ from typing import Any, TypeVar
 import torch.multiprocessing as mp
 
 from loraplex.adapter_format import LoraAdapter
-from loraplex.engine.adapter_cache import LOAD_THREADS, AdapterLoader
 from loraplex.engine.async_engine import EngineDeadError, _put_all, _Stream
 from loraplex.engine.blending import DocumentBlend
 from loraplex.engine.core_commands import (
@@ -81,9 +80,7 @@ class EngineCoreClient:
         self._listeners: dict[str, _Listener] = {}
         self._ids = itertools.count(1)
         self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._adapter_loader: AdapterLoader | None = None
         self._adapter_locator: AdapterLocator | None = None
-        self._loads = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="loraplex-core-adapters")
         self._is_stopping = False
         self._writer = threading.Thread(target=self._write, name="loraplex-core-writer", daemon=True)
         self._reader = threading.Thread(target=self._read, name="loraplex-core-reader", daemon=True)
@@ -156,12 +153,12 @@ class EngineCoreClient:
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)
 
-    def set_adapter_loader(self, loader: AdapterLoader, locate: AdapterLocator | None = None) -> None:
-        """Serve adapters by digest from `loader` (run here, on a thread of this process; the
-        adapter's tensors go to the core), or, with `locate`, tell the core where to read each
-        (`locate(digest)`: a function that pickles, which the core calls on its own loader thread):
-        then no tensor crosses the pipe, where a request would wait behind it."""
-        self._adapter_loader, self._adapter_locator = loader, locate
+    def set_adapter_locator(self, locate: AdapterLocator) -> None:
+        """Answer the core's requests for adapters by digest with where to read each
+        (`locate(digest)`, run here: a function that pickles, which the core calls on its own
+        loader thread). No adapter's tensors cross the pipe, where requests would queue behind
+        them (84 MB for a rank-16 Llama-3-8B adapter)."""
+        self._adapter_locator = locate
         self._outbox.put(UseAdapterLoader())
 
     def _ask(self, make: Callable[[int], Any]) -> Future:
@@ -247,7 +244,7 @@ class EngineCoreClient:
                         else:
                             future.set_exception(message.error)
                 elif isinstance(message, AdapterWanted):
-                    self._loads.submit(self._send_adapter, message)
+                    self._send_adapter(message)
                 elif isinstance(message, CoreDied):
                     cause = RuntimeError(f"the engine-core loop failed:\n{message.traceback}")
         except (EOFError, OSError):  # the core exited (or was killed)
@@ -286,14 +283,12 @@ class EngineCoreClient:
                     self._abort(output.request_id)
 
     def _send_adapter(self, wanted: AdapterWanted) -> None:
-        """On a loader thread: read the adapter the core asks for, and send it."""
+        """On the reader thread (a lookup: the core reads the adapter): where the adapter that
+        the core asks for is, or why it cannot be found."""
         try:
-            if self._adapter_locator is not None:
-                reply = AdapterLoaded(wanted.load_id, read=self._adapter_locator(wanted.digest))
-            elif self._adapter_loader is None:
-                raise RuntimeError("no adapter loader is set")
-            else:
-                reply = AdapterLoaded(wanted.load_id, self._adapter_loader(wanted.digest))
+            if self._adapter_locator is None:
+                raise RuntimeError("no adapter locator is set")
+            reply = AdapterLoaded(wanted.load_id, read=self._adapter_locator(wanted.digest))
         except Exception as exc:  # noqa: BLE001 - the requests that need it fail with it
             reply = AdapterLoaded(wanted.load_id, error=portable(exc))
         self._outbox.put(reply)
@@ -334,7 +329,6 @@ class EngineCoreClient:
             self._process.join(5)
         self._reader.join(5)
         self._writer.join(5)
-        self._loads.shutdown(wait=False, cancel_futures=True)
         self._conn.close()
 
 
@@ -389,5 +383,3 @@ class EngineView:
     def window_problem(self, window: StreamingWindow) -> str | None:
         return window_problem(window, self.config.cache.block_size, self.max_model_len)
 
-    def set_adapter_loader(self, loader: AdapterLoader, locate: AdapterLocator | None = None) -> None:
-        self._client.set_adapter_loader(loader, locate)

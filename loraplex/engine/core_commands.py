@@ -57,14 +57,13 @@ class UseAdapterLoader:
 
 @dataclass(frozen=True)
 class AdapterLoaded:
-    """The server's answer to an AdapterWanted: the adapter, where the core reads it itself
-    (`read`: a function that pickles, called with no arguments on the core's loader thread, e.g.
-    a partial of the blob-store read with the adapter's files), or why it could not be found."""
+    """The server's answer to an AdapterWanted: where the core reads the adapter itself (`read`:
+    a function that pickles, called with no arguments on the core's loader thread, e.g. a partial
+    of the blob-store read with the adapter's files), or why it could not be found."""
 
     load_id: int
-    adapter: LoraAdapter | HostAdapter | None = None
-    error: BaseException | None = None
     read: Callable[[], LoraAdapter | HostAdapter] | None = None
+    error: BaseException | None = None
 
 
 @dataclass(frozen=True)

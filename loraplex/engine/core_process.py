@@ -259,7 +259,7 @@ class EngineCore:
     # Adapters -----------------------------------------------------------------------------
     def _load_adapter(self, digest: str) -> Any:
         """The engine's adapter loader (on the adapter cache's worker thread): ask the server
-        for the adapter and wait for it, or for where it is, and read it here."""
+        where the adapter is, wait for the answer, and read it here."""
         future: Future = Future()
         with self._loads_lock:
             self._next_load += 1
@@ -271,7 +271,7 @@ class EngineCore:
         finally:
             with self._loads_lock:
                 self._loads.pop(load_id, None)
-        return answer.adapter if answer.read is None else answer.read()  # (read here, off the pipe)
+        return answer.read()  # (read here: the adapter never crosses the pipe)
 
     def _fail_loads(self, exc: BaseException) -> None:
         with self._loads_lock:

@@ -69,7 +69,7 @@ class Services:
         if core is None:
             llm.set_adapter_loader(adapters.load)
         else:  # the core reads each adapter itself, where `locate` says
-            core.set_adapter_loader(adapters.load, adapters.locate)
+            core.set_adapter_locator(adapters.locate)
         engine = core or AsyncEngine(llm)
         monitor = EngineMonitor(engine, config.engine_poll_interval_s)
         shared = None if registry.db.is_sqlite else SharedLimits(
