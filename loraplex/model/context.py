@@ -8,9 +8,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from loraplex.kernels.reference import LoneSplit
 
 
 @dataclass
@@ -98,7 +101,7 @@ class LoraMetadata:
     output); IA3 on q/k/v, gate/up and down's input, and FLoRA, do not."""
     flora: FloraRows | None = None
     """Set when some token carries a FLoRA adapter."""
-    split: Any = None
+    split: LoneSplit | None = None
     """Ops.lone_split(token_slots): how every LoRA shrink and expand of the pass shares its tokens
     out (None: no split). Made once a forward pass by the model runner, inside a CUDA graph's
     capture where there is one."""
