@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -241,6 +242,7 @@ def _run(engine: LLMEngine, config: FairnessBenchConfig, arrivals: list[BenchReq
     return row
 
 
+T = TypeVar("T")
 STEP_BUCKETS = ((0, 0), (1, 1024), (1025, 2048), (2049, 4096), (4097, 1 << 30))
 
 
@@ -251,14 +253,10 @@ def device_by_prompt_tokens(timed: list[TimedStep]) -> dict[str, dict[str, float
     moved KV to or from the host pool against those that did not (a swap-out makes the step
     wait for its copy; swap-ins run beside it)."""
     buckets = {}
-    for low, high in STEP_BUCKETS:
-        rows = [t for t in timed if low <= t.prompt_tokens <= high]
-        if not rows:
-            continue
+    for label, rows in _by_prompt_tokens(timed, lambda step: step.prompt_tokens):
         swapping = [t.device_s for t in rows if t.swap_in_blocks or t.swap_out_blocks]
         quiet = [t.device_s for t in rows if not (t.swap_in_blocks or t.swap_out_blocks)]
         times = [t.device_s for t in rows]
-        label = f"{low}-{high}" if high < 1 << 30 else f">{low - 1}"
         buckets[label] = {
             "steps": len(rows), "device_s": round(sum(times), 3),
             "mean_device_ms": round(float(np.mean(times)) * 1e3, 2),
@@ -280,18 +278,21 @@ def _steps_by_prompt_tokens(step_log: list[tuple[int, int, float]]) -> dict[str,
     it, which device_by_prompt_tokens gives each step itself), and the mean number of requests
     running; to set against the step-time model that the fairness simulation uses, and the p99
     times between tokens."""
-    buckets = {}
+    return {label: {"steps": len(rows),
+                    "mean_ms": round(sum(dt for *_, dt in rows) / len(rows) * 1e3, 2),
+                    "p99_ms": round(float(np.percentile([dt for *_, dt in rows], 99)) * 1e3, 2),
+                    "max_ms": round(max(dt for *_, dt in rows) * 1e3, 2),
+                    "mean_prompt_tokens": round(sum(n for n, *_ in rows) / len(rows), 1),
+                    "mean_running": round(sum(r for _, r, _ in rows) / len(rows), 1)}
+            for label, rows in _by_prompt_tokens(step_log, lambda row: row[0])}
+
+
+def _by_prompt_tokens(steps: list[T], prompt_tokens: Callable[[T], int]) -> Iterator[tuple[str, list[T]]]:
+    """(label, steps) for each of STEP_BUCKETS that holds some of `steps`."""
     for low, high in STEP_BUCKETS:
-        rows = [(n, running, dt) for n, running, dt in step_log if low <= n <= high]
+        rows = [step for step in steps if low <= prompt_tokens(step) <= high]
         if rows:
-            label = f"{low}-{high}" if high < 1 << 30 else f">{low - 1}"
-            buckets[label] = {"steps": len(rows),
-                              "mean_ms": round(sum(dt for *_, dt in rows) / len(rows) * 1e3, 2),
-                              "p99_ms": round(float(np.percentile([dt for *_, dt in rows], 99)) * 1e3, 2),
-                              "max_ms": round(max(dt for *_, dt in rows) * 1e3, 2),
-                              "mean_prompt_tokens": round(sum(n for n, *_ in rows) / len(rows), 1),
-                              "mean_running": round(sum(r for _, r, _ in rows) / len(rows), 1)}
-    return buckets
+            yield (f"{low}-{high}" if high < 1 << 30 else f">{low - 1}"), rows
 
 
 def _swap_costs(engine: LLMEngine, config: FairnessBenchConfig, vocab: int) -> dict[str, Any]:
