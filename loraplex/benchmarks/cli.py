@@ -32,6 +32,9 @@ SCRIPTS = {
                    "constrained by 8 JSON schemas, against the same unconstrained"),
     "tensor-parallel": ("tensor_parallel", "tensor_parallel_size 2 against 1 on a Llama-3-8B shape: the "
                         "batch-1 decode step, batch-64 throughput with 64 adapters, the collectives' time"),
+    "disaggregated": ("disaggregated_bench", "disaggregated prefill and decode on two GPUs against two "
+                      "colocated replicas: goodput within TTFT and TPOT targets, the KV transfers' "
+                      "bandwidth"),
     "placement": ("placement_bench", "where prefill and decode run for a workload's TTFT and TPOT targets: "
                   "colocated or disaggregated P:D, each one's goodput from a step-time model (CPU)"),
     "regression": ("regression", "the headline benchmarks at reduced size, each figure against the one "

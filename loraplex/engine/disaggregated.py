@@ -9,22 +9,34 @@ prompt's blocks (`take_prefilled`) and joins the decode side's queue as a swappe
 (`admit_prefilled`), its KV still on the prefill side. When the decode side admits it (its
 adapter in a slot there, through the same lifecycle; room in its KV pool), the KV of the prompt
 blocks that the decode side has not cached is copied into the blocks it allocated
-(`copy_kv_blocks`, the one place where KV crosses; between worker processes the prefill side's
-worker sends them and the decode side's receives them), the prefill side frees its references
-(its prefix cache and pinned
-prompts keep theirs), and the request decodes from its first token with the same sampling state
-(seed and token index). Until then it is between the sides: aborting it frees the prefill
-side's blocks. The decode side schedules, preempts (swap or recompute, on its own pool), groups
-relay decodes and keeps VTC counters as a colocated engine does; the prompt is charged once,
-on the prefill side.
+(`copy_kv_blocks`, the one place where KV crosses; between worker processes the decode side's
+worker copies them out of the prefill side's cache, which it has mapped: on GPUs device to
+device, the prefill worker not involved), the prefill side frees its references once the copy
+is done (its prefix cache and pinned prompts keep theirs), and the request decodes from its
+first token with the same sampling state (seed and token index). Until then it is between the
+sides: aborting it frees the prefill side's blocks. The decode side schedules, preempts (swap or
+recompute, on its own pool), groups relay decodes and keeps VTC counters as a colocated engine
+does; the prompt is charged once, on the prefill side.
 
 A registered system prompt is pinned on the prefill side (computed there) and its blocks are
 sent once to the decode side, which holds them too: requests that start with it find them
 cached there and receive only the rest. Requests with attention sinks run whole on the decode
-side; requests that only score their prompt, whole on the prefill side."""
+side; requests that only score their prompt, whole on the prefill side.
+
+With `concurrent`, the prefill side steps on a thread of its own, so that neither side waits
+for the other's steps (a long prompt step would otherwise hold up every decode step): the
+caller's `step` runs the decode side and takes what the prefill side handed over since. One
+lock guards the prefill side; its thread lets go of it while it waits for its device."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +55,12 @@ from loraplex.engine_config import ConfigError, EngineConfig
 from loraplex.errors import InvalidRequestError, LoraplexError
 from loraplex.model.llama import LlamaForCausalLM
 from loraplex.types import RequestOutput, SamplingParams
+from loraplex.worker.replies import KvReceived
+
+logger = logging.getLogger(__name__)
+
+MAX_TRANSFER_OBSERVATIONS = 10_000
+"""Transfers kept for `KvTransfers.take_durations` between two reads (the oldest go first)."""
 
 
 def copy_kv_blocks(source: torch.Tensor, source_ids: list[int], target: torch.Tensor,
@@ -59,26 +77,64 @@ def copy_kv_blocks(source: torch.Tensor, source_ids: list[int], target: torch.Te
         target[into:into + count].copy_(source[first:first + count])
 
 
+@dataclass
+class KvTransfers:
+    """KV copied from the prefill side to the decode side so far (each copy of a request's
+    prompt blocks, or of a pinned prompt's, is one transfer)."""
+
+    num_transfers: int = 0
+    num_blocks: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    """Summed over the transfers: each from its first copy queued to its last byte."""
+    durations: list[tuple[int, float]] = field(default_factory=list)
+    """(bytes, seconds) of each transfer since the last `take_durations`."""
+
+    def add(self, num_blocks: int, num_bytes: int, seconds: float) -> None:
+        self.num_transfers += 1
+        self.num_blocks += num_blocks
+        self.num_bytes += num_bytes
+        self.seconds += seconds
+        self.durations.append((num_bytes, seconds))
+        if len(self.durations) > MAX_TRANSFER_OBSERVATIONS:
+            del self.durations[:len(self.durations) - MAX_TRANSFER_OBSERVATIONS]
+
+    def take_durations(self) -> list[tuple[int, float]]:
+        """The transfers since the last call (a metrics histogram observes each)."""
+        taken, self.durations = self.durations, []
+        return taken
+
+    @property
+    def bytes_per_second(self) -> float:
+        """Over all transfers so far (0 before any)."""
+        return self.num_bytes / self.seconds if self.seconds > 0 else 0.0
+
+
 class DisaggregatedEngine:
     """A prefill engine and a decode engine behind LLMEngine's interface (the parts the offline
-    LLM and tests drive). Single-threaded: one caller at a time."""
+    LLM and tests drive). One caller at a time (with `concurrent`, the prefill side's own thread
+    beside it)."""
 
     def __init__(self, config: EngineConfig, decode_config: EngineConfig | None = None,
-                 model: LlamaForCausalLM | None = None, processes: bool = False) -> None:
+                 model: LlamaForCausalLM | None = None, processes: bool = False,
+                 concurrent: bool = False, random_weights: bool = False) -> None:
         """The prefill side from `config` (the model folder `config.model`, or `model`), the
         decode side from `decode_config` (default: `config`). With `processes`, each side's model
-        runs in a worker process of its own (on CUDA the prefill side on GPU 0, the decode side
-        on GPU 1), the two in one torch.distributed group (gloo on CPU, NCCL on GPUs) that
-        carries the KV blocks; without, both sides share one model object in this process (CPU
-        only)."""
+        on GPU 1), the decode side's mapping the prefill side's KV cache (CUDA IPC; on CPU a
+        shared file) to copy blocks out of it; without, both sides share one model object in
+        this process (CPU only). With `concurrent`, the prefill side steps on a thread of its
+        own (the module's docstring). `random_weights` (with `processes`; benchmarks): each
+        worker fills its model with random weights, the folder needs config.json only."""
         decode_config = decode_config or config
         if config.tensor_parallel_size > 1 or decode_config.tensor_parallel_size > 1:
             raise ConfigError("disaggregate", "each side runs on one device: tensor_parallel_size must be 1")
         if config.cache.block_size != decode_config.cache.block_size:
             raise ConfigError("block_size", "the prefill and decode sides need the same block size")
         self._workers = None
+        if random_weights and not processes:
+            raise ConfigError("disaggregate", "random weights are the worker processes' (processes=True)")
         if processes:
-            self.prefill, self.decode = self._start_workers(config, decode_config, model)
+            self.prefill, self.decode = self._start_workers(config, decode_config, model, random_weights)
         else:
             self.prefill = LLMEngine(config, model=model)
             if self.prefill.device.type != "cpu":
@@ -93,9 +149,22 @@ class DisaggregatedEngine:
         """KV blocks copied from the prefill side to the decode side."""
         self.num_blocks_reused = 0
         """Prompt blocks a request did not need sent: the decode side had them cached."""
+        self.transfers = KvTransfers()
+        self._lock = threading.Lock()
+        """Guards the prefill engine and what its thread hands over (below)."""
+        self._wake = threading.Condition(self._lock)
+        self._handed_over: list[PrefilledRequest] = []
+        self._prefill_outputs: list[RequestOutput] = []
+        self._prefill_error: BaseException | None = None
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        if concurrent:
+            self.prefill.waiting = self._unlocked
+            self._thread = threading.Thread(target=self._run_prefill, name="loraplex-prefill", daemon=True)
+            self._thread.start()
 
     def _start_workers(self, config: EngineConfig, decode_config: EngineConfig,
-                       model: LlamaForCausalLM | None) -> tuple[LLMEngine, LLMEngine]:
+                       model: LlamaForCausalLM | None, random_weights: bool) -> tuple[LLMEngine, LLMEngine]:
         from loraplex.worker.workers import spawn_disaggregated  # (the worker side imports the engine)
 
         if model is not None:
@@ -109,9 +178,11 @@ class DisaggregatedEngine:
             num_threads=torch.get_num_threads() if device.type == "cuda" else 1)
         self._workers = prefill_workers, decode_workers
         try:
-            prefill = LLMEngine(config, workers=prefill_workers)
+            prefill = LLMEngine(config, workers=prefill_workers, random_weights=random_weights)
             try:
-                decode = LLMEngine(decode_config, workers=decode_workers, tokenizer=prefill.tokenizer)
+                decode = LLMEngine(decode_config, workers=decode_workers, tokenizer=prefill.tokenizer,
+                                   random_weights=random_weights)
+                decode_workers.map_peer_kv(prefill_workers.share_kv())
             except BaseException:
                 prefill.close()
                 raise
@@ -139,26 +210,35 @@ class DisaggregatedEngine:
     def encode_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
         return self.prefill.encode_prompt(prompt, prompt_token_ids)
 
+    @property
+    def is_concurrent(self) -> bool:
+        """The prefill side steps on a thread of its own."""
+        return self._thread is not None
+
     # Adapters and tenants: on both sides ----------------------------------------------------
     def add_adapter(self, name: str, source: str | Path | LoraAdapter | HostAdapter) -> str:
         """Make an adapter servable under `name` on both sides; returns its digest."""
-        digest = self.prefill.add_adapter(name, source)
+        with self._lock:
+            digest = self.prefill.add_adapter(name, source)
         self.decode.add_adapter(name, source)
         return digest
 
     def remove_adapter(self, name: str) -> None:
-        self.prefill.remove_adapter(name)
+        with self._lock:
+            self.prefill.remove_adapter(name)
         self.decode.remove_adapter(name)
 
     def set_adapter_loader(self, loader: AdapterLoader) -> None:
-        self.prefill.set_adapter_loader(loader)
+        with self._lock:
+            self.prefill.set_adapter_loader(loader)
         self.decode.set_adapter_loader(loader)
 
     def adapter_digest(self, adapter: str) -> str:
-        return self.prefill.adapter_digest(adapter)
+        return self.decode.adapter_digest(adapter)
 
     def set_tenant_weight(self, tenant: str, weight: float) -> None:
-        self.prefill.set_tenant_weight(tenant, weight)
+        with self._lock:
+            self.prefill.set_tenant_weight(tenant, weight)
         self.decode.set_tenant_weight(tenant, weight)
 
     # Registered system prompts ------------------------------------------------------------
@@ -166,13 +246,16 @@ class DisaggregatedEngine:
                    adapter: str | None = None) -> None:
         """Pin a system prompt on the prefill side (its warm-up computes it there) and, once
         computed, on the decode side (its blocks sent once)."""
-        self.prefill.pin_prompt(key, token_ids, tenant, adapter)
-        if self.decode.blocks.enable_prefix_caching and self.prefill.pinned_prompt(key) is not None:
-            self._pins_to_send.add(key)
+        with self._lock:
+            self.prefill.pin_prompt(key, token_ids, tenant, adapter)
+            if self.decode.blocks.enable_prefix_caching and self.prefill.pinned_prompt(key) is not None:
+                self._pins_to_send.add(key)
+            self._wake.notify()
 
     def unpin_prompt(self, key: str) -> None:
-        self._pins_to_send.discard(key)
-        self.prefill.unpin_prompt(key)
+        with self._lock:
+            self._pins_to_send.discard(key)
+            self.prefill.unpin_prompt(key)
         self.decode.unpin_prompt(key)
 
     def _send_pins(self) -> list[RequestOutput]:
@@ -180,18 +263,24 @@ class DisaggregatedEngine:
         for yet: at a later step). Returns the outputs of decode requests that no longer fit."""
         outputs = []
         for key in list(self._pins_to_send):
-            pin = self.prefill.pinned_prompt(key)
-            if pin is None:  # its warm-up failed or was aborted
-                self._pins_to_send.discard(key)
-                continue
-            if not pin.block_ids:
-                continue
+            with self._lock:
+                pin = self.prefill.pinned_prompt(key)
+                if pin is None:  # its warm-up failed or was aborted
+                    self._pins_to_send.discard(key)
+                    continue
+                if not pin.block_ids:
+                    continue
+                pin = PinnedPrompt(list(pin.token_ids), pin.tenant, pin.adapter, list(pin.block_ids),
+                                   list(pin.hashes))
             block_ids = self._allocate_filled(pin.hashes, pin.block_ids)
             if block_ids is None:
+                if not self.decode.has_unfinished_requests():  # no room will come: requests send its blocks
+                    logger.warning("pinned prompt %r does not fit on the decode side: not held there", key)
+                    self._pins_to_send.discard(key)
                 continue
             self._pins_to_send.discard(key)
-            outputs += self.decode.hold_prompt(key, PinnedPrompt(list(pin.token_ids), pin.tenant, pin.adapter,
-                                                                 block_ids, list(pin.hashes)))
+            outputs += self.decode.hold_prompt(key, PinnedPrompt(pin.token_ids, pin.tenant, pin.adapter,
+                                                                 block_ids, pin.hashes))
         return outputs
 
     def _allocate_filled(self, hashes: list[bytes], source_ids: list[int]) -> list[int] | None:
@@ -216,7 +305,7 @@ class DisaggregatedEngine:
                     tenant: str | None = None, **options: Any) -> Request:
         """Queue a request (LLMEngine.add_request's arguments): on the prefill side until its
         first token, then on the decode side. Its adapter must be servable on both."""
-        if self.decode.has_request(request_id):
+        if self.decode.has_request(request_id) or request_id in self._transit:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         params = params or SamplingParams()
         if adapter is not None:
@@ -228,45 +317,81 @@ class DisaggregatedEngine:
         if len(token_ids) >= self.decode.max_model_len:
             raise InvalidRequestError(f"the prompt has {len(token_ids)} tokens; the decode side's context is "
                                       f"{self.decode.max_model_len}", param="prompt")
-        return self.prefill.add_request(request_id, prompt_token_ids=token_ids,
-                                        prefill_only=not params.is_scoring_only, **kwargs)
+        with self._lock:
+            if any(p.request_id == request_id for p in self._handed_over):
+                raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+            request = self.prefill.add_request(request_id, prompt_token_ids=token_ids,
+                                               prefill_only=not params.is_scoring_only, **kwargs)
+            self._wake.notify()
+        return request
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is (a side, or between them); every block it holds on
         either side returns. False if unknown."""
-        if self.prefill.abort(request_id):
-            return True
+        with self._lock:
+            if self.prefill.abort(request_id):
+                self._drop_prefill_outputs({request_id})
+                return True
+            for prefilled in self._handed_over:
+                if prefilled.request_id == request_id:
+                    self._handed_over.remove(prefilled)
+                    self.prefill.blocks.free(prefilled.block_ids)
+                    self._drop_prefill_outputs({request_id})
+                    return True
         found = self.decode.abort(request_id)
         self._release(request_id)
         return found
 
+    def _drop_prefill_outputs(self, request_ids: set[str]) -> None:
+        """(Under the lock.) Forget the prefill side's outputs of aborted requests not yet
+        returned."""
+        self._prefill_outputs = [o for o in self._prefill_outputs if o.request_id not in request_ids]
+
     def abort_all(self) -> int:
         """Stop every request on both sides and between them, and unpin every prompt: both
         engines are left idle, every block free. Returns how many requests were stopped."""
-        count = self.prefill.abort_all()
-        for prefilled in self.prefill.take_prefilled():  # (handed off by the step it collected)
-            self.prefill.blocks.free(prefilled.block_ids)
-            count += 1
-        self._pins_to_send.clear()
+        with self._lock:
+            count = self.prefill.abort_all()
+            for prefilled in self._handed_over + self.prefill.take_prefilled():  # (handed off, not taken)
+                self.prefill.blocks.free(prefilled.block_ids)
+                count += 1
+            self._handed_over, self._prefill_outputs = [], []
+            self._pins_to_send.clear()
         count += self.decode.abort_all()
         for request_id in list(self._transit):
             self._release(request_id)
         return count
 
     def has_unfinished_requests(self) -> bool:
-        return self.prefill.has_unfinished_requests() or self.decode.has_unfinished_requests()
+        with self._lock:
+            if (self.prefill.has_unfinished_requests() or self._handed_over or self._prefill_outputs
+                    or self._pins_to_send):
+                return True
+        return self.decode.has_unfinished_requests()
 
     @property
     def num_requests(self) -> int:
-        return self.prefill.num_requests + self.decode.num_requests
+        with self._lock:
+            on_prefill = self.prefill.num_requests + len(self._handed_over)
+        return on_prefill + self.decode.num_requests
 
     # The step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """A step of each side: the prefill side's outputs (first tokens, requests that end
-        there), then the decode side's. Requests whose first token the prefill step sampled join
-        the decode side's queue before its step."""
-        outputs = self.prefill.step()
-        for prefilled in self.prefill.take_prefilled():
+        """A step of the decode side, after the prefill side's: its outputs (first tokens,
+        requests that end there) first, then the decode side's. Requests whose first token the
+        prefill side sampled join the decode side's queue before its step. With `concurrent`,
+        the prefill side's steps run on their own thread: this one takes what they produced
+        since the last call."""
+        if self._thread is None:
+            outputs = self.prefill.step()
+            handed_over = self.prefill.take_prefilled()
+        else:
+            with self._lock:
+                if self._prefill_error is not None:
+                    raise RuntimeError("the prefill side failed") from self._prefill_error
+                outputs, self._prefill_outputs = self._prefill_outputs, []
+                handed_over, self._handed_over = self._handed_over, []
+        for prefilled in handed_over:
             outputs += self._hand_over(prefilled)
         outputs += self._send_pins()
         decoded = self.decode.step()
@@ -275,13 +400,47 @@ class DisaggregatedEngine:
                 self._release(output.request_id)
         return outputs + decoded
 
+    def _run_prefill(self) -> None:
+        """The prefill side's thread (`concurrent`): step while it has requests, hand over what
+        each step prefilled; sleep until a request or a pin arrives."""
+        while True:
+            with self._lock:
+                while not self._stopping and not self.prefill.has_unfinished_requests():
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                try:
+                    outputs = self.prefill.step()
+                    handed_over = self.prefill.take_prefilled()
+                except BaseException as exc:  # (raised by the caller's next step)
+                    logger.exception("the prefill side's step failed")
+                    self._prefill_error = exc
+                    return
+                self._prefill_outputs += outputs
+                self._handed_over += handed_over
+            time.sleep(0)  # the caller, waiting for the lock, takes it now
+
+    @contextlib.contextmanager
+    def _unlocked(self) -> Iterator[None]:
+        """The prefill side's `waiting`: on its thread, the lock is let go while its step waits
+        for the device."""
+        if threading.current_thread() is not self._thread:
+            yield
+            return
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
+
     def _hand_over(self, prefilled: PrefilledRequest) -> list[RequestOutput]:
         """Queue a prefilled request on the decode side (its KV received when it is admitted);
         the output of its failure if the decode side cannot take it."""
         try:
             self.decode.admit_prefilled(prefilled)
         except LoraplexError as exc:
-            self.prefill.blocks.free(prefilled.block_ids)
+            with self._lock:
+                self.prefill.blocks.free(prefilled.block_ids)
             request = prefilled.request
             return [RequestOutput(
                 request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
@@ -294,33 +453,136 @@ class DisaggregatedEngine:
 
     def _receive(self, request_id: str, first: int, block_ids: list[int]) -> None:
         """The decode side admitted a prefilled request: copy its prompt blocks from `first` on
-        into `block_ids`; the prefill side's references go."""
+        into `block_ids`; the prefill side's references go (the copy holds its own until done)."""
         prefilled = self._transit.pop(request_id)
         self._copy(prefilled.block_ids[first:first + len(block_ids)], block_ids)
         self.num_blocks_reused += first
-        self.prefill.blocks.free(prefilled.block_ids)
+        with self._lock:
+            self.prefill.blocks.free(prefilled.block_ids)
 
     def _copy(self, source_ids: list[int], target_ids: list[int]) -> None:
         """The KV of the prefill side's `source_ids` into the decode side's `target_ids`: copied
-        here, or, with worker processes, sent by the prefill side's worker after the steps
-        queued there (which wrote it) and received by the decode side's before its next step."""
+        here, or, with worker processes, by the decode side's worker out of the prefill side's
+        cache before the decode side's next step. The source blocks hold a reference of the
+        copy's until it is done, so that no prefill step reuses them first."""
         if not source_ids:
             return
+        with self._lock:
+            self.prefill.blocks.share(source_ids)
         if self._workers is None:
+            started = time.perf_counter()
             copy_kv_blocks(self.prefill.kv_cache, source_ids, self.decode.kv_cache, target_ids)
+            block = self.decode.kv_cache[0]
+            num_bytes = len(source_ids) * block.numel() * block.element_size()
+            self._copied(source_ids, KvReceived(num_bytes, time.perf_counter() - started))
         else:
-            from loraplex.worker.commands import ReceiveKv, SendKv  # (the worker side imports the engine)
+            from loraplex.worker.commands import ReceiveKv  # (the worker side imports the engine)
 
-            prefill_workers, decode_workers = self._workers
-            prefill_workers.queue(SendKv(tuple(source_ids), peer=decode_workers.first_rank))
-            decode_workers.queue(ReceiveKv(tuple(target_ids), peer=prefill_workers.first_rank))
+            _, decode_workers = self._workers
+            decode_workers.queue(ReceiveKv(tuple(source_ids), tuple(target_ids)),
+                                 on_done=partial(self._copied, source_ids))
         self.num_blocks_sent += len(source_ids)
+
+    def _copied(self, source_ids: list[int], received: KvReceived) -> None:
+        """A copy is done: its references to the source blocks go; it is counted."""
+        with self._lock:
+            self.prefill.blocks.free(source_ids)
+        self.transfers.add(len(source_ids), received.num_bytes, received.seconds)
 
     def _release(self, request_id: str) -> None:
         prefilled = self._transit.pop(request_id, None)
         if prefilled is not None:
-            self.prefill.blocks.free(prefilled.block_ids)
+            with self._lock:
+                self.prefill.blocks.free(prefilled.block_ids)
+
+    # Serving: what the engine-core process and the server read ----------------------------
+    # (Facts fixed when the sides are built are read without the lock.)
+    @property
+    def model_config(self) -> Any:
+        """The model's ModelConfig (one model on both sides)."""
+        return self.prefill.model_config
+
+    @property
+    def device(self) -> torch.device:
+        return self.decode.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decode.dtype
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest context both sides hold."""
+        return min(self.prefill.max_model_len, self.decode.max_model_len)
+
+    @property
+    def streaming_window(self) -> Any:
+        """The decode side's default StreamingWindow (requests with one run whole there)."""
+        return self.decode.streaming_window
+
+    @property
+    def memory(self) -> Any:
+        """The decode side's MemoryPlan (each side plans its own pool from the same options)."""
+        return self.decode.memory
+
+    @property
+    def graphs(self) -> Any:
+        """The decode side's CaptureReport (None with worker processes, which capture none)."""
+        return self.decode.graphs
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.prefill.eos_token_ids
+
+    @property
+    def grammars(self) -> Any:
+        """The prefill side's GrammarCompiler (thread-safe on its own; a request's matcher
+        travels with it to the decode side)."""
+        return self.prefill.grammars
+
+    def window_problem(self, window: Any) -> str | None:
+        return self.decode.window_problem(window)
+
+    def pinned_prompts(self) -> dict[str, int]:
+        """Each pinned prompt's key -> the KV blocks it holds on the prefill side, where prompts
+        are pinned first (0 while its warm-up runs)."""
+        with self._lock:
+            return self.prefill.pinned_prompts()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prompt blocks that nobody holds, on both sides; how many."""
+        with self._lock:
+            dropped = self.prefill.reset_prefix_cache()
+        return dropped + self.decode.reset_prefix_cache()
+
+    def stats(self) -> Any:
+        """Both sides' figures as one EngineStats (loraplex.engine.stats.disaggregated_stats):
+        summed, with each side's queue and KV pool and the KV transfers since start."""
+        from loraplex.engine.stats import TransferStats, disaggregated_stats
+
+        with self._lock:
+            prefill = self.prefill.stats()
+            num_between = len(self._handed_over)
+        transfers, durations = self.transfers, self._transfer_durations()
+        for _, seconds in transfers.take_durations():
+            durations.observe(seconds)
+        sent = TransferStats(transfers.num_transfers, transfers.num_blocks, transfers.num_bytes,
+                             transfers.seconds, durations.copy())
+        return disaggregated_stats(prefill, self.decode.stats(), num_between, sent)
+
+    def _transfer_durations(self) -> Any:
+        """The Histogram of every transfer's seconds since start, fed from `transfers` at each
+        `stats` (made on first use)."""
+        from loraplex.engine.stats import KV_TRANSFER_BUCKETS, Histogram
+
+        return self.__dict__.setdefault("_transfer_seconds", Histogram(KV_TRANSFER_BUCKETS))
 
     def close(self) -> None:
+        """Stop the prefill side's thread, then both engines (and their workers)."""
+        if self._thread is not None:
+            with self._lock:
+                self._stopping = True
+                self._wake.notify()
+            self._thread.join()
         self.prefill.close()
         self.decode.close()

@@ -30,7 +30,8 @@ class LLM:
     the model runs in that many spawned worker processes: a script that makes one needs an
     `if __name__ == "__main__":` guard. `disaggregate="1:1"` prefills each request on one engine
     core and decodes it on another, each on its own KV pool and its own worker process (on CUDA
-    GPUs 0 and 1), the KV blocks sent between them (loraplex/engine/disaggregated.py);
+    GPUs 0 and 1) and stepping on its own thread, the decode side's worker copying the KV blocks
+    out of the prefill side's (loraplex/engine/disaggregated.py);
     `disaggregate_processes=False` runs both sides' model in this process instead (CPU)."""
 
     def __init__(
@@ -41,7 +42,7 @@ class LLM:
         if disaggregate is None:
             self.engine: LLMEngine | DisaggregatedEngine = LLMEngine(config)
         elif disaggregate == "1:1":
-            self.engine = DisaggregatedEngine(config, processes=disaggregate_processes)
+            self.engine = DisaggregatedEngine(config, processes=disaggregate_processes, concurrent=True)
         else:
             raise ConfigError("disaggregate", f"{disaggregate!r}: one prefill and one decode side, \"1:1\", "
                               "is what is built")

@@ -11,6 +11,7 @@ captured, so that no request pays for any of it."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import re
@@ -18,6 +19,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -223,6 +225,9 @@ class LLMEngine:
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device.type == "cuda")
         self._in_flight: InFlight | None = None
+        self.waiting: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
+        """Entered while a step waits for the device (or the workers): an owner that shares
+        this engine between threads under a lock lets go of it there (DisaggregatedEngine)."""
         self._on_step_timed: Callable[[StepPlan, float], None] | None = None
         self.eos_token_ids = frozenset(self._eos_ids())
         self._requests: dict[str, Request] = {}
@@ -804,7 +809,8 @@ class LLMEngine:
     def collect(self, step: InFlight) -> list[RequestOutput]:
         """Wait for a launched step's tokens; apply stops and build the outputs."""
         try:
-            result = self.runner.collect(step.launched)
+            with self.waiting():
+                result = self.runner.collect(step.launched)
         except Exception as exc:
             logger.exception("engine step failed")
             return self._fail([r.request_id for r in step.sampling if not r.is_finished], exc)

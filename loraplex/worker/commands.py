@@ -7,6 +7,7 @@ from typing import Literal
 
 from loraplex.engine.lora_weights import HostAdapter
 from loraplex.engine.plan import StepPlan
+from loraplex.worker.replies import KvHandle
 
 
 @dataclass(frozen=True)
@@ -99,22 +100,30 @@ class TimeCollectives:
 
 
 @dataclass(frozen=True)
-class SendKv:
-    """Send the KV of `block_ids` (in that order, every layer) to the worker of global rank
-    `peer`, which runs the matching ReceiveKv (disaggregated prefill and decode: the prefill
-    side's worker sends a prompt's blocks to the decode side's). Nothing replies but Done."""
+class ShareKv:
+    """Let another worker process on this machine read the rank's KV cache (disaggregated
+    prefill and decode: the prefill worker's, for its decode peer). Replies a KvHandle for
+    MapPeerKv. The cache must be shareable: CUDA memory always is (IPC); on CPU, workers of a
+    shared process group keep theirs in a file under /dev/shm."""
 
-    block_ids: tuple[int, ...]
-    peer: int
+
+@dataclass(frozen=True)
+class MapPeerKv:
+    """Map the KV cache that a peer worker shared (its ShareKv reply), for ReceiveKv."""
+
+    handle: KvHandle
 
 
 @dataclass(frozen=True)
 class ReceiveKv:
-    """Receive from the worker of global rank `peer` the KV that its matching SendKv sends,
-    into `block_ids` (as many, in that order)."""
+    """Copy the KV of the mapped peer cache's blocks `source_ids` into this rank's `target_ids`
+    (as many, in that order; every layer): gathered on the peer's device, one device-to-device
+    copy, scattered here (on GPUs over NVLink, no host round trip, the peer process not involved).
+    The peer's blocks must hold their KV already and keep it until this command is answered.
+    Replies a KvReceived."""
 
-    block_ids: tuple[int, ...]
-    peer: int
+    source_ids: tuple[int, ...]
+    target_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -122,4 +131,5 @@ class Shutdown:
     """Leave the process group and exit."""
 
 
-Command = LoadModel | MeasureMemory | LoadAdapter | RunStep | TimeCollectives | SendKv | ReceiveKv | Shutdown
+Command = (LoadModel | MeasureMemory | LoadAdapter | RunStep | TimeCollectives | ShareKv | MapPeerKv
+           | ReceiveKv | Shutdown)

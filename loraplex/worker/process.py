@@ -5,7 +5,10 @@ runner records; rank 0 returns the sampled tokens."""
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+import pickle
 import time
 import traceback
 from datetime import timedelta
@@ -14,6 +17,7 @@ from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import reduce_tensor
 
 from loraplex.engine.lora_weights import HostAdapter, LoraSlotBuffers
 from loraplex.engine.model_runner import ModelRunner, measure_step_bytes
@@ -30,15 +34,24 @@ from loraplex.worker.commands import (
     Command,
     LoadAdapter,
     LoadModel,
+    MapPeerKv,
     MeasureMemory,
     ReceiveKv,
     RunnerSpec,
     RunStep,
-    SendKv,
+    ShareKv,
     Shutdown,
     TimeCollectives,
 )
-from loraplex.worker.replies import Done, Failed, MemoryReport, RunnerCounters, StepOutput
+from loraplex.worker.replies import (
+    Done,
+    Failed,
+    KvHandle,
+    KvReceived,
+    MemoryReport,
+    RunnerCounters,
+    StepOutput,
+)
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                     "NVSHMEM_DISABLE_NVLS": "1"}
@@ -48,12 +61,13 @@ the lent machines it can put a shared host's GPUs out of service (issue 22)."""
 
 def run_worker(rank: int, world_size: int, init_method: str, conn: Connection, timeout_s: float,
                num_threads: int, backend: str = "gloo",
-               tensor_parallel: tuple[int, int] | None = None) -> None:
+               tensor_parallel: tuple[int, int] | None = None, share_kv: bool = False) -> None:
     """The process's entry point (spawned by TensorParallelWorkers). `rank` of `world_size` in
     the process group; with NCCL, rank r runs on cuda:r. `tensor_parallel`: (its rank, the
     size) of the model's tensor-parallel group (default: the whole process group); a group of
     its own only of size 1 (disaggregated prefill and decode: every worker holds a whole model,
-    the process group carries the KV between them)."""
+    the process group carries the KV between them). `share_kv`: keep the KV cache where another
+    worker can map it (ShareKv; on CPU a file under /dev/shm)."""
     os.environ.update(NO_MULTICAST_ENV)
     torch.set_num_threads(num_threads)
     device = torch.device("cpu")
@@ -66,7 +80,7 @@ def run_worker(rank: int, world_size: int, init_method: str, conn: Connection, t
     tp_rank, tp_size = tensor_parallel or (rank, world_size)
     if tp_size not in (1, world_size):
         raise NotImplementedError("a tensor-parallel group smaller than the process group, but of 1")
-    worker = Worker(TensorParallelGroup(tp_rank, tp_size), device)
+    worker = Worker(TensorParallelGroup(tp_rank, tp_size), device, share_kv)
     try:
         while True:
             try:
@@ -82,16 +96,22 @@ def run_worker(rank: int, world_size: int, init_method: str, conn: Connection, t
                 reply = Failed(rank, traceback.format_exc())
             conn.send(reply)
     finally:
+        worker.unlink_shared()
         dist.destroy_process_group()
 
 
 class Worker:
     """One rank's model shard, KV cache, adapter slots and runner."""
 
-    def __init__(self, group: TensorParallelGroup, device: torch.device | None = None) -> None:
+    def __init__(self, group: TensorParallelGroup, device: torch.device | None = None,
+                 share_kv: bool = False) -> None:
         self.group = group
         self.device = device or torch.device("cpu")
         """The rank's device: cpu (gloo) or cuda:rank (NCCL)."""
+        self.share_kv = share_kv
+        self._shared_path = ""  # the /dev/shm file of a shareable CPU KV cache
+        self.peer_kv: torch.Tensor | None = None
+        """A peer worker's KV cache, mapped (MapPeerKv): what ReceiveKv copies from."""
         self.layout: ShardLayout | None = None
         self.model: ParallelLlamaForCausalLM | None = None
         self._model_key: tuple | None = None  # what the loaded shard was built from
@@ -111,8 +131,10 @@ class Worker:
             return self.run_step(command)
         if isinstance(command, TimeCollectives):
             return self.time_collectives(command)
-        if isinstance(command, SendKv):
-            return self.send_kv(command)
+        if isinstance(command, ShareKv):
+            return self.shared_kv()
+        if isinstance(command, MapPeerKv):
+            return self.map_peer_kv(command.handle)
         if isinstance(command, ReceiveKv):
             return self.receive_kv(command)
         raise TypeError(f"unknown command {command!r}")
@@ -162,13 +184,13 @@ class Worker:
         if spec.lora_slot_bytes:  # one pool: the KV blocks and the slots, as the engine's own
             block_bytes = (shard.num_layers * 2 * spec.block_size * shard.num_kv_heads * shard.head_dim
                            * torch.empty((), dtype=dtype).element_size())
-            pool = torch.zeros(spec.num_kv_blocks * block_bytes, dtype=torch.uint8, device=device)
+            pool = self._zeros((spec.num_kv_blocks * block_bytes,), torch.uint8)
             kv_cache = kv_cache_view(pool, shard, spec.block_size, dtype)
             lora = LoraSlotBuffers(shard, spec.num_lora_slots, spec.max_lora_rank, dtype, device,
                                    base_weights=model.group_weights, pool=pool, block_bytes=block_bytes)
         else:
-            kv_cache = torch.zeros(spec.num_kv_blocks, shard.num_layers, 2, spec.block_size,
-                                   shard.num_kv_heads, shard.head_dim, dtype=dtype, device=device)
+            kv_cache = self._zeros((spec.num_kv_blocks, shard.num_layers, 2, spec.block_size,
+                                    shard.num_kv_heads, shard.head_dim), dtype)
             lora = LoraSlotBuffers(shard, spec.num_lora_slots, spec.max_lora_rank, dtype, device,
                                    base_weights=model.group_weights)
         self.runner = ModelRunner(model, kv_cache, lora, model.ops, spec.max_num_seqs,
@@ -216,19 +238,67 @@ class Worker:
                                   swapper.stats() if swapper is not None else None)
         return StepOutput(result, logits[0].cpu() if logits else None, counters)
 
-    def send_kv(self, command: SendKv) -> None:
-        """The blocks' KV to the peer in one message ([blocks, layers, 2, block_size, heads,
-        head_dim]; on GPUs device to device over NCCL, no host round trip)."""
-        kv_cache = self.runner.kv_cache
-        ids = torch.tensor(command.block_ids, dtype=torch.long, device=kv_cache.device)
-        dist.send(kv_cache.index_select(0, ids), dst=command.peer)
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed KV cache (or pool): shareable on CPU where `share_kv` asks (a new file under
+        /dev/shm, mapped; the last one's name goes)."""
+        if not (self.share_kv and self.device.type == "cpu"):
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        self.unlink_shared()
+        self._shared_path = f"/dev/shm/loraplex-kv-{os.getpid()}-{time.monotonic_ns()}"
+        return torch.from_file(self._shared_path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
 
-    def receive_kv(self, command: ReceiveKv) -> None:
+    def unlink_shared(self) -> None:
+        """Remove the shareable KV cache's file name (its mappings live on)."""
+        if self._shared_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._shared_path)
+            self._shared_path = ""
+
+    def shared_kv(self) -> KvHandle:
+        """The KV cache, as another process maps it (CUDA IPC, or the CPU cache's file)."""
         kv_cache = self.runner.kv_cache
-        blocks = kv_cache.new_empty((len(command.block_ids), *kv_cache.shape[1:]))
-        dist.recv(blocks, src=command.peer)
-        ids = torch.tensor(command.block_ids, dtype=torch.long, device=kv_cache.device)
-        kv_cache.index_copy_(0, ids, blocks)
+        dtype = str(kv_cache.dtype).removeprefix("torch.")
+        if kv_cache.device.type == "cuda":
+            rebuild, args = reduce_tensor(kv_cache)
+            return KvHandle("cuda", tuple(kv_cache.shape), dtype, cuda_ipc=pickle.dumps((rebuild, args)))
+        if not self._shared_path:
+            raise RuntimeError("this worker's KV cache cannot be shared: on CPU only workers started with "
+                               "share_kv keep it in a file")
+        return KvHandle("cpu", tuple(kv_cache.shape), dtype, path=self._shared_path)
+
+    def map_peer_kv(self, handle: KvHandle) -> None:
+        """Map a peer's KV cache (its ShareKv reply); a CPU cache's file name then goes (both
+        processes hold mappings)."""
+        if handle.device == "cuda":
+            rebuild, args = pickle.loads(handle.cuda_ipc)
+            self.peer_kv = rebuild(*args)
+        else:
+            dtype = getattr(torch, handle.dtype)
+            self.peer_kv = torch.from_file(handle.path, shared=True, size=math.prod(handle.shape),
+                                           dtype=dtype).view(handle.shape)
+            os.unlink(handle.path)
+        kv_cache = self.runner.kv_cache
+        if self.peer_kv.shape[1:] != kv_cache.shape[1:] or self.peer_kv.dtype != kv_cache.dtype:
+            shape, self.peer_kv = tuple(self.peer_kv.shape[1:]), None
+            raise ValueError(f"the peer's KV blocks are {shape} {handle.dtype}; this rank's "
+                             f"{tuple(kv_cache.shape[1:])} {kv_cache.dtype}")
+
+    def receive_kv(self, command: ReceiveKv) -> KvReceived:
+        """Copy the peer's blocks into this rank's: gathered on the peer's device, one copy
+        across, scattered here; timed to the last byte (the device synchronized)."""
+        peer, kv_cache = self.peer_kv, self.runner.kv_cache
+        if peer is None:
+            raise RuntimeError("ReceiveKv before MapPeerKv")
+        if len(command.source_ids) != len(command.target_ids):
+            raise ValueError(f"{len(command.source_ids)} source blocks for {len(command.target_ids)} targets")
+        started = time.perf_counter()
+        sources = torch.tensor(command.source_ids, dtype=torch.long, device=peer.device)
+        blocks = peer.index_select(0, sources).to(kv_cache.device)
+        targets = torch.tensor(command.target_ids, dtype=torch.long, device=kv_cache.device)
+        kv_cache.index_copy_(0, targets, blocks)
+        if kv_cache.device.type == "cuda":
+            torch.cuda.synchronize(kv_cache.device)
+        return KvReceived(blocks.numel() * blocks.element_size(), time.perf_counter() - started)
 
     def time_collectives(self, command: TimeCollectives) -> list[dict[str, float]] | None:
         config, group, device = self.layout.config, self.group, self.device

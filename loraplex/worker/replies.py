@@ -42,6 +42,27 @@ class MemoryReport:
     graph_bytes: int
 
 
+@dataclass(frozen=True)
+class KvHandle:
+    """A worker's KV cache as another process on the machine maps it (ShareKv's reply)."""
+
+    device: str
+    """"cuda" (`cuda_ipc`: CUDA IPC, pickled) or "cpu" (`path`: a file under /dev/shm)."""
+    shape: tuple[int, ...]
+    dtype: str
+    cuda_ipc: bytes = b""
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class KvReceived:
+    """A ReceiveKv's answer."""
+
+    num_bytes: int
+    seconds: float
+    """From the first copy queued to the last one done (the device synchronized)."""
+
+
 @dataclass
 class Done:
     rank: int

@@ -16,6 +16,7 @@ import shutil
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -31,16 +32,17 @@ from loraplex.parallel.sharding import check_tensor_parallel
 from loraplex.worker.commands import (
     LoadAdapter,
     LoadModel,
+    MapPeerKv,
     MeasureMemory,
     ReceiveKv,
     RunnerSpec,
     RunStep,
-    SendKv,
+    ShareKv,
     Shutdown,
     TimeCollectives,
 )
 from loraplex.worker.process import NO_MULTICAST_ENV, run_worker
-from loraplex.worker.replies import Done, Failed, MemoryReport, StepOutput
+from loraplex.worker.replies import Done, Failed, KvHandle, MemoryReport, StepOutput
 
 DEFAULT_TIMEOUT_S = 300.0
 """How long a command, and a collective inside a worker, may take before it counts as hung."""
@@ -86,9 +88,9 @@ class TensorParallelWorkers:
         self._conns: list[Connection] = []
         self._processes: list[Any] = []
         # One entry a command sent and not yet answered, in order: True for a step that
-        # `collect` returns, False for a queued adapter load whose acknowledgements are only
-        # checked for failures.
-        self._pending: deque[bool] = deque()
+        # `collect` returns; for a queued command, the call that takes rank 0's answer, or
+        # False where its acknowledgements are only checked for failures.
+        self._pending: deque[bool | Callable[[Any], None]] = deque()
         os.environ.update(NO_MULTICAST_ENV)  # the spawned children inherit it; they set it again
         try:
             for rank in range(world_size):
@@ -97,7 +99,7 @@ class TensorParallelWorkers:
                 process = context.Process(
                     target=run_worker, name=f"loraplex-worker-{global_rank}", daemon=True,
                     args=(global_rank, total, init_method, child, timeout_s, num_threads, backend,
-                          (rank, world_size)))
+                          (rank, world_size), shared is not None))
                 process.start()
                 child.close()  # the child's end lives in the child only: its death closes the pipe
                 self._conns.append(parent)
@@ -150,12 +152,22 @@ class TensorParallelWorkers:
         self._guarded(self._send, LoadAdapter(slot, adapter, None if pages is None else tuple(pages)))
         self._pending.append(False)
 
-    def queue(self, command: SendKv | ReceiveKv) -> None:
+    def share_kv(self) -> KvHandle:
+        """Rank 0's KV cache, as another worker on the machine maps it (workers of a shared
+        process group: spawn_disaggregated)."""
+        return self._call(ShareKv())[0]
+
+    def map_peer_kv(self, handle: KvHandle) -> None:
+        """Map a peer's shared KV cache (`share_kv` of its workers) for ReceiveKv."""
+        self._call(MapPeerKv(handle))
+
+    def queue(self, command: ReceiveKv, on_done: Callable[[Any], None] | None = None) -> None:
         """Send `command` to every rank and return at once, as queue_adapter does (it runs
         between the steps launched before and after it; a failure is raised by the next
-        `collect`)."""
+        `collect`). `on_done(rank 0's answer)` is called when its replies are read: by the
+        `collect` of the first step launched after it, at the latest."""
         self._guarded(self._send, command)
-        self._pending.append(False)
+        self._pending.append(on_done or False)
 
     def execute(self, plan: StepPlan, return_logits: bool = False) -> StepOutput:
         """Run one step on every rank; rank 0's tokens (and logits, when asked)."""
@@ -175,29 +187,34 @@ class TensorParallelWorkers:
         before it)."""
         if True not in self._pending:
             raise RuntimeError("no step launched")
-        while not self._pending.popleft():
-            self._guarded(self._replies)
+        while (entry := self._pending.popleft()) is not True:
+            self._acknowledged(entry)
         return self._guarded(self._replies)[0]
+
+    def _acknowledged(self, entry: bool | Callable[[Any], None]) -> None:
+        """Read the replies of a queued command (one not collected) and hand rank 0's answer to
+        its `on_done`, if any."""
+        answers = self._guarded(self._replies)
+        if callable(entry):
+            entry(answers[0])
 
     def read_acknowledgements(self) -> None:
         """Read the replies of the unread commands at the head of the queue that every rank has
         answered already (never waits), so they do not pile up in the pipes."""
-        while self._pending and not self._pending[0] and all(conn.poll() for conn in self._conns):
-            self._pending.popleft()
-            self._guarded(self._replies)
+        while self._pending and self._pending[0] is not True and all(conn.poll() for conn in self._conns):
+            self._acknowledged(self._pending.popleft())
 
     @property
     def num_launched(self) -> int:
         """Steps launched and not yet collected."""
-        return sum(self._pending)
+        return sum(entry is True for entry in self._pending)
 
     def _call(self, command: Any) -> list[Any]:
         """Send `command` to every rank; their answers in rank order."""
         if self.num_launched:
             raise RuntimeError(f"collect the {self.num_launched} launched steps first")
-        while self._pending:  # queued adapter loads: their failures surface here
-            self._pending.popleft()
-            self._guarded(self._replies)
+        while self._pending:  # queued commands: their failures surface here
+            self._acknowledged(self._pending.popleft())
         self._guarded(self._send, command)
         return self._guarded(self._replies)
 
@@ -283,8 +300,9 @@ def spawn_disaggregated(
 ) -> tuple[list[TensorParallelWorkers], list[TensorParallelWorkers]]:
     """One worker process for each prefill and each decode engine, all in one process group
     (prefill workers first: global ranks 0..P-1, then the decode workers; with NCCL, rank r on
-    cuda:r), so that any two can send KV blocks to each other (SendKv / ReceiveKv). Each holds a
-    whole model; each engine drives its own through a TensorParallelWorkers of size 1."""
+    cuda:r), each keeping its KV cache where the others can map it (ShareKv, MapPeerKv: a decode
+    worker copies a prefill worker's blocks, ReceiveKv). Each holds a whole model; each engine
+    drives its own through a TensorParallelWorkers of size 1."""
     total, made = num_prefill + num_decode, []
     if backend == "nccl" and total > torch.cuda.device_count():
         raise ModelLoadError(f"{num_prefill} prefill and {num_decode} decode workers need as many GPUs; "

@@ -66,18 +66,20 @@ def closing():
         engine.close()
 
 
-def _disaggregated(case, decode_options=None, processes=False, closing=None,
+def _disaggregated(case, decode_options=None, processes=False, closing=None, concurrent=False,
                    **options) -> DisaggregatedEngine:
     model_dir, adapters, _ = case
     decode = _config(model_dir, **{**options, **(decode_options or {})})
-    engine = DisaggregatedEngine(_config(model_dir, **options), decode, processes=processes)
+    engine = DisaggregatedEngine(_config(model_dir, **options), decode, processes=processes,
+                                 concurrent=concurrent)
     if closing is not None:
         closing.append(engine)
     return _with_adapters(engine, adapters)
 
 
 WITH_WORKERS = pytest.param(True, id="workers")
-"""The same test with each side's model in a worker process of its own (the KV sent over gloo)."""
+"""The same test with each side's model in a worker process of its own (the decode side's
+worker copying the KV out of the prefill side's, mapped)."""
 
 
 def _greedy(max_tokens=MAX_TOKENS) -> SamplingParams:
@@ -111,22 +113,27 @@ def _assert_nothing_held(engine: DisaggregatedEngine, pinned_blocks: int = 0) ->
     assert engine.prefill.blocks.num_used_blocks == pinned_blocks
     assert engine.decode.blocks.num_used_blocks == pinned_blocks
     assert engine.prefill.num_requests == engine.decode.num_requests == 0
-    assert not engine._transit
+    assert not engine._transit and not engine._handed_over and not engine._prefill_outputs
     for side in (engine.prefill, engine.decode):
         host = side.scheduler.host_blocks
         assert host is None or host.num_used_blocks == 0
         assert not side.scheduler.running and side.scheduler.num_waiting == 0
 
 
-@pytest.mark.parametrize(("async_scheduling", "processes"), [(False, False), (True, False), (False, True)],
-                         ids=["sync", "async", "workers"])
+@pytest.mark.parametrize(("async_scheduling", "processes", "concurrent"),
+                         [(False, False, False), (True, False, False), (False, True, False),
+                          (True, False, True), (True, True, True)],
+                         ids=["sync", "async", "workers", "concurrent", "workers-concurrent"])
 def test_greedy_outputs_match_the_colocated_engine_for_every_family(case, async_scheduling, processes,
-                                                                    closing):
+                                                                    concurrent, closing):
+    """`concurrent`: the prefill side steps on a thread of its own."""
     _, _, prompts = case
     colocated = _colocated(case, async_scheduling=async_scheduling)
     _add_all(colocated, prompts, _greedy())
     expected = _run(colocated)
-    engine = _disaggregated(case, async_scheduling=async_scheduling, processes=processes, closing=closing)
+    engine = _disaggregated(case, async_scheduling=async_scheduling, processes=processes, closing=closing,
+                            concurrent=concurrent)
+    assert engine.is_concurrent == concurrent
     if processes:  # one worker process a side, neither this one
         pids = engine.prefill.executor.workers.pids + engine.decode.executor.workers.pids
         assert len(set(pids)) == 2 and os.getpid() not in pids
@@ -143,6 +150,11 @@ def test_greedy_outputs_match_the_colocated_engine_for_every_family(case, async_
     assert _run(engine) == expected
     # Every prompt block crossed once; the decode side computed no prompt token.
     assert engine.num_blocks_sent == sum(-(-len(p) // BLOCK_SIZE) for p in prompts)
+    transfers = engine.transfers
+    assert transfers.num_transfers == len(prompts) and transfers.num_blocks == engine.num_blocks_sent
+    assert transfers.num_bytes == engine.num_blocks_sent * engine.decode.memory.kv_block_bytes
+    assert len(transfers.take_durations()) == len(prompts) and transfers.durations == []
+    assert transfers.seconds > 0 and transfers.bytes_per_second > 0
     assert engine.decode.num_prompt_tokens == 0
     assert engine.prefill.num_generated_tokens == len(prompts)
     assert engine.decode.num_generated_tokens == len(prompts) * (MAX_TOKENS - 1)
@@ -196,8 +208,10 @@ def test_the_offline_llm_runs_disaggregated(case):
         LLM(model_dir, device="cpu", dtype="float32", disaggregate="2:1")
 
 
-@pytest.mark.parametrize("processes", [False, WITH_WORKERS])
-def test_pinned_prompts_stay_pinned_on_both_sides_and_are_not_sent_again(case, processes, closing):
+@pytest.mark.parametrize(("processes", "concurrent"), [(False, False), (True, True)],
+                         ids=["one-process", "workers-concurrent"])
+def test_pinned_prompts_stay_pinned_on_both_sides_and_are_not_sent_again(case, processes, concurrent,
+                                                                        closing):
     _, _, prompts = case
     system = list(range(10, 10 + 3 * BLOCK_SIZE + 1))  # 3 full blocks and a token
     pinned_blocks = len(system) // BLOCK_SIZE
@@ -205,7 +219,7 @@ def test_pinned_prompts_stay_pinned_on_both_sides_and_are_not_sent_again(case, p
     names = ["lora16", "lora16", None, "lora16", "dora16-all", "lora16"]
     expected_engine = _colocated(case)
     expected_engine.pin_prompt("desk", system, tenant=TENANTS[0], adapter="lora16")
-    engine = _disaggregated(case, processes=processes, closing=closing)
+    engine = _disaggregated(case, processes=processes, closing=closing, concurrent=concurrent)
     engine.pin_prompt("desk", system, tenant=TENANTS[0], adapter="lora16")
     _run(engine)  # the warm-up: computed on the prefill side, its blocks sent once
     assert engine.prefill.pinned_prompts() == engine.decode.pinned_prompts() == {"desk": pinned_blocks}

@@ -49,8 +49,9 @@ def test_tp2_with_cuda_graphs_in_bfloat16(tiny):
 @pytest.mark.parametrize("tiny", ["llama"], indirect=True)
 def test_disaggregated_prefill_and_decode_on_two_gpus_match_the_colocated_engine(tiny):
     """Disaggregated 1:1 (issue 23): the prefill side's worker on GPU 0, the decode side's on
-    GPU 1, KV blocks sent over NCCL: float32 eager gives the colocated engine's greedy tokens,
-    and bf16 with CUDA graphs agrees as bf16 runs do."""
+    GPU 1, the decode worker copying KV blocks out of the prefill worker's cache (CUDA IPC,
+    device to device), each side stepping on its own thread: float32 eager gives the colocated
+    engine's greedy tokens, and bf16 with CUDA graphs agrees as bf16 runs do."""
     _, model, adapters = tiny
     assert _tokens(model, adapters, 1, "float32", enforce_eager=True, disaggregate="1:1") == \
         _tokens(model, adapters, 1, "float32", enforce_eager=True)
