@@ -12,11 +12,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from loraplex.benchmarks.results import RESULTS, write
-from loraplex.engine.placement import DURATION_S, StepModel, Targets, Workload, choose
+from loraplex.engine.placement import DURATION_S, LONG_PROMPTS, StepModel, Targets, Workload, choose
 
 STANDARD = (
-    (Workload("long prompts (issue 23's: 2K long-tailed, 256 out, 1,000 adapters)", 2048, 256,
-              num_adapters=1000), Targets(ttft_s=1.0, tpot_s=0.05)),
+    (LONG_PROMPTS, Targets(ttft_s=1.0, tpot_s=0.05)),
     (Workload("long prompts, tight TPOT (20 ms)", 2048, 256, num_adapters=1000),
      Targets(ttft_s=1.0, tpot_s=0.02)),
     (Workload("chat (512 in, 256 out, 1,000 adapters)", 512, 256, num_adapters=1000),

@@ -1,5 +1,5 @@
 """`loraplex serve [--model DIR|FILE.gguf | --demo smollm2|tiny] [--host 127.0.0.1] [--port 8000]
-[engine options]`.
+[--disaggregate 1:1|auto] [engine options]`.
 
 Checks the engine options, upgrades the registry schema, reconciles the blob store, builds the
 engine (weights, memory plan, CUDA graphs) on the model: a folder or GGUF file given with --model
@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loraplex.cli.common import add_registry_options, registry_config
+from loraplex.cli.disaggregate import add_flags as add_disaggregate_flags
+from loraplex.cli.disaggregate import build_disaggregated, checked_disaggregation, placed
 from loraplex.cli.engine_flags import add_engine_flags, engine_config
 from loraplex.errors import LoraplexError
 from loraplex.quickstart.assets import MODEL_ID as QUICKSTART_MODEL_ID
@@ -89,6 +91,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         "an engine thread in the server's process. Default: on where the engine runs "
                         "on a GPU, off on the CPU. If that process dies, requests fail with 503 and "
                         "/ready fails; see docs/engine-process.md")
+    add_disaggregate_flags(parser)
     add_registry_options(parser)
     add_engine_flags(parser)
     parser.set_defaults(run=run)
@@ -110,7 +113,8 @@ def run(args: argparse.Namespace) -> None:
     from loraplex.engine.llm_engine import LLMEngine
 
     _configure_logging()
-    engine_config(".", args)  # a bad option is refused before anything loads
+    asked = checked_disaggregation(args, engine_config(".", args))  # refused before anything loads
+    disaggregate = placed(asked, args) if asked is not None else None
     config = registry_config(args)
     keep_kernel_cache(config.data_dir)
     with Registry.open(config) as registry:
@@ -120,9 +124,9 @@ def run(args: argparse.Namespace) -> None:
                     len(report.removed_temp_files), len(report.missing_blobs))
         served = _served_model(args, config.data_dir)
         settings = engine_config(str(served.folder), args)
-        separate = use_engine_process(args.engine_process, settings.device)
+        separate = disaggregate is not None or use_engine_process(args.engine_process, settings.device)
         if separate:
-            engine = EngineCoreClient.start(settings)
+            engine = EngineCoreClient.start(settings, build_disaggregated if disaggregate else None)
             facts = engine.view
         else:
             engine = facts = LLMEngine(settings)

@@ -69,6 +69,11 @@ class Workload:
     """Spread of the log-normal prompt lengths."""
 
 
+LONG_PROMPTS = Workload("long prompts (issue 23's: 2K long-tailed, 256 out, 1,000 adapters)", 2048, 256,
+                        num_adapters=1000)
+"""Issue 23's workload: `loraplex bench placement`'s first, and `serve --disaggregate auto`'s."""
+
+
 @dataclass(frozen=True)
 class Targets:
     ttft_s: float

@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 
 from loraplex.engine.async_engine import ENGINE_THREAD_NAME
 from loraplex.engine.stats import EngineStats
+from loraplex.engine.stats import Histogram as CountHistogram
 from loraplex.server.monitor import EngineMonitor
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -186,6 +187,7 @@ class _EngineCollector(Collector):
         yield from _per_tenant(labels, stats)
         yield from _swapping(labels, stats)
         yield from _pool(labels, stats)
+        yield from _disaggregated(labels, stats)
 
     def _lora_info(self, stats: EngineStats, sampled_at: float) -> GaugeMetricFamily:
         """vLLM's `vllm:lora_requests_info`: the value is when it was sampled (the endpoint
@@ -283,18 +285,53 @@ def _pool(labels: list[str], stats: EngineStats) -> Iterator:
     for kind, count in (stats.pool_pages or {}).items():
         pages.add_metric([*labels, kind], count)
     yield pages
-    wait = stats.adapter_wait
-    if wait is None:
+    if stats.adapter_wait is not None:
+        yield _histogram("loraplex:lora_adapter_wait_seconds", "Each ended request's time in the queue "
+                         "waiting for its adapter (host load, slot copy or a slot); requests with an "
+                         "adapter.", labels, stats.adapter_wait)
+
+
+def _disaggregated(labels: list[str], stats: EngineStats) -> Iterator:
+    """Disaggregated serving only: each side's queue and KV blocks (`side` prefill or decode; the
+    vllm: gauges above are both sides' together), and the KV sent between them."""
+    if stats.sides is not None:
+        for name, documentation, value in (
+                ("loraplex:side_requests_running", "Requests running on the side.", lambda s: s.num_running),
+                ("loraplex:side_requests_waiting", "Requests waiting for the side (on the decode side, "
+                 "the prefilled ones its KV has not reached).", lambda s: s.num_waiting),
+                ("loraplex:side_kv_blocks_used", "KV blocks in use on the side.",
+                 lambda s: s.num_kv_blocks_used),
+                ("loraplex:side_kv_blocks_total", "KV blocks the side's pool holds.",
+                 lambda s: s.num_kv_blocks)):
+            family = GaugeMetricFamily(name, documentation, labels=["model_name", "side"])
+            for side, figures in stats.sides.items():
+                family.add_metric([*labels, side], value(figures))
+            yield family
+    transfers = stats.kv_transfers
+    if transfers is None:
         return
-    family = HistogramMetricFamily("loraplex:lora_adapter_wait_seconds", "Each ended request's "
-                                   "time in the queue waiting for its adapter (host load, slot copy "
-                                   "or a slot); requests with an adapter.", labels=["model_name"])
+    for name, documentation, total in (
+            ("loraplex:kv_transfer_bytes", "KV bytes sent from the prefill side to the decode side.",
+             transfers.num_bytes),
+            ("loraplex:kv_transfer_blocks", "KV blocks sent from the prefill side to the decode side.",
+             transfers.num_blocks)):
+        family = CounterMetricFamily(name, documentation, labels=["model_name"])
+        family.add_metric(labels, total)
+        yield family
+    yield _histogram("loraplex:kv_transfer_seconds", "Each KV transfer's time, from its first copy "
+                     "queued to its last byte (a request's prompt blocks, or a pinned prompt's).",
+                     labels, transfers.durations)
+
+
+def _histogram(name: str, documentation: str, labels: list[str],
+               histogram: CountHistogram) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, documentation, labels=["model_name"])
     cumulative, buckets = 0, []
-    for bound, count in zip([*map(str, wait.bounds), "+Inf"], wait.counts):
+    for bound, count in zip([*map(str, histogram.bounds), "+Inf"], histogram.counts):
         cumulative += count
         buckets.append((bound, cumulative))
-    family.add_metric(labels, buckets, wait.total)
-    yield family
+    family.add_metric(labels, buckets, histogram.total)
+    return family
 
 
 def _swapping(labels: list[str], stats: EngineStats) -> Iterator:

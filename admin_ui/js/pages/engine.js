@@ -1,5 +1,6 @@
 // Engine: requests running, waiting and swapped, per tenant with its share of the service over
 // time, KV blocks, the device pool's pages by kind (KV, adapters, free), the prefix cache and relay decode, preemptions and swapping, adapters in device slots and in the host tier, the generation rate, and the engine's options and start-up (memory plan, CUDA graphs),
+// and, when prefill and decode are disaggregated, each side's queue and KV blocks and the KV sent between them,
 // polled from GET /admin/api/engine while the page is open and visible.
 
 import { api } from "../api.js";
@@ -158,6 +159,29 @@ function residentTable(state) {
   });
 }
 
+function sidesTable(state) {
+  const rows = Object.entries(state.sides).map(([name, side]) => ({ name, ...side }));
+  const sent = state.kv_transfers;
+  const rate = sent && sent.seconds ? `${(sent.bytes_per_second / 1e9).toFixed(2)} GB/s` : "–";
+  return h("div", {},
+    table({
+      caption: "Prefill and decode sides (the figures above are both sides' together)",
+      rows, rowKey: (side) => side.name,
+      columns: [
+        { label: "Side", cell: (side) => side.name },
+        { label: "Running", cell: (side) => formatNumber(side.num_requests_running) },
+        { label: "Waiting", cell: (side) => formatNumber(side.num_requests_waiting) },
+        { label: "KV blocks in use", cell: (side) => `${formatNumber(side.kv_blocks_used)} of ${formatNumber(side.kv_blocks_total)}` },
+        { label: "Preemptions", cell: (side) => formatNumber(side.num_preemptions) },
+      ],
+    }),
+    h("p", { class: "muted", dataset: { role: "kv-transfers" } }, sent
+      ? `KV sent from prefill to decode since start: ${formatNumber(sent.num_transfers)} `
+        + `transfer${sent.num_transfers === 1 ? "" : "s"}, `
+        + `${formatNumber(sent.num_blocks)} blocks, ${formatBytes(sent.num_bytes)}, ${rate}.`
+      : "No KV transfers yet."));
+}
+
 function optionsTable(state) {
   const rows = Object.entries(state.options).map(([name, value]) => ({
     name: `--${name.replaceAll("_", "-")}`, value: value === null ? "default (sized at start-up)" : String(value),
@@ -194,6 +218,9 @@ export function render(container) {
   const resident = h("div", {});
   const shareChart = h("div", {});
   const tenants = h("div", {});
+  const sides = h("div", {});
+  const sidesCard = h("section", { class: "card", "aria-labelledby": "sides-title", hidden: true },
+    h("h2", { id: "sides-title" }, "Prefill and decode"), sides);
   const options = h("div", {});
   const liveDot = h("span", { class: "live-dot", "aria-hidden": "true" });
   const liveText = h("span", {}, `Live, every ${POLL_MS / 1000} s`);
@@ -227,6 +254,8 @@ export function render(container) {
     }));
     replace(tenants, tenantTable(state));
     replace(resident, residentTable(state));
+    sidesCard.hidden = !state.sides;
+    if (state.sides) replace(sides, sidesTable(state));
     replace(options, optionsTable(state));
   }
 
@@ -266,6 +295,7 @@ export function render(container) {
       h("section", { class: "card", "aria-labelledby": "requests-title" }, h("h2", { id: "requests-title" }, "Requests"), requestChart)),
     h("section", { class: "card", "aria-labelledby": "tenants-title" },
       h("h2", { id: "tenants-title" }, "Tenants"), shareChart, tenants),
+    sidesCard,
     h("section", { class: "card", "aria-labelledby": "resident-title" },
       h("h2", { id: "resident-title" }, "Adapters on the device"), resident),
     h("section", { class: "card", "aria-labelledby": "options-title" },

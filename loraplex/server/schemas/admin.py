@@ -236,6 +236,27 @@ class AdapterWait(BaseModel):
                                     '(not cumulative; "+Inf" last).')
 
 
+class EngineSide(BaseModel):
+    """One side of disaggregated prefill and decode."""
+
+    num_requests_running: int
+    num_requests_waiting: int = Field(description="On the decode side, the prefilled requests whose "
+                                      "KV it has not received yet among them.")
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions: int
+
+
+class KvTransfers(BaseModel):
+    """KV sent from the prefill side to the decode side since start."""
+
+    num_transfers: int = Field(description="Copies of a request's prompt blocks, or of a pinned prompt's.")
+    num_blocks: int
+    num_bytes: int
+    seconds: float = Field(description="The transfers' times, summed.")
+    bytes_per_second: float = Field(description="Bytes over seconds (0 before any transfer).")
+
+
 class TenantRequests(BaseModel):
     running: int
     waiting: int = Field(description="Waiting requests, the swapped ones included.")
@@ -306,6 +327,11 @@ class EngineState(BaseModel):
     cuda_graphs: dict[str, Any] | None = Field(description="The decode graphs captured at start-up "
                                                "(none on CPU or with enforce_eager).")
     uptime_s: float
+    sides: dict[str, EngineSide] | None = Field(
+        None, description='Disaggregated serving (`--disaggregate`): "prefill" and "decode", each '
+        "side's queue and KV pool (the figures above are both sides' together); null otherwise.")
+    kv_transfers: KvTransfers | None = Field(None, description="Disaggregated serving: the KV sent "
+                                             "between the sides; null otherwise.")
 
 
 # Audit and identity ----------------------------------------------------------------------------

@@ -8,13 +8,15 @@ from dataclasses import asdict
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
-from loraplex.engine.stats import Histogram
+from loraplex.engine.stats import Histogram, TransferStats
 from loraplex.server.auth import AdminDep
 from loraplex.server.deps import ServicesDep
 from loraplex.server.routes.docs import error_responses
 from loraplex.server.schemas.admin import (
     AdapterWait,
+    EngineSide,
     EngineState,
+    KvTransfers,
     PrefixCacheReset,
     ResidentAdapter,
     TenantRequests,
@@ -30,7 +32,8 @@ async def get_engine_state(admin: AdminDep, services: ServicesDep) -> EngineStat
     blocks, the device pool's pages by kind (KV, adapters, free), preemptions and swapping,
     adapters in device slots (with their bytes) and in the host tier, loads, evictions and
     requests' waits for their adapters, the generation rate (tokens per second over the last
-    few seconds), and the engine's options, memory plan and captured graphs."""
+    few seconds), and the engine's options, memory plan and captured graphs; when prefill and
+    decode are disaggregated, each side's queue and KV pool and the KV sent between them."""
     snapshot = await services.monitor.refresh()
     stats, llm = snapshot.stats, services.llm
     names = await run_in_threadpool(services.registry.adapters.names_by_digest, stats.adapters_in_slots)
@@ -74,6 +77,12 @@ async def get_engine_state(admin: AdminDep, services: ServicesDep) -> EngineStat
                                      "slot_blocks": llm.memory.slot_blocks},
         cuda_graphs=None if llm.graphs is None else asdict(llm.graphs),
         uptime_s=time.time() - services.started_at,
+        sides=None if stats.sides is None else {
+            name: EngineSide(num_requests_running=side.num_running, num_requests_waiting=side.num_waiting,
+                             kv_blocks_used=side.num_kv_blocks_used, kv_blocks_total=side.num_kv_blocks,
+                             num_preemptions=side.num_preemptions)
+            for name, side in stats.sides.items()},
+        kv_transfers=_kv_transfers(stats.kv_transfers),
     )
 
 
@@ -88,6 +97,14 @@ async def reset_prefix_cache(admin: AdminDep, services: ServicesDep) -> PrefixCa
 
 def _reset_prefix_cache(engine) -> int:  # (module level: it crosses to the engine-core process)
     return engine.reset_prefix_cache()
+
+
+def _kv_transfers(transfers: TransferStats | None) -> KvTransfers | None:
+    if transfers is None:
+        return None
+    return KvTransfers(num_transfers=transfers.num_transfers, num_blocks=transfers.num_blocks,
+                       num_bytes=transfers.num_bytes, seconds=transfers.seconds,
+                       bytes_per_second=transfers.bytes_per_second)
 
 
 def _adapter_wait(histogram: Histogram | None) -> AdapterWait | None:
