@@ -51,6 +51,7 @@ from loraplex.engine.lora_weights import HostAdapter
 from loraplex.engine.request import Request
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.sizing import resolve_device
+from loraplex.engine.staging import Runs
 from loraplex.engine_config import ConfigError, EngineConfig
 from loraplex.errors import InvalidRequestError, LoraplexError
 from loraplex.model.llama import LlamaForCausalLM
@@ -110,6 +111,27 @@ class KvTransfers:
         return self.num_bytes / self.seconds if self.seconds > 0 else 0.0
 
 
+STAGING_BYTES = 2 << 30
+"""The decode side's staging area by default: 2 GiB (eight 2K-token prompts of a Llama-3-8B),
+at most eight contexts' worth of blocks."""
+
+
+def default_staging_blocks(decode: LLMEngine) -> int:
+    """Blocks of the decode side's staging area by default (STAGING_BYTES)."""
+    context_blocks = -(-decode.max_model_len // decode.config.cache.block_size)
+    return max(1, min(STAGING_BYTES // decode.memory.kv_block_bytes, 8 * context_blocks))
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A pushed request's prompt blocks in the staging area: blocks [first, first + count) of
+    its prompt at staging blocks [start, start + count)."""
+
+    start: int
+    first: int
+    count: int
+
+
 class DisaggregatedEngine:
     """A prefill engine and a decode engine behind LLMEngine's interface (the parts the offline
     LLM and tests drive). One caller at a time (with `concurrent`, the prefill side's own thread
@@ -117,12 +139,17 @@ class DisaggregatedEngine:
 
     def __init__(self, config: EngineConfig, decode_config: EngineConfig | None = None,
                  model: LlamaForCausalLM | None = None, processes: bool = False,
-                 concurrent: bool = False, random_weights: bool = False) -> None:
+                 concurrent: bool = False, random_weights: bool = False,
+                 staging_blocks: int | None = None) -> None:
         """The prefill side from `config` (the model folder `config.model`, or `model`), the
         decode side from `decode_config` (default: `config`). With `processes`, each side's model
-        on GPU 1), the decode side's mapping the prefill side's KV cache (CUDA IPC; on CPU a
-        shared file) to copy blocks out of it; without, both sides share one model object in
-        this process (CPU only). With `concurrent`, the prefill side steps on a thread of its
+        runs in a worker process of its own (on CUDA the prefill side on GPU 0, the decode side
+        on GPU 1): the prefill side's worker pushes each request's prompt blocks into a staging
+        area of `staging_blocks` on the decode side's (default: STAGING_BYTES; 0: none), and
+        the decode side's worker copies them into its cache when it admits the request (or,
+        where staging had no room, out of the prefill side's cache, which it maps: CUDA IPC, on
+        CPU a shared file); without, both sides share one model object in this process (CPU
+        only). With `concurrent`, the prefill side steps on a thread of its
         own (the module's docstring). `random_weights` (with `processes`; benchmarks): each
         worker fills its model with random weights, the folder needs config.json only."""
         decode_config = decode_config or config
@@ -131,10 +158,12 @@ class DisaggregatedEngine:
         if config.cache.block_size != decode_config.cache.block_size:
             raise ConfigError("block_size", "the prefill and decode sides need the same block size")
         self._workers = None
+        self._staging_blocks = 0
         if random_weights and not processes:
             raise ConfigError("disaggregate", "random weights are the worker processes' (processes=True)")
         if processes:
-            self.prefill, self.decode = self._start_workers(config, decode_config, model, random_weights)
+            self.prefill, self.decode = self._start_workers(config, decode_config, model, random_weights,
+                                                            staging_blocks)
         else:
             self.prefill = LLMEngine(config, model=model)
             if self.prefill.device.type != "cpu":
@@ -149,14 +178,30 @@ class DisaggregatedEngine:
         """KV blocks copied from the prefill side to the decode side."""
         self.num_blocks_reused = 0
         """Prompt blocks a request did not need sent: the decode side had them cached."""
+        self.num_blocks_staged = 0
+        """Of the blocks sent, those pushed into the decode side's staging area."""
+        self.prefill_busy_s = 0.0
+        """With `concurrent`: seconds the prefill side's thread spent in steps that had work."""
         self.transfers = KvTransfers()
-        self._lock = threading.Lock()
-        """Guards the prefill engine and what its thread hands over (below)."""
+        self._lock = threading.RLock()
+        """Guards the prefill engine, the staging area and what the prefill side hands over
+        (below)."""
+        self._staging = Runs(self._staging_blocks)
+        self._pushing: dict[str, tuple[PrefilledRequest, Staged]] = {}
+        """Requests whose prompt blocks are being pushed into the staging area."""
+        self._cancelled: set[str] = set()
+        """Pushing requests aborted: their staging run goes when the push is answered."""
+        self._pushed: list[PrefilledRequest] = []
+        """Pushed requests, for the decode side's queue."""
+        self._staged: dict[str, Staged] = {}
+        """Where each pushed request's blocks are in the staging area, until received."""
         self._wake = threading.Condition(self._lock)
         self._handed_over: list[PrefilledRequest] = []
         self._prefill_outputs: list[RequestOutput] = []
         self._prefill_error: BaseException | None = None
         self._stopping = False
+        self._pauses = 0  # callers waiting for, or holding, the prefill side's thread parked
+        self._parked = False
         self._thread: threading.Thread | None = None
         if concurrent:
             self.prefill.waiting = self._unlocked
@@ -164,7 +209,8 @@ class DisaggregatedEngine:
             self._thread.start()
 
     def _start_workers(self, config: EngineConfig, decode_config: EngineConfig,
-                       model: LlamaForCausalLM | None, random_weights: bool) -> tuple[LLMEngine, LLMEngine]:
+                       model: LlamaForCausalLM | None, random_weights: bool,
+                       staging_blocks: int | None) -> tuple[LLMEngine, LLMEngine]:
         from loraplex.worker.workers import spawn_disaggregated  # (the worker side imports the engine)
 
         if model is not None:
@@ -183,6 +229,11 @@ class DisaggregatedEngine:
                 decode = LLMEngine(decode_config, workers=decode_workers, tokenizer=prefill.tokenizer,
                                    random_weights=random_weights)
                 decode_workers.map_peer_kv(prefill_workers.share_kv())
+                if staging_blocks is None:
+                    staging_blocks = default_staging_blocks(decode)
+                if staging_blocks:
+                    prefill_workers.map_peer_kv(decode_workers.share_kv(staging_blocks), staging=True)
+                self._staging_blocks = staging_blocks
             except BaseException:
                 prefill.close()
                 raise
@@ -250,7 +301,7 @@ class DisaggregatedEngine:
             self.prefill.pin_prompt(key, token_ids, tenant, adapter)
             if self.decode.blocks.enable_prefix_caching and self.prefill.pinned_prompt(key) is not None:
                 self._pins_to_send.add(key)
-            self._wake.notify()
+            self._wake.notify_all()
 
     def unpin_prompt(self, key: str) -> None:
         with self._lock:
@@ -276,11 +327,13 @@ class DisaggregatedEngine:
             if block_ids is None:
                 if not self.decode.has_unfinished_requests():  # no room will come: requests send its blocks
                     logger.warning("pinned prompt %r does not fit on the decode side: not held there", key)
-                    self._pins_to_send.discard(key)
+                    with self._lock:
+                        self._pins_to_send.discard(key)
                 continue
-            self._pins_to_send.discard(key)
             outputs += self.decode.hold_prompt(key, PinnedPrompt(pin.token_ids, pin.tenant, pin.adapter,
                                                                  block_ids, pin.hashes))
+            with self._lock:  # (held on both sides now: requests that start with it push the rest only)
+                self._pins_to_send.discard(key)
         return outputs
 
     def _allocate_filled(self, hashes: list[bytes], source_ids: list[int]) -> list[int] | None:
@@ -318,11 +371,14 @@ class DisaggregatedEngine:
             raise InvalidRequestError(f"the prompt has {len(token_ids)} tokens; the decode side's context is "
                                       f"{self.decode.max_model_len}", param="prompt")
         with self._lock:
-            if any(p.request_id == request_id for p in self._handed_over):
+            if request_id in self._pushing or any(p.request_id == request_id
+                                                  for p in self._handed_over + self._pushed):
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+            if options.get("sample_of") is not None and not self.prefill.has_request(options["sample_of"]):
+                kwargs["sample_of"] = None  # (its donor left for the decode side: the prefix cache shares)
             request = self.prefill.add_request(request_id, prompt_token_ids=token_ids,
                                                prefill_only=not params.is_scoring_only, **kwargs)
-            self._wake.notify()
+            self._wake.notify_all()
         return request
 
     def abort(self, request_id: str) -> bool:
@@ -332,12 +388,17 @@ class DisaggregatedEngine:
             if self.prefill.abort(request_id):
                 self._drop_prefill_outputs({request_id})
                 return True
-            for prefilled in self._handed_over:
-                if prefilled.request_id == request_id:
-                    self._handed_over.remove(prefilled)
-                    self.prefill.blocks.free(prefilled.block_ids)
-                    self._drop_prefill_outputs({request_id})
-                    return True
+            if request_id in self._pushing and request_id not in self._cancelled:
+                self._cancelled.add(request_id)
+                self._drop_prefill_outputs({request_id})
+                return True
+            for waiting in (self._handed_over, self._pushed):
+                for prefilled in waiting:
+                    if prefilled.request_id == request_id:
+                        waiting.remove(prefilled)
+                        self._let_go(prefilled)
+                        self._drop_prefill_outputs({request_id})
+                        return True
         found = self.decode.abort(request_id)
         self._release(request_id)
         return found
@@ -350,12 +411,14 @@ class DisaggregatedEngine:
     def abort_all(self) -> int:
         """Stop every request on both sides and between them, and unpin every prompt: both
         engines are left idle, every block free. Returns how many requests were stopped."""
-        with self._lock:
+        with self._prefill_paused():  # (its abort_all collects the step in flight)
             count = self.prefill.abort_all()
-            for prefilled in self._handed_over + self.prefill.take_prefilled():  # (handed off, not taken)
-                self.prefill.blocks.free(prefilled.block_ids)
+            for prefilled in self._handed_over + self._pushed + self.prefill.take_prefilled():
+                self._let_go(prefilled)
                 count += 1
-            self._handed_over, self._prefill_outputs = [], []
+            count += len(set(self._pushing) - self._cancelled)
+            self._cancelled.update(self._pushing)  # (their staging runs go as the pushes are answered)
+            self._handed_over, self._pushed, self._prefill_outputs = [], [], []
             self._pins_to_send.clear()
         count += self.decode.abort_all()
         for request_id in list(self._transit):
@@ -365,14 +428,15 @@ class DisaggregatedEngine:
     def has_unfinished_requests(self) -> bool:
         with self._lock:
             if (self.prefill.has_unfinished_requests() or self._handed_over or self._prefill_outputs
-                    or self._pins_to_send):
+                    or self._pins_to_send or self._pushed or len(self._pushing) > len(self._cancelled)):
                 return True
         return self.decode.has_unfinished_requests()
 
     @property
     def num_requests(self) -> int:
         with self._lock:
-            on_prefill = self.prefill.num_requests + len(self._handed_over)
+            on_prefill = (self.prefill.num_requests + len(self._handed_over) + len(self._pushed)
+                          + len(self._pushing) - len(self._cancelled))
         return on_prefill + self.decode.num_requests
 
     # The step -----------------------------------------------------------------------------
@@ -384,7 +448,9 @@ class DisaggregatedEngine:
         since the last call."""
         if self._thread is None:
             outputs = self.prefill.step()
-            handed_over = self.prefill.take_prefilled()
+            with self._lock:
+                outputs += self._settle_pushes()
+                handed_over = self._take_prefilled()
         else:
             with self._lock:
                 if self._prefill_error is not None:
@@ -405,20 +471,122 @@ class DisaggregatedEngine:
         each step prefilled; sleep until a request or a pin arrives."""
         while True:
             with self._lock:
-                while not self._stopping and not self.prefill.has_unfinished_requests():
+                while not self._stopping and (self._pauses or not (self.prefill.has_unfinished_requests()
+                                                                   or self._pushing)):
+                    self._parked = True
+                    self._wake.notify_all()
                     self._wake.wait()
+                self._parked = False
                 if self._stopping:
                     return
                 try:
+                    started = time.perf_counter()
                     outputs = self.prefill.step()
-                    handed_over = self.prefill.take_prefilled()
+                    self.prefill_busy_s += time.perf_counter() - started
+                    outputs += self._settle_pushes()
+                    handed_over = self._take_prefilled()
                 except BaseException as exc:  # (raised by the caller's next step)
                     logger.exception("the prefill side's step failed")
-                    self._prefill_error = exc
+                    self._prefill_error, self._parked = exc, True
+                    self._wake.notify_all()
                     return
                 self._prefill_outputs += outputs
                 self._handed_over += handed_over
             time.sleep(0)  # the caller, waiting for the lock, takes it now
+
+    def _take_prefilled(self) -> list[PrefilledRequest]:
+        """(Under the lock.) The prefilled requests ready for the decode side: those the prefill
+        side handed off at its last step whose blocks it could not push into the staging area
+        (they hold them), and those whose push is done."""
+        ready = [prefilled for prefilled in self.prefill.take_prefilled() if not self._push(prefilled)]
+        ready += self._pushed
+        self._pushed = []
+        return ready
+
+    def _push(self, prefilled: PrefilledRequest) -> bool:
+        """(Under the lock.) Queue the push of a prefilled request's prompt blocks into the
+        staging area on the prefill side's worker (after the steps that wrote them), and let
+        them go (the steps that could reuse them are queued after it); False where there is no
+        staging area or no room. The leading blocks of a pinned prompt that the decode side
+        holds are not sent: the request keeps them (the decode side finds them cached)."""
+        if not self._staging_blocks or not prefilled.block_ids:
+            return False
+        first = self._held_by_decode(prefilled.block_ids)
+        count = len(prefilled.block_ids) - first
+        start = self._staging.take(count) if count else None
+        if start is None:
+            return False
+        from loraplex.worker.commands import PushKv  # (the worker side imports the engine)
+
+        staged = Staged(start, first, count)
+        self._pushing[prefilled.request_id] = prefilled, staged
+        self._workers[0].queue(PushKv(tuple(prefilled.block_ids[first:]), start),
+                               on_done=partial(self._pushed_done, prefilled.request_id))
+        self.prefill.blocks.free(prefilled.block_ids[first:])
+        self.num_blocks_sent += count
+        self.num_blocks_staged += count
+        return True
+
+    def _held_by_decode(self, block_ids: list[int]) -> int:
+        """(Under the lock.) How many of `block_ids`' leading blocks are a pinned prompt's
+        that the decode side holds too."""
+        held = 0
+        for key in self.prefill.pinned_prompts():
+            pin = self.prefill.pinned_prompt(key)
+            if key not in self._pins_to_send and pin is not None and len(pin.block_ids) > held \
+                    and block_ids[:len(pin.block_ids)] == pin.block_ids:
+                held = len(pin.block_ids)
+        return held
+
+    def _pushed_done(self, request_id: str, received: KvReceived) -> None:
+        """A push is done (read with the prefill side's worker's replies): its request is ready
+        for the decode side, or, aborted meanwhile, lets go of what it holds."""
+        with self._lock:
+            prefilled, staged = self._pushing.pop(request_id)
+            self.transfers.add(staged.count, received.num_bytes, received.seconds)
+            self._staged[request_id] = staged
+            if request_id in self._cancelled:
+                self._cancelled.discard(request_id)
+                self._let_go(prefilled)
+            else:
+                self._pushed.append(prefilled)
+
+    def _settle_pushes(self) -> list[RequestOutput]:
+        """(Under the lock.) With the prefill side idle, read the answers of the pushes still
+        queued on its worker (a busy side reads them with its next step's); the outputs of the
+        step it had in flight, if any."""
+        if not self._pushing or self.prefill.has_unfinished_requests():
+            return []
+        outputs = self.prefill.drain()
+        self._workers[0].acknowledge_queued()
+        return outputs
+
+    def _let_go(self, prefilled: PrefilledRequest) -> None:
+        """(Under the lock.) Free what a prefilled request holds on the prefill side (its
+        blocks, or those not pushed) and its staging run."""
+        staged = self._staged.pop(prefilled.request_id, None)
+        if staged is None:
+            self.prefill.blocks.free(prefilled.block_ids)
+        else:
+            self.prefill.blocks.free(prefilled.block_ids[:staged.first])
+            self._staging.give_back(staged.start, staged.count)
+
+    @contextlib.contextmanager
+    def _prefill_paused(self) -> Iterator[None]:
+        """The lock, with the prefill side's thread (if any) parked between its steps: the
+        caller may then do anything with the prefill side, its step in flight included."""
+        with self._lock:
+            if self._thread is None:
+                yield
+                return
+            self._pauses += 1
+            try:
+                while not self._parked:
+                    self._wake.wait()
+                yield
+            finally:
+                self._pauses -= 1
+                self._wake.notify_all()
 
     @contextlib.contextmanager
     def _unlocked(self) -> Iterator[None]:
@@ -440,7 +608,7 @@ class DisaggregatedEngine:
             self.decode.admit_prefilled(prefilled)
         except LoraplexError as exc:
             with self._lock:
-                self.prefill.blocks.free(prefilled.block_ids)
+                self._let_go(prefilled)
             request = prefilled.request
             return [RequestOutput(
                 request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
@@ -455,10 +623,34 @@ class DisaggregatedEngine:
         """The decode side admitted a prefilled request: copy its prompt blocks from `first` on
         into `block_ids`; the prefill side's references go (the copy holds its own until done)."""
         prefilled = self._transit.pop(request_id)
-        self._copy(prefilled.block_ids[first:first + len(block_ids)], block_ids)
+        with self._lock:
+            staged = self._staged.pop(request_id, None)
+        if staged is None:
+            self._copy(prefilled.block_ids[first:first + len(block_ids)], block_ids)
+        else:  # blocks [first, staged.first) from the prefill side's cache, the rest from staging
+            pulled = max(staged.first - first, 0)
+            self._copy(prefilled.block_ids[first:staged.first], block_ids[:pulled])
+            self._unstage(staged, max(first - staged.first, 0), block_ids[pulled:])
         self.num_blocks_reused += first
         with self._lock:
-            self.prefill.blocks.free(prefilled.block_ids)
+            self.prefill.blocks.free(prefilled.block_ids[:staged.first] if staged else prefilled.block_ids)
+
+    def _unstage(self, staged: Staged, skip: int, target_ids: list[int]) -> None:
+        """Copy a pushed request's staged blocks, but the first `skip`, into the decode side's
+        `target_ids` (its worker, before its next step), then free the staging run."""
+        if not target_ids:
+            with self._lock:
+                self._staging.give_back(staged.start, staged.count)
+            return
+        from loraplex.worker.commands import ReceiveKv  # (the worker side imports the engine)
+
+        sources = tuple(range(staged.start + skip, staged.start + skip + len(target_ids)))
+        self._workers[1].queue(ReceiveKv(sources, tuple(target_ids), from_staging=True),
+                               on_done=lambda _: self._give_back(staged))
+
+    def _give_back(self, staged: Staged) -> None:
+        with self._lock:
+            self._staging.give_back(staged.start, staged.count)
 
     def _copy(self, source_ids: list[int], target_ids: list[int]) -> None:
         """The KV of the prefill side's `source_ids` into the decode side's `target_ids`: copied
@@ -493,7 +685,7 @@ class DisaggregatedEngine:
         prefilled = self._transit.pop(request_id, None)
         if prefilled is not None:
             with self._lock:
-                self.prefill.blocks.free(prefilled.block_ids)
+                self._let_go(prefilled)
 
     # Serving: what the engine-core process and the server read ----------------------------
     # (Facts fixed when the sides are built are read without the lock.)
@@ -582,7 +774,7 @@ class DisaggregatedEngine:
         if self._thread is not None:
             with self._lock:
                 self._stopping = True
-                self._wake.notify()
+                self._wake.notify_all()
             self._thread.join()
         self.prefill.close()
         self.decode.close()

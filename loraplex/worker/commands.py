@@ -101,29 +101,47 @@ class TimeCollectives:
 
 @dataclass(frozen=True)
 class ShareKv:
-    """Let another worker process on this machine read the rank's KV cache (disaggregated
-    prefill and decode: the prefill worker's, for its decode peer). Replies a KvHandle for
-    MapPeerKv. The cache must be shareable: CUDA memory always is (IPC); on CPU, workers of a
-    shared process group keep theirs in a file under /dev/shm."""
+    """Let another worker process on this machine map the rank's KV cache (disaggregated
+    prefill and decode: the prefill worker's, for its decode peer to copy blocks out of,
+    ReceiveKv) or, with `staging_blocks`, a staging area of that many blocks made now (the
+    decode worker's, for its prefill peer to push prompt blocks into, PushKv). Replies a
+    KvHandle for MapPeerKv. CUDA memory is shared through IPC; on CPU, workers of a shared
+    process group keep their cache, and make staging, in files under /dev/shm."""
+
+    staging_blocks: int = 0
 
 
 @dataclass(frozen=True)
 class MapPeerKv:
-    """Map the KV cache that a peer worker shared (its ShareKv reply), for ReceiveKv."""
+    """Map what a peer worker shared (its ShareKv reply): its KV cache, for ReceiveKv, or
+    (`staging`) its staging area, for PushKv."""
 
     handle: KvHandle
+    staging: bool = False
+
+
+@dataclass(frozen=True)
+class PushKv:
+    """Copy the KV of this rank's blocks `block_ids` (in that order, every layer) into the
+    mapped peer staging area, from block `offset` on: gathered here, then one device-to-device
+    copy (on GPUs over NVLink, on this worker's stream, after the steps queued before it, which
+    wrote the blocks; the peer process not involved). Replies a KvReceived."""
+
+    block_ids: tuple[int, ...]
+    offset: int
 
 
 @dataclass(frozen=True)
 class ReceiveKv:
-    """Copy the KV of the mapped peer cache's blocks `source_ids` into this rank's `target_ids`
-    (as many, in that order; every layer): gathered on the peer's device, one device-to-device
-    copy, scattered here (on GPUs over NVLink, no host round trip, the peer process not involved).
-    The peer's blocks must hold their KV already and keep it until this command is answered.
-    Replies a KvReceived."""
+    """Copy blocks into this rank's `target_ids` (as many, in that order; every layer): from
+    the mapped peer cache's blocks `source_ids` (gathered on the peer's device, one
+    device-to-device copy, scattered here; the peer's blocks must hold their KV already and
+    keep it until this command is answered), or, `from_staging`, from this rank's own staging
+    area's blocks `source_ids` (that a PushKv filled). Replies a KvReceived."""
 
     source_ids: tuple[int, ...]
     target_ids: tuple[int, ...]
+    from_staging: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,4 +150,4 @@ class Shutdown:
 
 
 Command = (LoadModel | MeasureMemory | LoadAdapter | RunStep | TimeCollectives | ShareKv | MapPeerKv
-           | ReceiveKv | Shutdown)
+           | PushKv | ReceiveKv | Shutdown)

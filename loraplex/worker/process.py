@@ -36,6 +36,7 @@ from loraplex.worker.commands import (
     LoadModel,
     MapPeerKv,
     MeasureMemory,
+    PushKv,
     ReceiveKv,
     RunnerSpec,
     RunStep,
@@ -67,7 +68,7 @@ def run_worker(rank: int, world_size: int, init_method: str, conn: Connection, t
     size) of the model's tensor-parallel group (default: the whole process group); a group of
     its own only of size 1 (disaggregated prefill and decode: every worker holds a whole model,
     the process group carries the KV between them). `share_kv`: keep the KV cache where another
-    worker can map it (ShareKv; on CPU a file under /dev/shm)."""
+    worker can map it (ShareKv; on CPU a file under /dev/shm), and so any staging area."""
     os.environ.update(NO_MULTICAST_ENV)
     torch.set_num_threads(num_threads)
     device = torch.device("cpu")
@@ -109,9 +110,13 @@ class Worker:
         self.device = device or torch.device("cpu")
         """The rank's device: cpu (gloo) or cuda:rank (NCCL)."""
         self.share_kv = share_kv
-        self._shared_path = ""  # the /dev/shm file of a shareable CPU KV cache
+        self._shared_paths: dict[str, str] = {}  # "kv" / "staging" -> its /dev/shm file (CPU)
+        self.staging: torch.Tensor | None = None
+        """This rank's staging area (ShareKv with staging_blocks): peers push blocks into it."""
         self.peer_kv: torch.Tensor | None = None
         """A peer worker's KV cache, mapped (MapPeerKv): what ReceiveKv copies from."""
+        self.peer_staging: torch.Tensor | None = None
+        """A peer worker's staging area, mapped (MapPeerKv, staging): what PushKv copies into."""
         self.layout: ShardLayout | None = None
         self.model: ParallelLlamaForCausalLM | None = None
         self._model_key: tuple | None = None  # what the loaded shard was built from
@@ -132,9 +137,11 @@ class Worker:
         if isinstance(command, TimeCollectives):
             return self.time_collectives(command)
         if isinstance(command, ShareKv):
-            return self.shared_kv()
+            return self.shared_kv(command.staging_blocks)
         if isinstance(command, MapPeerKv):
-            return self.map_peer_kv(command.handle)
+            return self.map_peer_kv(command.handle, command.staging)
+        if isinstance(command, PushKv):
+            return self.push_kv(command)
         if isinstance(command, ReceiveKv):
             return self.receive_kv(command)
         raise TypeError(f"unknown command {command!r}")
@@ -238,62 +245,91 @@ class Worker:
                                   swapper.stats() if swapper is not None else None)
         return StepOutput(result, logits[0].cpu() if logits else None, counters)
 
-    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed KV cache (or pool): shareable on CPU where `share_kv` asks (a new file under
-        /dev/shm, mapped; the last one's name goes)."""
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype, kind: str = "kv") -> torch.Tensor:
+        """A zeroed KV cache (or pool, or staging area): shareable on CPU where `share_kv` asks
+        (a new file under /dev/shm, mapped; the last one's of the same kind goes)."""
         if not (self.share_kv and self.device.type == "cpu"):
             return torch.zeros(shape, dtype=dtype, device=self.device)
-        self.unlink_shared()
-        self._shared_path = f"/dev/shm/loraplex-kv-{os.getpid()}-{time.monotonic_ns()}"
-        return torch.from_file(self._shared_path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+        self._unlink(kind)
+        path = self._shared_paths[kind] = f"/dev/shm/loraplex-{kind}-{os.getpid()}-{time.monotonic_ns()}"
+        return torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+
+    def _unlink(self, kind: str) -> None:
+        path = self._shared_paths.pop(kind, "")
+        if path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def unlink_shared(self) -> None:
-        """Remove the shareable KV cache's file name (its mappings live on)."""
-        if self._shared_path:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._shared_path)
-            self._shared_path = ""
+        """Remove the shareable memory's file names (their mappings live on)."""
+        for kind in list(self._shared_paths):
+            self._unlink(kind)
 
-    def shared_kv(self) -> KvHandle:
-        """The KV cache, as another process maps it (CUDA IPC, or the CPU cache's file)."""
-        kv_cache = self.runner.kv_cache
-        dtype = str(kv_cache.dtype).removeprefix("torch.")
-        if kv_cache.device.type == "cuda":
-            rebuild, args = reduce_tensor(kv_cache)
-            return KvHandle("cuda", tuple(kv_cache.shape), dtype, cuda_ipc=pickle.dumps((rebuild, args)))
-        if not self._shared_path:
-            raise RuntimeError("this worker's KV cache cannot be shared: on CPU only workers started with "
-                               "share_kv keep it in a file")
-        return KvHandle("cpu", tuple(kv_cache.shape), dtype, path=self._shared_path)
+    def shared_kv(self, staging_blocks: int = 0) -> KvHandle:
+        """The KV cache, or a staging area of `staging_blocks` made now, as another process maps
+        it (CUDA IPC, or the file of CPU memory)."""
+        kv_cache, kind = self.runner.kv_cache, "kv"
+        if staging_blocks:
+            kind = "staging"
+            self.staging = self._zeros((staging_blocks, *kv_cache.shape[1:]), kv_cache.dtype, kind)
+        shared = self.staging if staging_blocks else kv_cache
+        dtype = str(shared.dtype).removeprefix("torch.")
+        if shared.device.type == "cuda":
+            rebuild, args = reduce_tensor(shared)
+            return KvHandle("cuda", tuple(shared.shape), dtype, cuda_ipc=pickle.dumps((rebuild, args)))
+        if kind not in self._shared_paths:
+            raise RuntimeError("this worker's memory cannot be shared: on CPU only workers started with "
+                               "share_kv keep it in files")
+        return KvHandle("cpu", tuple(shared.shape), dtype, path=self._shared_paths[kind])
 
-    def map_peer_kv(self, handle: KvHandle) -> None:
-        """Map a peer's KV cache (its ShareKv reply); a CPU cache's file name then goes (both
-        processes hold mappings)."""
+    def map_peer_kv(self, handle: KvHandle, staging: bool = False) -> None:
+        """Map a peer's KV cache, or (`staging`) its staging area (its ShareKv reply); a CPU
+        file's name then goes (both processes hold mappings)."""
         if handle.device == "cuda":
             rebuild, args = pickle.loads(handle.cuda_ipc)
-            self.peer_kv = rebuild(*args)
+            mapped = rebuild(*args)
         else:
-            dtype = getattr(torch, handle.dtype)
-            self.peer_kv = torch.from_file(handle.path, shared=True, size=math.prod(handle.shape),
-                                           dtype=dtype).view(handle.shape)
+            mapped = torch.from_file(handle.path, shared=True, size=math.prod(handle.shape),
+                                     dtype=getattr(torch, handle.dtype)).view(handle.shape)
             os.unlink(handle.path)
         kv_cache = self.runner.kv_cache
-        if self.peer_kv.shape[1:] != kv_cache.shape[1:] or self.peer_kv.dtype != kv_cache.dtype:
-            shape, self.peer_kv = tuple(self.peer_kv.shape[1:]), None
-            raise ValueError(f"the peer's KV blocks are {shape} {handle.dtype}; this rank's "
-                             f"{tuple(kv_cache.shape[1:])} {kv_cache.dtype}")
+        if mapped.shape[1:] != kv_cache.shape[1:] or mapped.dtype != kv_cache.dtype:
+            raise ValueError(f"the peer's KV blocks are {tuple(mapped.shape[1:])} {handle.dtype}; this "
+                             f"rank's {tuple(kv_cache.shape[1:])} {kv_cache.dtype}")
+        if staging:
+            self.peer_staging = mapped
+        else:
+            self.peer_kv = mapped
+
+    def push_kv(self, command: PushKv) -> KvReceived:
+        """Gather the blocks here, copy them into the peer's staging area in one copy; timed
+        from the gather to the last byte (this device synchronized: the copy runs on its stream)."""
+        kv_cache, staging = self.runner.kv_cache, self.peer_staging
+        if staging is None:
+            raise RuntimeError("PushKv before MapPeerKv of a staging area")
+        end = command.offset + len(command.block_ids)
+        if not 0 <= command.offset <= end <= staging.shape[0]:
+            raise ValueError(f"blocks [{command.offset}, {end}) out of the staging area's {staging.shape[0]}")
+        started = time.perf_counter()
+        ids = torch.tensor(command.block_ids, dtype=torch.long, device=kv_cache.device)
+        blocks = kv_cache.index_select(0, ids)
+        staging[command.offset:end].copy_(blocks)
+        if kv_cache.device.type == "cuda":
+            torch.cuda.synchronize(kv_cache.device)
+        return KvReceived(blocks.numel() * blocks.element_size(), time.perf_counter() - started)
 
     def receive_kv(self, command: ReceiveKv) -> KvReceived:
-        """Copy the peer's blocks into this rank's: gathered on the peer's device, one copy
-        across, scattered here; timed to the last byte (the device synchronized)."""
-        peer, kv_cache = self.peer_kv, self.runner.kv_cache
-        if peer is None:
-            raise RuntimeError("ReceiveKv before MapPeerKv")
+        """Copy blocks into this rank's: from its own staging area (local), or out of the peer's
+        cache (gathered on the peer's device, one copy across, scattered here); timed to the last
+        byte (the device synchronized)."""
+        source, kv_cache = (self.staging if command.from_staging else self.peer_kv), self.runner.kv_cache
+        if source is None:
+            raise RuntimeError("ReceiveKv before its source was made or mapped (ShareKv, MapPeerKv)")
         if len(command.source_ids) != len(command.target_ids):
             raise ValueError(f"{len(command.source_ids)} source blocks for {len(command.target_ids)} targets")
         started = time.perf_counter()
-        sources = torch.tensor(command.source_ids, dtype=torch.long, device=peer.device)
-        blocks = peer.index_select(0, sources).to(kv_cache.device)
+        sources = torch.tensor(command.source_ids, dtype=torch.long, device=source.device)
+        blocks = source.index_select(0, sources).to(kv_cache.device)
         targets = torch.tensor(command.target_ids, dtype=torch.long, device=kv_cache.device)
         kv_cache.index_copy_(0, targets, blocks)
         if kv_cache.device.type == "cuda":

@@ -34,6 +34,7 @@ from loraplex.worker.commands import (
     LoadModel,
     MapPeerKv,
     MeasureMemory,
+    PushKv,
     ReceiveKv,
     RunnerSpec,
     RunStep,
@@ -152,16 +153,16 @@ class TensorParallelWorkers:
         self._guarded(self._send, LoadAdapter(slot, adapter, None if pages is None else tuple(pages)))
         self._pending.append(False)
 
-    def share_kv(self) -> KvHandle:
-        """Rank 0's KV cache, as another worker on the machine maps it (workers of a shared
-        process group: spawn_disaggregated)."""
-        return self._call(ShareKv())[0]
+    def share_kv(self, staging_blocks: int = 0) -> KvHandle:
+        """Rank 0's KV cache, or a staging area of `staging_blocks` it makes now, as another
+        worker on the machine maps it (workers of a shared process group: spawn_disaggregated)."""
+        return self._call(ShareKv(staging_blocks))[0]
 
-    def map_peer_kv(self, handle: KvHandle) -> None:
-        """Map a peer's shared KV cache (`share_kv` of its workers) for ReceiveKv."""
-        self._call(MapPeerKv(handle))
+    def map_peer_kv(self, handle: KvHandle, staging: bool = False) -> None:
+        """Map a peer's shared KV cache (for ReceiveKv) or staging area (for PushKv)."""
+        self._call(MapPeerKv(handle, staging))
 
-    def queue(self, command: ReceiveKv, on_done: Callable[[Any], None] | None = None) -> None:
+    def queue(self, command: PushKv | ReceiveKv, on_done: Callable[[Any], None] | None = None) -> None:
         """Send `command` to every rank and return at once, as queue_adapter does (it runs
         between the steps launched before and after it; a failure is raised by the next
         `collect`). `on_done(rank 0's answer)` is called when its replies are read: by the
@@ -197,6 +198,12 @@ class TensorParallelWorkers:
         answers = self._guarded(self._replies)
         if callable(entry):
             entry(answers[0])
+
+    def acknowledge_queued(self) -> None:
+        """Wait for the replies of the queued commands at the head of the queue (up to the
+        first step launched, which `collect` reads) and hand each to its `on_done`."""
+        while self._pending and self._pending[0] is not True:
+            self._acknowledged(self._pending.popleft())
 
     def read_acknowledgements(self) -> None:
         """Read the replies of the unread commands at the head of the queue that every rank has
@@ -300,8 +307,9 @@ def spawn_disaggregated(
 ) -> tuple[list[TensorParallelWorkers], list[TensorParallelWorkers]]:
     """One worker process for each prefill and each decode engine, all in one process group
     (prefill workers first: global ranks 0..P-1, then the decode workers; with NCCL, rank r on
-    cuda:r), each keeping its KV cache where the others can map it (ShareKv, MapPeerKv: a decode
-    worker copies a prefill worker's blocks, ReceiveKv). Each holds a whole model; each engine
+    cuda:r), each keeping its KV cache where the others can map it (ShareKv, MapPeerKv: a prefill
+    worker pushes blocks into a decode worker's staging area, PushKv, or a decode worker copies
+    them out of a prefill worker's cache, ReceiveKv). Each holds a whole model; each engine
     drives its own through a TensorParallelWorkers of size 1."""
     total, made = num_prefill + num_decode, []
     if backend == "nccl" and total > torch.cuda.device_count():

@@ -67,19 +67,19 @@ def closing():
 
 
 def _disaggregated(case, decode_options=None, processes=False, closing=None, concurrent=False,
-                   **options) -> DisaggregatedEngine:
+                   staging_blocks=None, **options) -> DisaggregatedEngine:
     model_dir, adapters, _ = case
     decode = _config(model_dir, **{**options, **(decode_options or {})})
     engine = DisaggregatedEngine(_config(model_dir, **options), decode, processes=processes,
-                                 concurrent=concurrent)
+                                 concurrent=concurrent, staging_blocks=staging_blocks)
     if closing is not None:
         closing.append(engine)
     return _with_adapters(engine, adapters)
 
 
 WITH_WORKERS = pytest.param(True, id="workers")
-"""The same test with each side's model in a worker process of its own (the decode side's
-worker copying the KV out of the prefill side's, mapped)."""
+"""The same test with each side's model in a worker process of its own (the prefill side's
+worker pushing each request's blocks into the decode side's staging area)."""
 
 
 def _greedy(max_tokens=MAX_TOKENS) -> SamplingParams:
@@ -114,25 +114,31 @@ def _assert_nothing_held(engine: DisaggregatedEngine, pinned_blocks: int = 0) ->
     assert engine.decode.blocks.num_used_blocks == pinned_blocks
     assert engine.prefill.num_requests == engine.decode.num_requests == 0
     assert not engine._transit and not engine._handed_over and not engine._prefill_outputs
+    assert not engine._pushing and not engine._pushed and not engine._staged
+    assert engine._staging.num_free_blocks == engine._staging.num_blocks
     for side in (engine.prefill, engine.decode):
         host = side.scheduler.host_blocks
         assert host is None or host.num_used_blocks == 0
         assert not side.scheduler.running and side.scheduler.num_waiting == 0
 
 
-@pytest.mark.parametrize(("async_scheduling", "processes", "concurrent"),
-                         [(False, False, False), (True, False, False), (False, True, False),
-                          (True, False, True), (True, True, True)],
-                         ids=["sync", "async", "workers", "concurrent", "workers-concurrent"])
+@pytest.mark.parametrize(("async_scheduling", "processes", "concurrent", "staging_blocks"),
+                         [(False, False, False, None), (True, False, False, None), (False, True, False, None),
+                          (True, False, True, None), (True, True, True, None), (True, True, True, 6)],
+                         ids=["sync", "async", "workers", "concurrent", "workers-concurrent",
+                              "workers-small-staging"])
 def test_greedy_outputs_match_the_colocated_engine_for_every_family(case, async_scheduling, processes,
-                                                                    concurrent, closing):
-    """`concurrent`: the prefill side steps on a thread of its own."""
+                                                                    concurrent, staging_blocks, closing):
+    """`concurrent`: the prefill side steps on a thread of its own. With worker processes the
+    prefill side's worker pushes each request's blocks into the decode side's staging area, or,
+    where it has no room (6 blocks: one or two prompts at a time), the decode side's worker
+    copies them out of the prefill side's cache."""
     _, _, prompts = case
     colocated = _colocated(case, async_scheduling=async_scheduling)
     _add_all(colocated, prompts, _greedy())
     expected = _run(colocated)
     engine = _disaggregated(case, async_scheduling=async_scheduling, processes=processes, closing=closing,
-                            concurrent=concurrent)
+                            concurrent=concurrent, staging_blocks=staging_blocks)
     assert engine.is_concurrent == concurrent
     if processes:  # one worker process a side, neither this one
         pids = engine.prefill.executor.workers.pids + engine.decode.executor.workers.pids
@@ -150,6 +156,12 @@ def test_greedy_outputs_match_the_colocated_engine_for_every_family(case, async_
     assert _run(engine) == expected
     # Every prompt block crossed once; the decode side computed no prompt token.
     assert engine.num_blocks_sent == sum(-(-len(p) // BLOCK_SIZE) for p in prompts)
+    if not processes:
+        assert engine.num_blocks_staged == 0
+    elif staging_blocks is None:  # room for every prompt: all pushed
+        assert engine.num_blocks_staged == engine.num_blocks_sent
+    else:
+        assert 0 < engine.num_blocks_staged < engine.num_blocks_sent
     transfers = engine.transfers
     assert transfers.num_transfers == len(prompts) and transfers.num_blocks == engine.num_blocks_sent
     assert transfers.num_bytes == engine.num_blocks_sent * engine.decode.memory.kv_block_bytes
@@ -243,26 +255,33 @@ def test_pinned_prompts_stay_pinned_on_both_sides_and_are_not_sent_again(case, p
     _assert_nothing_held(engine)
 
 
-@pytest.mark.parametrize("processes", [False, WITH_WORKERS])
-def test_aborts_between_the_sides_and_on_each_side_leak_nothing(case, processes, closing):
+@pytest.mark.parametrize(("processes", "staging_blocks"), [(False, None), (True, 0), (True, None)],
+                         ids=["one-process", "workers", "workers-staged"])
+def test_aborts_between_the_sides_and_on_each_side_leak_nothing(case, processes, staging_blocks, closing):
     """One decode place: prefilled requests queue on the decode side, their KV still on the
-    prefill side. Aborting them there frees the prefill side's blocks; aborts on either side
-    too; the rest give the colocated engine's tokens."""
+    prefill side (or, pushed, in the decode side's staging area). Aborting them there frees the
+    prefill side's blocks (or their staging run); aborts on either side too; the rest give the
+    colocated engine's tokens."""
     _, _, prompts = case
     colocated = _colocated(case)
     _add_all(colocated, prompts, _greedy())
     expected = _run(colocated)
-    engine = _disaggregated(case, decode_options=dict(max_num_seqs=1), processes=processes, closing=closing)
+    engine = _disaggregated(case, decode_options=dict(max_num_seqs=1), processes=processes, closing=closing,
+                            staging_blocks=staging_blocks)
+    staged = staging_blocks is None and processes
     _add_all(engine, prompts, _greedy())
     aborted = {}
 
     def abort_some(engine):
         if engine._transit and "between" not in aborted:
             request_id = next(iter(engine._transit))
-            held = engine.prefill.blocks.num_used_blocks
+            held, free = engine.prefill.blocks.num_used_blocks, engine._staging.num_free_blocks
             assert engine.abort(request_id)
             num_blocks = -(-len(prompts[int(request_id[1:])]) // BLOCK_SIZE)
-            assert engine.prefill.blocks.num_used_blocks == held - num_blocks
+            if staged:
+                assert engine._staging.num_free_blocks == free + num_blocks
+            else:
+                assert engine.prefill.blocks.num_used_blocks == held - num_blocks
             aborted["between"] = request_id
         elif "prefill" not in aborted and engine.prefill.has_request("r11"):
             assert engine.abort("r11")
