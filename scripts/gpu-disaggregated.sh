@@ -37,7 +37,7 @@ for stage in $stages; do
                 | tee "$OUT/devices.txt"
             nvidia-smi topo -m > "$OUT/topology.txt" 2>&1
             timeout 240 python3 -m pytest -q -s -m gpu -p no:cacheprovider --durations=5 \
-                tests/parallel/test_engine_tp_gpu.py -k disaggregated 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
+                tests/parallel/test_engine_tp_gpu.py -k "disaggregated or peer" 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
             ;;
         bench)
             timeout "${BENCH_TIMEOUT:-420}" python3 -m loraplex.benchmarks disaggregated --rates "$RATES" \

@@ -44,6 +44,7 @@ from loraplex.worker.commands import (
     Shutdown,
     TimeCollectives,
 )
+from loraplex.worker.peer_copy import copy_to_peer, enable_peer_access
 from loraplex.worker.replies import (
     Done,
     Failed,
@@ -117,6 +118,7 @@ class Worker:
         """A peer worker's KV cache, mapped (MapPeerKv): what ReceiveKv copies from."""
         self.peer_staging: torch.Tensor | None = None
         """A peer worker's staging area, mapped (MapPeerKv, staging): what PushKv copies into."""
+        self._direct_push = False  # pushes as one cudaMemcpyAsync (peer_copy.py)
         self.layout: ShardLayout | None = None
         self.model: ParallelLlamaForCausalLM | None = None
         self._model_key: tuple | None = None  # what the loaded shard was built from
@@ -298,6 +300,8 @@ class Worker:
                              f"rank's {tuple(kv_cache.shape[1:])} {kv_cache.dtype}")
         if staging:
             self.peer_staging = mapped
+            if mapped.device.type == "cuda":
+                self._direct_push = enable_peer_access(kv_cache.device, mapped.device)
         else:
             self.peer_kv = mapped
 
@@ -313,7 +317,10 @@ class Worker:
         started = time.perf_counter()
         ids = torch.tensor(command.block_ids, dtype=torch.long, device=kv_cache.device)
         blocks = kv_cache.index_select(0, ids)
-        staging[command.offset:end].copy_(blocks)
+        if kv_cache.device.type == "cuda":
+            copy_to_peer(staging[command.offset:end], blocks, self._direct_push)
+        else:
+            staging[command.offset:end].copy_(blocks)
         if kv_cache.device.type == "cuda":
             torch.cuda.synchronize(kv_cache.device)
         return KvReceived(blocks.numel() * blocks.element_size(), time.perf_counter() - started)

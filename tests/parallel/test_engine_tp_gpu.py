@@ -59,3 +59,16 @@ def test_disaggregated_prefill_and_decode_on_two_gpus_match_the_colocated_engine
     got = _tokens(model, adapters, 1, "bfloat16", disaggregate="1:1")
     pairs = [(a, b) for w, g in zip(want, got) for a, b in zip(w, g)]
     assert sum(a == b for a, b in pairs) / len(pairs) >= 0.8
+
+
+def test_a_direct_copy_to_the_peer_gpu_matches_torch_copy():
+    """loraplex/worker/peer_copy.py: one cudaMemcpyAsync from GPU 0 into GPU 1's memory."""
+    from loraplex.worker.peer_copy import copy_to_peer, enable_peer_access
+
+    source = torch.randn(3, 1 << 20, device="cuda:0", dtype=torch.bfloat16)
+    target = torch.zeros(3, 1 << 20, device="cuda:1", dtype=torch.bfloat16)
+    direct = enable_peer_access(source.device, target.device)
+    assert direct == torch.cuda.can_device_access_peer(0, 1)
+    copy_to_peer(target[1:], source[:2], direct)
+    torch.cuda.synchronize("cuda:0")
+    assert torch.equal(target[1:].cpu(), source[:2].cpu()) and not target[0].any()
