@@ -34,7 +34,10 @@ NORM_ROWS = 2048
 
 
 def shard_host_adapter(host: HostAdapter, layout: ShardLayout) -> HostAdapter:
-    """Rank `layout.rank`'s part of `host` (made for the full model)."""
+    """Rank `layout.rank`'s part of `host` (made for the full model): `host` itself where one rank
+    holds the whole model (a disaggregated side's worker), no copy made."""
+    if layout.world_size == 1:
+        return host
     a, b = dict(host.a), dict(host.b)
     vectors = {name: None if v is None else dict(v)
                for name, v in (("magnitude", host.magnitude), ("out_scale", host.out_scale),

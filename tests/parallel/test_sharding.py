@@ -89,3 +89,9 @@ def test_adapter_shards_follow_their_base_layer():
     assert torch.allclose(halves[0] + halves[1], whole, atol=1e-5)
 
 
+
+
+def test_one_rank_holds_the_adapter_whole_without_a_copy():
+    c = config()
+    host = _host(c, "dora")
+    assert shard_host_adapter(host, ShardLayout(c, 0, 1)) is host
