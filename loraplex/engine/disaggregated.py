@@ -52,6 +52,13 @@ from loraplex.engine.request import Request
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.sizing import resolve_device
 from loraplex.engine.staging import Runs
+from loraplex.engine.stats import (
+    KV_TRANSFER_BUCKETS,
+    EngineStats,
+    Histogram,
+    TransferStats,
+    disaggregated_stats,
+)
 from loraplex.engine_config import ConfigError, EngineConfig
 from loraplex.errors import InvalidRequestError, LoraplexError
 from loraplex.model.llama import LlamaForCausalLM
@@ -183,6 +190,8 @@ class DisaggregatedEngine:
         self.prefill_busy_s = 0.0
         """With `concurrent`: seconds the prefill side's thread spent in steps that had work."""
         self.transfers = KvTransfers()
+        self._transfer_seconds = Histogram(KV_TRANSFER_BUCKETS)
+        """Every transfer's seconds since start, fed from `transfers` at each `stats`."""
         self._lock = threading.RLock()
         """Guards the prefill engine, the staging area and what the prefill side hands over
         (below)."""
@@ -747,27 +756,19 @@ class DisaggregatedEngine:
             dropped = self.prefill.reset_prefix_cache()
         return dropped + self.decode.reset_prefix_cache()
 
-    def stats(self) -> Any:
+    def stats(self) -> EngineStats:
         """Both sides' figures as one EngineStats (loraplex.engine.stats.disaggregated_stats):
         summed, with each side's queue and KV pool and the KV transfers since start."""
-        from loraplex.engine.stats import TransferStats, disaggregated_stats
-
         with self._lock:
             prefill = self.prefill.stats()
-            num_between = len(self._handed_over)
-        transfers, durations = self.transfers, self._transfer_durations()
+            num_between = (len(self._handed_over) + len(self._pushed) + len(self._pushing)
+                           - len(self._cancelled))
+        transfers, durations = self.transfers, self._transfer_seconds
         for _, seconds in transfers.take_durations():
             durations.observe(seconds)
         sent = TransferStats(transfers.num_transfers, transfers.num_blocks, transfers.num_bytes,
                              transfers.seconds, durations.copy())
         return disaggregated_stats(prefill, self.decode.stats(), num_between, sent)
-
-    def _transfer_durations(self) -> Any:
-        """The Histogram of every transfer's seconds since start, fed from `transfers` at each
-        `stats` (made on first use)."""
-        from loraplex.engine.stats import KV_TRANSFER_BUCKETS, Histogram
-
-        return self.__dict__.setdefault("_transfer_seconds", Histogram(KV_TRANSFER_BUCKETS))
 
     def close(self) -> None:
         """Stop the prefill side's thread, then both engines (and their workers)."""

@@ -4,7 +4,8 @@ the admin API and benchmarks."""
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 ADAPTER_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 """Upper bounds, in seconds, of the adapter-wait histogram's buckets (+Inf after them)."""
@@ -165,6 +166,10 @@ class EngineStats:
         return len(self.adapters_in_slots)
 
 
+KEPT_FROM_DECODE = ("tenant_weights", "pool_page_bytes", "max_loras")
+"""Figures of disaggregated serving that are the decode side's, not both sides' summed."""
+
+
 def disaggregated_stats(prefill: EngineStats, decode: EngineStats, num_between: int,
                         transfers: TransferStats) -> EngineStats:
     """One engine's figures for the two sides of disaggregated serving: counts, blocks, tokens
@@ -172,53 +177,13 @@ def disaggregated_stats(prefill: EngineStats, decode: EngineStats, num_between: 
     prefill side, plus its generated tokens, on the decode side), adapters resident on either
     side; each side's own queue and KV pool in `sides`. `num_between`: requests handed over
     by the prefill side that the decode side has not queued yet (counted as waiting there)."""
+    own = KEPT_FROM_DECODE + ("sides", "kv_transfers")
+    merged = {figure.name: _merged(getattr(prefill, figure.name), getattr(decode, figure.name))
+              for figure in fields(EngineStats) if figure.name not in own}
+    merged.update({name: getattr(decode, name) for name in KEPT_FROM_DECODE})
+    merged["num_waiting"] += num_between
     sides = {"prefill": _side(prefill, 0), "decode": _side(decode, num_between)}
-    return EngineStats(
-        num_running=prefill.num_running + decode.num_running,
-        num_waiting=prefill.num_waiting + decode.num_waiting + num_between,
-        num_kv_blocks=prefill.num_kv_blocks + decode.num_kv_blocks,
-        num_kv_blocks_used=prefill.num_kv_blocks_used + decode.num_kv_blocks_used,
-        num_preemptions=prefill.num_preemptions + decode.num_preemptions,
-        num_lora_slots=prefill.num_lora_slots + decode.num_lora_slots,
-        adapters_in_slots=_union(prefill.adapters_in_slots, decode.adapters_in_slots),
-        adapters_on_host=_union(prefill.adapters_on_host, decode.adapters_on_host),
-        host_tier_bytes=prefill.host_tier_bytes + decode.host_tier_bytes,
-        max_host_tier_bytes=prefill.max_host_tier_bytes + decode.max_host_tier_bytes,
-        num_adapter_host_loads=prefill.num_adapter_host_loads + decode.num_adapter_host_loads,
-        num_adapter_slot_loads=prefill.num_adapter_slot_loads + decode.num_adapter_slot_loads,
-        num_generated_tokens=prefill.num_generated_tokens + decode.num_generated_tokens,
-        num_prompt_tokens=prefill.num_prompt_tokens + decode.num_prompt_tokens,
-        running_by_tenant=_summed(prefill.running_by_tenant, decode.running_by_tenant),
-        waiting_by_tenant=_summed(prefill.waiting_by_tenant, decode.waiting_by_tenant),
-        swapped_by_tenant=_summed(prefill.swapped_by_tenant, decode.swapped_by_tenant),
-        tenant_service=_summed(prefill.tenant_service, decode.tenant_service),
-        tenant_weights=decode.tenant_weights,
-        preemptions=_summed(prefill.preemptions, decode.preemptions),
-        num_host_pool_blocks=prefill.num_host_pool_blocks + decode.num_host_pool_blocks,
-        num_host_pool_blocks_used=prefill.num_host_pool_blocks_used + decode.num_host_pool_blocks_used,
-        swap_bytes_out=prefill.swap_bytes_out + decode.swap_bytes_out,
-        swap_bytes_in=prefill.swap_bytes_in + decode.swap_bytes_in,
-        swap_seconds_out=prefill.swap_seconds_out + decode.swap_seconds_out,
-        swap_seconds_in=prefill.swap_seconds_in + decode.swap_seconds_in,
-        swap_seconds_stalled=prefill.swap_seconds_stalled + decode.swap_seconds_stalled,
-        running_by_adapter=_summed(prefill.running_by_adapter, decode.running_by_adapter),
-        waiting_by_adapter=_summed(prefill.waiting_by_adapter, decode.waiting_by_adapter),
-        prefix_queried_tokens=prefill.prefix_queried_tokens + decode.prefix_queried_tokens,
-        prefix_hit_tokens=prefill.prefix_hit_tokens + decode.prefix_hit_tokens,
-        prefix_evicted_blocks=prefill.prefix_evicted_blocks + decode.prefix_evicted_blocks,
-        num_shared_kv_blocks=prefill.num_shared_kv_blocks + decode.num_shared_kv_blocks,
-        num_relay_steps=prefill.num_relay_steps + decode.num_relay_steps,
-        num_relay_groups=prefill.num_relay_groups + decode.num_relay_groups,
-        num_relay_members=prefill.num_relay_members + decode.num_relay_members,
-        pinned_prompts=_summed_pins(prefill.pinned_prompts or {}, decode.pinned_prompts or {}),
-        pool_page_bytes=decode.pool_page_bytes,
-        pool_pages=_summed(prefill.pool_pages or {}, decode.pool_pages or {}),
-        adapter_device_bytes=_summed(prefill.adapter_device_bytes or {}, decode.adapter_device_bytes or {}),
-        num_adapter_evictions=prefill.num_adapter_evictions + decode.num_adapter_evictions,
-        max_loras=decode.max_loras,
-        adapter_wait=_merged(prefill.adapter_wait, decode.adapter_wait),
-        sides=sides, kv_transfers=transfers,
-    )
+    return EngineStats(**merged, sides=sides, kv_transfers=transfers)
 
 
 def _side(stats: EngineStats, num_between: int) -> SideStats:
@@ -226,22 +191,24 @@ def _side(stats: EngineStats, num_between: int) -> SideStats:
                      stats.num_kv_blocks_used, stats.num_preemptions)
 
 
-def _merged(first: Histogram | None, second: Histogram | None) -> Histogram | None:
+def _merged(first: Any, second: Any) -> Any:
+    """Both sides' value of one figure: numbers summed, counts by key summed (a pin's blocks and
+    readers pairwise), digests held on either side, histograms merged; None where neither side
+    has it."""
     if first is None or second is None:
-        return first or second
-    return first.merged(second)
+        return second if first is None else first
+    if isinstance(first, Histogram):
+        return first.merged(second)
+    if isinstance(first, tuple):  # digests
+        return tuple(dict.fromkeys(first + second))
+    if isinstance(first, dict):
+        return {key: _summed(first.get(key), second.get(key)) for key in first | second}
+    return first + second
 
 
-def _union(first: tuple[str, ...], second: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(first + second))
-
-
-def _summed(first: dict, second: dict) -> dict:
-    return {key: first.get(key, 0) + second.get(key, 0) for key in first | second}
-
-
-def _summed_pins(first: dict[str, tuple[int, int]], second: dict[str, tuple[int, int]]
-                 ) -> dict[str, tuple[int, int]]:
-    """A pin's blocks on both sides, and the running requests reading them on both."""
-    return {key: tuple(a + b for a, b in zip(first.get(key, (0, 0)), second.get(key, (0, 0))))
-            for key in first | second}
+def _summed(first: Any, second: Any) -> Any:
+    if first is None or second is None:
+        return second if first is None else first
+    if isinstance(first, tuple):
+        return tuple(a + b for a, b in zip(first, second))
+    return first + second

@@ -1,8 +1,8 @@
 """`loraplex serve --disaggregate 1:1` as operators run it (CPU: the engine-core process and two
 gloo worker processes, one a side): it answers through the official client as a server with one
 colocated engine does (test_engine_process's answers: greedy completions and chat from the base
-model and adapters, a stream, log-probs, a JSON constraint, a registered system prompt, an
-adapter uploaded while it serves; two samples of one prompt fail for now); /metrics shows the KV
+model and adapters, a stream, log-probs, two samples of one prompt, a JSON constraint, a
+registered system prompt, an adapter uploaded while it serves); /metrics shows the KV
 sent between the sides and each side's queue; the admin engine API shows both sides. And the
 flags' refusals, before anything loads."""
 
@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 import torch
 
@@ -27,8 +26,8 @@ from loraplex.errors import LoraplexError
 from loraplex.registry import Registry, RegistryConfig
 from tests.registry.registry_support import MAX_RANK
 from tests.server.conftest import add_adapters
-from tests.server.server_support import MODEL_ID, Server, serve, upload_files
-from tests.server.test_engine_process import PROMPT_TEXT
+from tests.server.server_support import MODEL_ID, Server, serve
+from tests.server.test_engine_process import _answers
 from tests.server.test_serve_cli import ServeProcess, loraplex_serve
 
 GREEDY = {"temperature": 0, "max_tokens": 8}
@@ -69,43 +68,6 @@ def colocated(engine: LLMEngine, adapter_dirs: dict[str, Path],
         yield running
 
 
-def _answers(server: Server, late_adapter: Path) -> dict[str, Any]:
-    """test_engine_process's answers, less its two samples (test_two_samples_of_one_prompt)."""
-    client = server.openai("acme")
-    answers: dict[str, Any] = {}
-    for model in (MODEL_ID, "style", "shared"):
-        answers[f"{model} completion"] = client.completions.create(
-            model=model, prompt="Hello there", **GREEDY).choices[0].text
-        answers[f"{model} chat"] = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "Hi!"}], **GREEDY).choices[0].message.content
-    stream = client.completions.create(model="style", prompt="Streamed", stream=True, **GREEDY)
-    answers["stream"] = [chunk.choices[0].text for chunk in stream if chunk.choices]
-    scored = client.completions.create(model="shared", prompt="Scores", logprobs=2, **GREEDY).choices[0]
-    answers["logprobs"] = (scored.logprobs.tokens, [round(v, 4) for v in scored.logprobs.token_logprobs])
-    answers["json"] = client.chat.completions.create(
-        model=MODEL_ID, messages=[{"role": "user", "content": "JSON please"}],
-        response_format={"type": "json_object"}, temperature=0, max_tokens=12).choices[0].message.content
-    server.registry.prompts.add("acme", "desk", PROMPT_TEXT, adapter="style")
-    answers["system prompt"] = client.chat.completions.create(
-        model="style", messages=[{"role": "user", "content": "Hi!"}], extra_body={"system_prompt": "desk"},
-        **GREEDY).choices[0].message.content
-    with server.http() as http:
-        assert http.delete("/admin/api/prompts/acme/desk").status_code == 204  # unpinned on both sides
-        response = http.post("/admin/api/adapters", data={"tenant": "acme", "name": "late"},
-                             files=upload_files(late_adapter))
-        assert response.status_code == 201, response.text
-    answers["late adapter"] = client.completions.create(model="late", prompt="Hello there",
-                                                        **GREEDY).choices[0].text
-    with pytest.raises(openai.NotFoundError):  # an error from the engine keeps its status
-        client.completions.create(model="f" * 64, prompt="Hi", **GREEDY)
-    return answers
-
-
-def _samples(server: Server) -> list[str]:
-    return sorted(c.text for c in server.openai("acme").completions.create(
-        model=MODEL_ID, prompt="Twice", n=2, seed=3, max_tokens=6).choices)
-
-
 def _engine_state(server: Server) -> dict[str, Any]:
     with server.http() as http:
         response = http.get("/admin/api/engine")
@@ -122,13 +84,6 @@ def test_a_disaggregated_server_answers_as_a_colocated_one(
     assert want["style completion"] != want[f"{MODEL_ID} completion"]  # the adapters change outputs
     output = served.output()
     assert "Traceback" not in output and "engine core running in process" in output
-
-
-def test_two_samples_of_one_prompt(disaggregated: Server, colocated: Server) -> None:
-    """The server asks for a request's other samples once its first token is out (sample_of),
-    when it may have left the prefill side: those are then computed on their own, the prefix
-    cache sharing the prompt."""
-    assert _samples(disaggregated) == _samples(colocated)
 
 
 def test_metrics_and_the_admin_api_show_both_sides_and_the_transfers(disaggregated: Server,
