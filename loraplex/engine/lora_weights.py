@@ -380,7 +380,7 @@ class LoraSlotBuffers:
                              f"(a multiple of {PAGE_ALIGN})")
         self.pool = pool
         self.weights, self.vectors = pool.view(dtype), pool.view(torch.float32)
-        self._pack_key = (repr(config), dtype, self.page_bytes)
+        self.pack_key = (repr(config), dtype, self.page_bytes)
         """HostAdapter.packed's key (a tensor-parallel rank's shard has a config of its own)."""
         self._plans: dict[tuple, _PackPlan] = {}  # layout of an adapter -> how it is packed
         L, S, max_pages = config.num_layers, num_slots + 1, num_rank_pages(max_rank)
@@ -429,7 +429,7 @@ class LoraSlotBuffers:
 
     def pages_for(self, host: HostAdapter) -> int:
         """Pool pages the adapter takes: its own ranks' rank pages and its vectors, packed."""
-        packed = host.packed.get(self._pack_key)
+        packed = host.packed.get(self.pack_key)
         if packed is not None:
             return len(packed.pages) // self.page_bytes
         return adapter_pages_for(self.config, self.dtype, self.page_bytes, host)
@@ -493,9 +493,9 @@ class LoraSlotBuffers:
         """The adapter packed into pool-page layout for these buffers (built once, kept in
         host.packed): call it off the engine's thread, as the adapter cache's load thread does,
         so that `load` only copies."""
-        packed = host.packed.get(self._pack_key)
+        packed = host.packed.get(self.pack_key)
         if packed is None:
-            packed = host.packed[self._pack_key] = self._pack(host)
+            packed = host.packed[self.pack_key] = self._pack(host)
         return packed
 
     def _pack(self, host: HostAdapter) -> PackedAdapter:

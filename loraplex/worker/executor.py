@@ -29,7 +29,12 @@ import torch
 
 from loraplex.engine.adapter_pages import adapter_page_blocks
 from loraplex.engine.kv_swap import KvSwapper, SwapStats
-from loraplex.engine.lora_weights import HostAdapter, adapter_pages_for, max_adapter_pool_bytes
+from loraplex.engine.lora_weights import (
+    HostAdapter,
+    LoraSlotBuffers,
+    adapter_pages_for,
+    max_adapter_pool_bytes,
+)
 from loraplex.engine.plan import StepPlan, StepResult, TokenMasks
 from loraplex.engine.sizing import MemoryPlan, kv_block_bytes, plan_memory
 from loraplex.engine_config import EngineConfig
@@ -119,11 +124,14 @@ class RemoteSlots:
     """The adapter cache's slot buffers, on the workers."""
 
     def __init__(self, workers: TensorParallelWorkers, num_slots: int, shard: ModelConfig,
-                 dtype: torch.dtype, block_bytes: int) -> None:
+                 dtype: torch.dtype, block_bytes: int, max_rank: int = 16) -> None:
         self.workers, self.num_slots = workers, num_slots
         self.blocks_per_page = adapter_page_blocks(shard, dtype, block_bytes)
         self.page_bytes = self.blocks_per_page * block_bytes
         self._shard, self._dtype = shard, dtype
+        self._packer = None if workers.world_size > 1 else LoraSlotBuffers(
+            shard, 0, max_rank, dtype, torch.device("cpu"), block_bytes=block_bytes)
+        """With one rank: lays adapters out as its pool's pages, here (`prepare`)."""
         self.device = torch.device("cpu")  # the engine core copies nothing to a device itself
         self._queued: list[tuple[int, HostAdapter, list[int]]] = []
         self._lock = threading.Lock()
@@ -132,6 +140,25 @@ class RemoteSlots:
         """Pool pages the adapter takes on every rank (the shard's dims; a rank's shard of an
         IA3 adapter may use fewer)."""
         return adapter_pages_for(self._shard, self._dtype, self.page_bytes, adapter)
+
+    def prepare(self, host: HostAdapter) -> None:
+        """(The adapter cache's load thread.) With one rank, lay the adapter out as its pool's
+        pages here, once, in shared memory: a load then sends the pages' handle, without A and B,
+        and the worker only copies them (an adapter pickled through the pipe and packed there
+        took 72-119 ms of the worker's time on an H200: studies/adapter_load_workers.py).
+        With more ranks each packs its own shard."""
+        if self._packer is not None:
+            packed = self._packer.prepare(host)
+            if not packed.pages.is_shared():
+                packed.pages.share_memory_()
+
+    def _sent(self, adapter: HostAdapter) -> HostAdapter:
+        """What a load sends: the adapter less A and B where its pages are packed for the rank
+        (the rank's load reads neither then; DoRA's row norms do, so it goes whole)."""
+        if self._packer is None or adapter.family == "dora" or self._packer.pack_key not in adapter.packed:
+            return adapter
+        key = self._packer.pack_key
+        return dataclasses.replace(adapter, a={}, b={}, packed={key: adapter.packed[key]})
 
     def load(self, slot: int, adapter: HostAdapter, pages: list[int]) -> None:
         """Queue `adapter` for `slot` and its pool `pages` (any thread); the next step sends it."""
@@ -143,7 +170,7 @@ class RemoteSlots:
         with self._lock:
             queued, self._queued = self._queued, []
         for slot, adapter, pages in queued:
-            self.workers.queue_adapter(slot, adapter, pages)
+            self.workers.queue_adapter(slot, self._sent(adapter), pages)
 
 
 @dataclass
@@ -198,7 +225,8 @@ class TensorParallelExecutor:
             raise
         logger.info("%d worker process%s (%s); each rank's %s", size, "es" if size > 1 else "",
                     workers.backend, memory.describe())
-        slots = RemoteSlots(workers, memory.num_lora_slots, shard, dtype, memory.kv_block_bytes)
+        slots = RemoteSlots(workers, memory.num_lora_slots, shard, dtype, memory.kv_block_bytes,
+                            config.lora.max_lora_rank)
         return cls(workers, memory, RemoteRunner(workers, slots), slots, num_host_blocks)
 
     def close(self) -> None:

@@ -175,6 +175,10 @@ def test_greedy_outputs_match_the_colocated_engine_for_every_family(case, async_
     for side in (engine.prefill, engine.decode):
         if processes:  # (the slots are the workers'; each named adapter went into one)
             assert side.adapters.num_slot_loads >= len(set(NAMES) - {None})
+            # laid out as the worker's pool pages here, in shared memory (RemoteSlots.prepare)
+            hosts = [e.adapter for e in side.adapters._host.values() if e.adapter is not None]
+            assert hosts and all(p.pages.is_shared() for h in hosts for p in h.packed.values())
+            assert all(h.packed for h in hosts)
         else:
             families = {side.lora.slot_family[slot] for slot in range(1, side.lora.num_slots + 1)}
             assert families >= {"lora", "dora", "ia3", "flora"}
