@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Disaggregated prefill and decode (issue 23) on a lent machine with two GPUs (nvidia-h200-x2 or
 # nvidia-h100-x2), run from the repository root in one device call. Stages, in order, as named
-# on the command line (default: all three):
+# on the command line (default: install tests bench):
 #   install  the project, offline (scripts/gpu-pass.sh install)
 #   tests    the two-GPU test: disaggregated 1:1 (prefill worker on GPU 0, decode worker on
 #            GPU 1) against the colocated engine, float32 eager token-exact, bf16 with graphs
@@ -9,6 +9,9 @@
 #            2K prompts, 256 out; 1:1 against two colocated replicas at each of RATES (req/s),
 #            DURATION seconds of Poisson arrivals each; goodput within TTFT p90 <= 1 s and TPOT
 #            p90 <= 50 ms, the KV transfers' bandwidth against a GPU-to-GPU copy's
+#   ipc      studies/ipc_push_bandwidth.py: ways to copy into the other GPU's memory that another
+#            process shares (about a minute)
+#   adapters studies/adapter_load_workers.py: an adapter's load into a worker (one GPU)
 # NVLink multicast stays off. Logs and JSON go to $OUT (the device tool's folder that comes back),
 # else bench/results/gpu-issue-23/.
 set -uo pipefail
@@ -42,6 +45,12 @@ for stage in $stages; do
         bench)
             timeout "${BENCH_TIMEOUT:-420}" python3 -m loraplex.benchmarks disaggregated --rates "$RATES" \
                 --duration-s "$DURATION" --out "$OUT" ${BENCH_EXTRA:-} 2>&1 | tee "$OUT/disaggregated.log" | tail -30
+            ;;
+        ipc)
+            timeout 180 python3 studies/ipc_push_bandwidth.py 2>&1 | tee "$OUT/ipc-push-bandwidth.log" | tail -5
+            ;;
+        adapters)
+            timeout 180 python3 studies/adapter_load_workers.py 2>&1 | tee "$OUT/adapter-load-workers.log" | tail -5
             ;;
         *)
             echo "unknown stage $stage" >&2
