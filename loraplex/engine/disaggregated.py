@@ -6,27 +6,31 @@ object in this process.
 A request is prefilled on the prefill side under its adapter: its prompt computed and its first
 token sampled (`add_request(..., prefill_only=True)`); it then leaves that engine holding its
 prompt's blocks (`take_prefilled`) and joins the decode side's queue as a swapped request does
-(`admit_prefilled`), its KV still on the prefill side. When the decode side admits it (its
-adapter in a slot there, through the same lifecycle; room in its KV pool), the KV of the prompt
-blocks that the decode side has not cached is copied into the blocks it allocated
-(`copy_kv_blocks`, the one place where KV crosses; between worker processes the decode side's
-worker copies them out of the prefill side's cache, which it has mapped: on GPUs device to
-device, the prefill worker not involved), the prefill side frees its references once the copy
-is done (its prefix cache and pinned prompts keep theirs), and the request decodes from its
-first token with the same sampling state (seed and token index). Until then it is between the
-sides: aborting it frees the prefill side's blocks. The decode side schedules, preempts (swap or
-recompute, on its own pool), groups relay decodes and keeps VTC counters as a colocated engine
-does; the prompt is charged once, on the prefill side.
+(`admit_prefilled`), its KV elsewhere. When the decode side admits it (its adapter in a slot
+there, through the same lifecycle; room in its KV pool), the KV of the prompt blocks that the
+decode side has not cached is copied into the blocks it allocated, and the request decodes from
+its first token with the same sampling state (seed and token index). In one process the copy is
+`copy_kv_blocks` from the prefill side's blocks, which it holds until then. Between worker
+processes the prefill side's worker pushes the blocks into a staging area on the decode side's
+GPU as soon as they are handed off (`PushKv`; the prefill side frees them at once) and the
+decode side's worker copies them from there into its cache when it admits the request; where
+staging has no room, the request keeps its prefill blocks and the decode side's worker copies
+them out of the prefill side's cache, which it maps (device to device on GPUs, neither copy
+involving the other process). Until it is admitted the request is between the sides: aborting
+it frees the prefill side's blocks or its staging run. The decode side schedules, preempts (swap
+or recompute, on its own pool), groups relay decodes and keeps VTC counters as a colocated
+engine does; the prompt is charged once, on the prefill side.
 
 A registered system prompt is pinned on the prefill side (computed there) and its blocks are
 sent once to the decode side, which holds them too: requests that start with it find them
-cached there and receive only the rest. Requests with attention sinks run whole on the decode
-side; requests that only score their prompt, whole on the prefill side.
+cached there, and only the rest of their blocks is pushed. Requests with attention sinks run
+whole on the decode side; requests that only score their prompt, whole on the prefill side.
 
 With `concurrent`, the prefill side steps on a thread of its own, so that neither side waits
 for the other's steps (a long prompt step would otherwise hold up every decode step): the
 caller's `step` runs the decode side and takes what the prefill side handed over since. One
-lock guards the prefill side; its thread lets go of it while it waits for its device."""
+lock guards the prefill side and the staging area; its thread lets go of it while it waits for
+its device."""
 
 from __future__ import annotations
 
