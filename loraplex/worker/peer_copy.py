@@ -2,12 +2,11 @@
 IPC): a prefill worker's push of prompt blocks into its decode peer's staging area.
 
 torch's copy between two devices also records and waits on events on the target device's
-stream, which is work in this process's context on the peer GPU; without MPS, contexts of two
-processes share a GPU by time slices, so that work may wait for the peer process's kernels. With
-torch's copy the push measured 34 GB/s, against the 392 GB/s of the same copy within one process
-(H200 pair, NVLink). Here the copy is a single cudaMemcpyAsync on this device's current stream:
-this GPU's copy engine writes over NVLink into the peer's memory, nothing is queued in the
-peer's context."""
+stream, work in this process's context on the peer GPU, which the peer process's kernels share
+by time slices. Here the copy is a single cudaMemcpyAsync on this device's current stream,
+nothing queued in the peer's context. On two H200s the pushes ran at 33-35 GB/s either way (a
+device copy within one process: 392 GB/s), so the cause lies elsewhere, likely in how the IPC
+mapping is reached from this GPU: studies/ipc_push_bandwidth.py tries the ways."""
 
 from __future__ import annotations
 
