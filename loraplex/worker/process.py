@@ -219,10 +219,11 @@ class Worker:
         """Copy the rank's shard of `adapter` into `slot`; a DoRA adapter's o and down scales
         are then set from its row norms over every rank's columns."""
         shard, lora = shard_host_adapter(adapter, self.layout), self.runner.lora
-        if not shard.a and lora.pack_key not in shard.packed:  # (sent packed, less A and B: RemoteSlots)
-            raise ValueError(f"adapter {adapter.digest} came packed for another layout than this rank's")
         if not 0 < slot <= lora.num_slots:  # (before its pages are counted)
             raise ValueError(f"slot {slot} out of range 1..{lora.num_slots}")
+        if shard.packed and not shard.a and lora.pack_key not in shard.packed:  # (RemoteSlots._sent)
+            raise ValueError(f"adapter {adapter.digest} came packed, without A and B, for another layout "
+                             "than this rank's")
         if pages is None:  # the rank's adapters have a pool of their own
             pages = lora.own_pages_of(slot, lora.pages_for(shard))
         lora.load(slot, shard, list(pages))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from loraplex import LLM, SamplingParams
-from loraplex.engine.lora_weights import HostAdapter
+from loraplex.engine.lora_weights import HostAdapter, PackedAdapter
 from loraplex.errors import ModelLoadError
 from loraplex.worker.commands import RunnerSpec
 from loraplex.worker.workers import TensorParallelWorkers, WorkerError
@@ -117,3 +117,15 @@ def test_a_dead_worker_is_reported_and_the_others_stopped(tmp_path):
         _check_gone(pids)
     finally:
         workers.close()
+
+
+def test_pages_packed_for_another_layout_are_refused(tmp_path):
+    """A load sent packed without A and B (RemoteSlots, to a worker of one rank) whose pages the
+    rank cannot use fails with a message that says so, not with garbage in its slot."""
+    make_tiny_model("llama", tmp_path)
+    with TensorParallelWorkers(1, timeout_s=60) as workers:
+        workers.load_model(RunnerSpec(str(tmp_path), num_kv_blocks=4))
+        pages = PackedAdapter(torch.zeros(64, dtype=torch.uint8), {})
+        light = HostAdapter("digest", 1, {}, {}, {}, packed={("another layout",): pages})
+        with pytest.raises(WorkerError, match="came packed, without A and B, for another layout"):
+            workers.load_adapter(1, light)
