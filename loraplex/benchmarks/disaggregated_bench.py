@@ -15,8 +15,9 @@ goodput is the highest rate tried at which the TTFT and TPOT p90 meet their targ
   thread, the decode side copying KV blocks out of the prefill side's cache).
 
 Also measured in the same run: the GPU-to-GPU bandwidth (a 1 GiB device copy), and the KV
-transfers' (bytes over seconds of every transfer, and its p50). On a CPU, `--smoke` runs the
-same on a tiny model with gloo workers in seconds (what its test runs)."""
+transfers' (their bytes over their seconds at each rate; the first runs' files also give the
+median of each transfer's). On a CPU, `--smoke` runs the same on a tiny model with gloo workers
+in seconds (what its test runs)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from loraplex.benchmarks.serve_workload import BenchRequest, WorkloadConfig, mak
 from loraplex.benchmarks.synthetic_server import AdapterSet, synthetic_adapters, synthetic_digest
 from loraplex.engine.disaggregated import DisaggregatedEngine
 from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.stats import TransferStats
 from loraplex.engine_config import EngineConfig
 from loraplex.types import SamplingParams
 
@@ -265,15 +267,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     replica.engine.set_adapter_loader(adapters.load)
                 warm = make_workload(_workload(args, model_config, rate=math.inf, num_prompts=16, seed=99))
                 run_rate(replicas, warm, f"{placement}-warm")
-                if placement == "1:1":
-                    _take_transfers(replicas[0].engine)  # (the warm-up's)
                 for rate in args.rates:
                     requests = make_workload(_workload(args, model_config, rate))
                     before = _prefill_side(replicas[0].engine)
+                    sent = _transfers(replicas[0].engine)
                     row = summarize(run_rate(replicas, requests, f"{placement}-{rate}"), rate,
                                     args.slo_ttft, args.slo_tpot)
                     if placement == "1:1":
-                        row["kv_transfers"] = _take_transfers(replicas[0].engine)
+                        row["kv_transfers"] = _transfers_since(sent, _transfers(replicas[0].engine))
                         row["prefill_side"] = _prefill_use(before, _prefill_side(replicas[0].engine),
                                                            row["duration_s"])
                     print(f"{placement} at {rate} req/s: {json.dumps(row)}", flush=True)
@@ -310,17 +311,19 @@ def _prefill_use(before: tuple[float, int], after: tuple[float, int], duration_s
             "prompt_tokens_per_busy_s": round(tokens / busy, 1) if busy > 0 else 0.0}
 
 
-def _take_transfers(engine: DisaggregatedEngine) -> dict[str, Any]:
-    """The KV transfers since the last call: their number, bytes, and GB/s over all and at p50."""
-    taken = engine.transfers.take_durations()
-    if not taken:
+def _transfers(engine: Any) -> TransferStats:
+    """A disaggregated engine's KV transfers so far (none for a colocated replica)."""
+    return engine.transfers.snapshot() if isinstance(engine, DisaggregatedEngine) else TransferStats()
+
+
+def _transfers_since(before: TransferStats, after: TransferStats) -> dict[str, Any]:
+    """The KV transfers between two snapshots: their number, bytes, GB/s over all of them."""
+    count, num_bytes = after.num_transfers - before.num_transfers, after.num_bytes - before.num_bytes
+    if not count:
         return {"transfers": 0}
-    num_bytes = sum(b for b, _ in taken)
-    seconds = sum(s for _, s in taken)
-    rates = [b / s / 1e9 for b, s in taken if s > 0]
-    return {"transfers": len(taken), "bytes": num_bytes, "gb_per_s": round(num_bytes / seconds / 1e9, 2),
-            "gb_per_s_p50": round(float(np.median(rates)), 2),
-            "mean_mb": round(num_bytes / len(taken) / 1e6, 1)}
+    seconds = after.seconds - before.seconds
+    return {"transfers": count, "bytes": num_bytes, "gb_per_s": round(num_bytes / seconds / 1e9, 2),
+            "mean_mb": round(num_bytes / count / 1e6, 1)}
 
 
 def _summary(result: dict[str, Any]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -57,9 +57,7 @@ from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.sizing import resolve_device
 from loraplex.engine.staging import Runs
 from loraplex.engine.stats import (
-    KV_TRANSFER_BUCKETS,
     EngineStats,
-    Histogram,
     TransferStats,
     disaggregated_stats,
 )
@@ -70,10 +68,6 @@ from loraplex.types import RequestOutput, SamplingParams
 from loraplex.worker.replies import KvReceived
 
 logger = logging.getLogger(__name__)
-
-MAX_TRANSFER_OBSERVATIONS = 10_000
-"""Transfers kept for `KvTransfers.take_durations` between two reads (the oldest go first)."""
-
 
 def copy_kv_blocks(source: torch.Tensor, source_ids: list[int], target: torch.Tensor,
                    target_ids: list[int]) -> None:
@@ -87,39 +81,6 @@ def copy_kv_blocks(source: torch.Tensor, source_ids: list[int], target: torch.Te
                          f"blocks of {tuple(target.shape[1:])} {target.dtype}")
     for first, into, count in runs(list(zip(source_ids, target_ids))):
         target[into:into + count].copy_(source[first:first + count])
-
-
-@dataclass
-class KvTransfers:
-    """KV copied from the prefill side to the decode side so far (each copy of a request's
-    prompt blocks, or of a pinned prompt's, is one transfer)."""
-
-    num_transfers: int = 0
-    num_blocks: int = 0
-    num_bytes: int = 0
-    seconds: float = 0.0
-    """Summed over the transfers: each from its first copy queued to its last byte."""
-    durations: list[tuple[int, float]] = field(default_factory=list)
-    """(bytes, seconds) of each transfer since the last `take_durations`."""
-
-    def add(self, num_blocks: int, num_bytes: int, seconds: float) -> None:
-        self.num_transfers += 1
-        self.num_blocks += num_blocks
-        self.num_bytes += num_bytes
-        self.seconds += seconds
-        self.durations.append((num_bytes, seconds))
-        if len(self.durations) > MAX_TRANSFER_OBSERVATIONS:
-            del self.durations[:len(self.durations) - MAX_TRANSFER_OBSERVATIONS]
-
-    def take_durations(self) -> list[tuple[int, float]]:
-        """The transfers since the last call (a metrics histogram observes each)."""
-        taken, self.durations = self.durations, []
-        return taken
-
-    @property
-    def bytes_per_second(self) -> float:
-        """Over all transfers so far (0 before any)."""
-        return self.num_bytes / self.seconds if self.seconds > 0 else 0.0
 
 
 STAGING_BYTES = 2 << 30
@@ -193,9 +154,7 @@ class DisaggregatedEngine:
         """Of the blocks sent, those pushed into the decode side's staging area."""
         self.prefill_busy_s = 0.0
         """With `concurrent`: seconds the prefill side's thread spent in steps that had work."""
-        self.transfers = KvTransfers()
-        self._transfer_seconds = Histogram(KV_TRANSFER_BUCKETS)
-        """Every transfer's seconds since start, fed from `transfers` at each `stats`."""
+        self.transfers = TransferStats()
         self._lock = threading.RLock()
         """Guards the prefill engine, the staging area and what the prefill side hands over
         (below)."""
@@ -767,12 +726,7 @@ class DisaggregatedEngine:
             prefill = self.prefill.stats()
             num_between = (len(self._handed_over) + len(self._pushed) + len(self._pushing)
                            - len(self._cancelled))
-        transfers, durations = self.transfers, self._transfer_seconds
-        for _, seconds in transfers.take_durations():
-            durations.observe(seconds)
-        sent = TransferStats(transfers.num_transfers, transfers.num_blocks, transfers.num_bytes,
-                             transfers.seconds, durations.copy())
-        return disaggregated_stats(prefill, self.decode.stats(), num_between, sent)
+        return disaggregated_stats(prefill, self.decode.stats(), num_between, self.transfers.snapshot())
 
     def close(self) -> None:
         """Stop the prefill side's thread, then both engines (and their workers)."""

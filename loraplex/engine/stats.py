@@ -55,21 +55,34 @@ class SideStats:
     num_preemptions: int
 
 
-@dataclass(frozen=True)
+@dataclass
 class TransferStats:
     """KV copied from the prefill side to the decode side since start (each copy of a request's
-    prompt blocks, or of a pinned prompt's, is one transfer)."""
+    prompt blocks, or of a pinned prompt's, is one transfer): the engine's running count, and
+    (`snapshot`) what its stats report."""
 
-    num_transfers: int
-    num_blocks: int
-    num_bytes: int
-    seconds: float
-    """Summed over the transfers."""
-    durations: Histogram
+    num_transfers: int = 0
+    num_blocks: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    """Summed over the transfers: each from its first copy queued to its last byte."""
+    durations: Histogram = field(default_factory=lambda: Histogram(KV_TRANSFER_BUCKETS))
     """Each transfer's seconds."""
+
+    def add(self, num_blocks: int, num_bytes: int, seconds: float) -> None:
+        self.num_transfers += 1
+        self.num_blocks += num_blocks
+        self.num_bytes += num_bytes
+        self.seconds += seconds
+        self.durations.observe(seconds)
+
+    def snapshot(self) -> TransferStats:
+        return TransferStats(self.num_transfers, self.num_blocks, self.num_bytes, self.seconds,
+                             self.durations.copy())
 
     @property
     def bytes_per_second(self) -> float:
+        """Over all transfers so far (0 before any)."""
         return self.num_bytes / self.seconds if self.seconds > 0 else 0.0
 
 
