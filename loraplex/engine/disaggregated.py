@@ -104,6 +104,12 @@ class Staged:
     count: int
 
 
+def _held(prefilled: PrefilledRequest, staged: Staged | None) -> list[int]:
+    """The prefill-side blocks a prefilled request still holds: all of them, or, pushed, those
+    the push left (a pinned prompt's)."""
+    return prefilled.block_ids if staged is None else prefilled.block_ids[:staged.first]
+
+
 class DisaggregatedEngine:
     """A prefill engine and a decode engine behind LLMEngine's interface (the parts the offline
     LLM and tests drive). One caller at a time (with `concurrent`, the prefill side's own thread
@@ -537,10 +543,8 @@ class DisaggregatedEngine:
         """(Under the lock.) Free what a prefilled request holds on the prefill side (its
         blocks, or those not pushed) and its staging run."""
         staged = self._staged.pop(prefilled.request_id, None)
-        if staged is None:
-            self.prefill.blocks.free(prefilled.block_ids)
-        else:
-            self.prefill.blocks.free(prefilled.block_ids[:staged.first])
+        self.prefill.blocks.free(_held(prefilled, staged))
+        if staged is not None:
             self._staging.give_back(staged.start, staged.count)
 
     @contextlib.contextmanager
@@ -605,7 +609,7 @@ class DisaggregatedEngine:
             self._unstage(staged, max(first - staged.first, 0), block_ids[pulled:])
         self.num_blocks_reused += first
         with self._lock:
-            self.prefill.blocks.free(prefilled.block_ids[:staged.first] if staged else prefilled.block_ids)
+            self.prefill.blocks.free(_held(prefilled, staged))
 
     def _unstage(self, staged: Staged, skip: int, target_ids: list[int]) -> None:
         """Copy a pushed request's staged blocks, but the first `skip`, into the decode side's

@@ -124,7 +124,7 @@ class RemoteSlots:
     """The adapter cache's slot buffers, on the workers."""
 
     def __init__(self, workers: TensorParallelWorkers, num_slots: int, shard: ModelConfig,
-                 dtype: torch.dtype, block_bytes: int, max_rank: int = 16) -> None:
+                 dtype: torch.dtype, block_bytes: int, max_rank: int) -> None:
         self.workers, self.num_slots = workers, num_slots
         self.blocks_per_page = adapter_page_blocks(shard, dtype, block_bytes)
         self.page_bytes = self.blocks_per_page * block_bytes
