@@ -264,8 +264,9 @@ def test_pinned_prompts_stay_pinned_on_both_sides_and_are_not_sent_again(case, p
 def test_aborts_between_the_sides_and_on_each_side_leak_nothing(case, processes, staging_blocks, closing):
     """One decode place: prefilled requests queue on the decode side, their KV still on the
     prefill side (or, pushed, in the decode side's staging area). Aborting them there frees the
-    prefill side's blocks (or their staging run); aborts on either side too; the rest give the
-    colocated engine's tokens."""
+    prefill side's blocks (or their staging run), and so does aborting one whose push is still
+    on its way (once it is answered); aborts on either side too; the rest give the colocated
+    engine's tokens."""
     _, _, prompts = case
     colocated = _colocated(case)
     _add_all(colocated, prompts, _greedy())
@@ -277,7 +278,13 @@ def test_aborts_between_the_sides_and_on_each_side_leak_nothing(case, processes,
     aborted = {}
 
     def abort_some(engine):
-        if engine._transit and "between" not in aborted:
+        pushing = [r for r in engine._pushing if r not in aborted.values()]
+        if staged and pushing and "pushing" not in aborted:  # its blocks on their way to staging
+            free = engine._staging.num_free_blocks
+            assert engine.abort(pushing[0]) and not engine.abort(pushing[0])
+            assert engine._staging.num_free_blocks == free  # (its run goes once the push is answered)
+            aborted["pushing"] = pushing[0]
+        elif engine._transit and "between" not in aborted:
             request_id = next(iter(engine._transit))
             held, free = engine.prefill.blocks.num_used_blocks, engine._staging.num_free_blocks
             assert engine.abort(request_id)
@@ -296,8 +303,8 @@ def test_aborts_between_the_sides_and_on_each_side_leak_nothing(case, processes,
             aborted["decode"] = request_id
 
     outputs = _run(engine, abort_some)
-    assert set(aborted) == {"between", "prefill", "decode"}
-    assert len(set(aborted.values())) == 3
+    assert set(aborted) == {"between", "prefill", "decode"} | ({"pushing"} if staged else set())
+    assert len(set(aborted.values())) == len(aborted)
     assert set(outputs) == set(expected) - set(aborted.values())
     assert outputs == {k: v for k, v in expected.items() if k in outputs}
     assert not engine.abort(aborted["between"])
