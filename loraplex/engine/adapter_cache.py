@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -359,6 +360,24 @@ class AdapterCache:
         self._collect_loads()
         for slot in list(self._copies):
             self._finish_copy(slot)
+
+    def settle(self, timeout: float = 30.0) -> None:
+        """Wait for the host loads and slot copies under way and close their bookkeeping. A
+        request aborted mid-copy leaves its slot being filled until the copy ends; the engine
+        just polls at its next steps, a caller that must see every slot free waits here."""
+        deadline = time.monotonic() + timeout
+        while self._loading or self._copies:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{len(self._loading)} adapter loads and {len(self._copies)} "
+                                   f"slot copies still under way after {timeout:g} s")
+            pending = [e.loading for e in self._loading]
+            pending += [c.done for c in self._copies.values() if isinstance(c.done, Future)]
+            wait(pending, timeout=remaining)
+            for copy in self._copies.values():
+                if not isinstance(copy.done, Future):
+                    copy.done.synchronize()
+            self.poll()
 
     # The host tier ------------------------------------------------------------------------
     def prefetch(self, digest: str) -> bool:

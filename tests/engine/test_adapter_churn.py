@@ -67,8 +67,8 @@ def _assert_nothing_leaks(llm: LLM) -> None:
     assert engine.blocks.num_used_blocks == 0  # no KV held: every page is free or an adapter's
     assert engine.num_requests == 0 and not engine.runner.batch.row_of
     cache = engine.adapters
+    cache.settle()
     assert cache.num_held_slots == 0 and cache.num_needed == 0
-    cache.poll()
     on_host = [cache._host[d] for d in cache.host_digests]
     assert cache.host_bytes == sum(e.adapter.num_bytes for e in on_host)  # the accounting is exact
     assert not cache._loading and not cache._copies

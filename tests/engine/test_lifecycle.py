@@ -4,6 +4,7 @@ time or overlapped (async scheduling)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -29,6 +30,7 @@ def _assert_all_returned(engine):
     assert engine.scheduler.num_unfinished == 0
     assert engine.num_requests == 0
     assert not engine.runner.batch.row_of
+    engine.adapters.settle()  # a copy into a slot for an aborted request ends on its own
     assert engine.adapters.num_held_slots == 0 and engine.adapters.num_needed == 0
 
 
@@ -74,6 +76,32 @@ def test_abort_returns_blocks_and_slots(llm):
     assert not engine.abort("r1")  # already gone
     engine.step()  # the runner forgets them
     _assert_all_returned(engine)
+
+
+def test_request_aborted_mid_copy_leaves_the_slot_filling_until_the_copy_ends(llm, monkeypatch):
+    """The copy into a slot runs on its own thread: an abort does not cut it short, the slot
+    counts as held until the copy ends, and then nothing is held (settle waits for that)."""
+    engine, cache = llm.engine, llm.engine.adapters
+    gate = threading.Event()
+    load = cache.buffers.load
+
+    def slow_load(*args):
+        assert gate.wait(30), "the test never opened the gate"
+        return load(*args)
+
+    monkeypatch.setattr(cache.buffers, "load", slow_load)
+    engine.add_request("r", prompt_token_ids=[5, 6, 7], adapter="all8",
+                       params=SamplingParams(max_tokens=4, ignore_eos=True))
+    _step_until(engine, lambda: cache._copies)
+    assert engine.abort("r")
+    engine.step()
+    engine.step()
+    assert not engine.has_unfinished_requests() and cache.num_needed == 0
+    assert cache.num_held_slots == 1  # the copy is still under way
+    gate.set()
+    cache.settle()
+    _assert_all_returned(engine)
+    assert cache.slot_of(engine.local_adapters.resolve("all8")) is not None  # resident, idle
 
 
 def test_failed_step_fails_its_requests_and_frees_everything(llm, monkeypatch):

@@ -176,6 +176,7 @@ def test_a_tenant_waiting_for_a_device_slot_gets_one_by_fair_preemption(tiny_lla
         alone = llm.generate(prompt_token_ids=[prompt], sampling_params=params[request_id],
                              adapters=[adapter])[0]
         assert outputs[request_id] == alone.token_ids, request_id
+    engine.adapters.settle()
     assert engine.adapters.num_held_slots == 0 and engine.blocks.num_used_blocks == 0
 
 
