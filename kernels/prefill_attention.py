@@ -8,6 +8,13 @@ query_start_loc. A program takes BLOCK_Q new tokens times the q heads of one KV 
 rows of `tl.dot` ([BLOCK_Q * group, head_dim]), streams the keys up to its last token's
 position in BLOCK_N tiles gathered through the block table, and writes the output and, when
 asked, the log-sum-exp (natural log) of the scaled scores.
+
+With `query_positions` each new token carries its own position (ascending within its sequence)
+in place of the sequence's last ones: a program streams the keys up to its last row's position
+and masks each row at its own. CacheBlend's recompute passes scattered tokens of a prompt whose
+every key is cached already as one sequence this way, one pass over the prompt's keys for each
+BLOCK_Q of them, where a sequence for each run of consecutive tokens would read the keys once
+per run.
 """
 
 from __future__ import annotations
@@ -41,12 +48,12 @@ class PrefillConfig:
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, kv_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr, lse_ptr,
-    stride_q_tok, stride_q_head, stride_kv_block, stride_kv_kv, stride_kv_tok, stride_kv_head,
+    q_ptr, kv_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, positions_ptr, out_ptr,
+    lse_ptr, stride_q_tok, stride_q_head, stride_kv_block, stride_kv_kv, stride_kv_tok, stride_kv_head,
     stride_bt_seq, stride_out_tok, stride_out_head, stride_lse_tok,
     scale_log2, num_seqs, group, head_dim,
     PAGE_SIZE: tl.constexpr, RETURN_LSE: tl.constexpr, BLOCK_Q: tl.constexpr,
-    GROUP_P2: tl.constexpr,
+    GROUP_P2: tl.constexpr, HAS_POSITIONS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -72,10 +79,14 @@ def _prefill_kernel(
                 mask=row_valid[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
-    q_pos = context + t  # [BLOCK_M]
+    if HAS_POSITIONS:  # ascending: the block's last row sits furthest
+        q_pos = tl.load(positions_ptr + tok, mask=row_valid, other=-1)  # [BLOCK_M]
+        kv_end = tl.max(q_pos) + 1
+    else:
+        q_pos = context + t  # [BLOCK_M]
+        kv_end = context + tl.minimum((q_block + 1) * BLOCK_Q, q_len)  # last query position + 1
     m_i, l_i, acc = empty_state(BLOCK_Q * GROUP_P2, BLOCK_D)
     kv_base = kv_ptr + kv_head * stride_kv_head
-    kv_end = context + tl.minimum((q_block + 1) * BLOCK_Q, q_len)  # last query position + 1
     m_i, l_i, acc = attend_paged_tiles(
         q, m_i, l_i, acc, kv_base, block_tables_ptr + seq * stride_bt_seq, 0, kv_end,
         scale_log2, stride_kv_block, stride_kv_kv, stride_kv_tok, head_dim,
@@ -106,7 +117,7 @@ def prefill_config(group: int, head_dim: int) -> PrefillConfig:
     return PrefillConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2)
 
 
-def _check(q, kv_layer, block_tables, query_start_loc, seq_lens) -> None:
+def _check(q, kv_layer, block_tables, query_start_loc, seq_lens, query_positions=None) -> None:
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     check_kv_layer(kv_layer)
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -123,12 +134,16 @@ def _check(q, kv_layer, block_tables, query_start_loc, seq_lens) -> None:
                  shape=(num_seqs + 1,), contiguous=True)
     check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,),
                  shape=(num_seqs, None))
+    if query_positions is not None:
+        check_tensor("query_positions", query_positions, ndim=1, dtypes=(torch.int32,),
+                     shape=(q.shape[0],), contiguous=True)
 
 
 def paged_attention(
     q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     return_lse: bool = False, max_query_len: int | None = None,
+    query_positions: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q [num_tokens, num_heads, head_dim] (each sequence's new tokens in turn), kv_layer
     [num_blocks, 2, block_size, num_kv_heads, head_dim] with the new tokens already stored,
@@ -136,30 +151,33 @@ def paged_attention(
     [num_seqs] int32 (including the new tokens) -> out [num_tokens, num_heads, head_dim] in q's
     dtype, and with return_lse also lse [num_tokens, num_heads] float32. Rows past
     query_start_loc[-1] are left unwritten. max_query_len is accepted for the op contract; the
-    grid does not need it."""
-    _check(q, kv_layer, block_tables, query_start_loc, seq_lens)
-    check_launchable(_prefill_kernel, (q, kv_layer, block_tables, query_start_loc, seq_lens))
+    grid does not need it. query_positions [num_tokens] int32: each new token's own position
+    (see reference.paged_attention)."""
+    _check(q, kv_layer, block_tables, query_start_loc, seq_lens, query_positions)
+    check_launchable(_prefill_kernel, (q, kv_layer, block_tables, query_start_loc, seq_lens,
+                                       *(() if query_positions is None else (query_positions,))))
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_layer.shape[3]
     config = prefill_config(num_heads // num_kv_heads, head_dim)
     return _launch(q, kv_layer, block_tables, query_start_loc, seq_lens, scale, return_lse,
-                   config)
+                   config, query_positions)
 
 
 def paged_attention_unchecked(
     q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     return_lse: bool = False, max_query_len: int | None = None,
+    query_positions: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """paged_attention without its argument checks, for inputs that meet its contract by
     construction (the engine's forward: `triton_ops(check_inputs=False)`)."""
     config = prefill_config(q.shape[1] // kv_layer.shape[3], q.shape[2])
     return _launch(q, kv_layer, block_tables, query_start_loc, seq_lens, scale, return_lse,
-                   config)
+                   config, query_positions)
 
 
 def _launch(q, kv_layer, block_tables, query_start_loc, seq_lens, scale, return_lse,
-            config: PrefillConfig):
+            config: PrefillConfig, query_positions: torch.Tensor | None = None):
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_layer.shape[3], kv_layer.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -171,12 +189,14 @@ def _launch(q, kv_layer, block_tables, query_start_loc, seq_lens, scale, return_
         block_q = max(1, config.block_m // group_p2)
         grid = (num_tokens // block_q + num_seqs, num_kv_heads)
         _prefill_kernel[grid](
-            q, kv_layer, block_tables, query_start_loc, seq_lens, out, lse,
+            q, kv_layer, block_tables, query_start_loc, seq_lens,
+            seq_lens if query_positions is None else query_positions, out, lse,
             q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(1),
             kv_layer.stride(2), kv_layer.stride(3), block_tables.stride(0),
             out.stride(0), out.stride(1), lse.stride(0),
             scale * LOG2E, num_seqs, group, head_dim,
             PAGE_SIZE=block_size, RETURN_LSE=return_lse, BLOCK_Q=block_q, GROUP_P2=group_p2,
+            HAS_POSITIONS=query_positions is not None,
             BLOCK_N=config.block_n, BLOCK_D=next_pow2(head_dim),
             UPCAST=upcast_loads(q.dtype),
             num_warps=config.num_warps, num_stages=config.num_stages,

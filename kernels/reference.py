@@ -128,6 +128,7 @@ def paged_attention(
     q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     return_lse: bool = False, max_query_len: int | None = None,
+    query_positions: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention for a batch of sequences over the paged cache, the new tokens already
     stored. q [num_tokens, num_heads, head_dim] holds each sequence's new tokens in turn
@@ -139,7 +140,11 @@ def paged_attention(
     (padding) belong to no sequence: the reference gives them 0 and lse -inf; kernels may leave
     them unwritten.
     max_query_len (the longest run of new tokens) lets kernels size their grid without reading
-    query_start_loc on the host; the reference ignores it."""
+    query_start_loc on the host; the reference ignores it.
+    query_positions [num_tokens] int32, when given, places each new token at a position of its
+    own instead (ascending within its sequence, the last one below its seq_len): a token at
+    position p sees the sequence's tokens 0..p, so a sequence's new tokens may be any of its
+    tokens (CacheBlend recomputes scattered ones, every key already in the cache)."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = len(seq_lens), kv_layer.shape[3]
     group = num_heads // num_kv_heads
@@ -166,7 +171,11 @@ def paged_attention(
     k = k.float().masked_fill(~in_seq[:, :, None, None], 0.0)
     v = v.float().masked_fill(~in_seq[:, :, None, None], 0.0)
     scores = torch.einsum("sqhgd,slhd->shgql", q_pad, k) * scale
-    query_pos = (seq_lens.long() - query_lens).unsqueeze(1) + torch.arange(max_q, device=q.device)
+    if query_positions is None:
+        query_pos = (seq_lens.long() - query_lens).unsqueeze(1) + torch.arange(max_q, device=q.device)
+    else:  # padded rows at -1: they see nothing, and are dropped below
+        query_pos = torch.full((num_seqs, max_q), -1, dtype=torch.long, device=q.device)
+        query_pos[seq_of, index] = query_positions[:num_real].long()
     hidden = key_pos.view(1, 1, -1) > query_pos.unsqueeze(-1)  # [seqs, max_q, max_len]
     scores = scores.masked_fill(hidden[:, None, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [seqs, kv_heads, group, max_q]

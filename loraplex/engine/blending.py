@@ -54,9 +54,9 @@ rule then). studies/results/cacheblend-select-cpu.json (10 questions, 4 document
 tokens): ranked by the question's attention, 20% takes the answer's log-prob error from 0.13
 (ranked by deviation) to 0.07, and 10% errs no more than 20% by deviation (0.12)."""
 RECOMPUTE_BY = ("question", "deviation")
-CHUNK_TOKENS = 64
-"""Selected tokens attended at once past layer 1 (a sequence for each run of consecutive
-positions): bounds the CPU reference's gathered keys to CHUNK_TOKENS x prompt length."""
+CHUNK_TOKENS = 512
+"""Selected tokens a forward pass takes at once past layer 1 (one sequence, each token at its own
+position): bounds the CPU reference's scores to heads x CHUNK_TOKENS x prompt length."""
 
 
 @dataclass(frozen=True)
@@ -149,16 +149,16 @@ def copy_document_kv(kv_cache: torch.Tensor, source_blocks: list[int], target_bl
 
 def _metadata(slots: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> AttentionMetadata:
     """Attention over one prompt's blocks `table` [1, max_blocks] for tokens at `positions`
-    (ascending): each run of consecutive positions is one sequence ending at its last token, so
-    every token attends to the cache up to its own position (the prompt's first tokens in order
-    make one sequence, a prefill's)."""
-    device, host = positions.device, positions.cpu()
-    ends = torch.cat([(host[1:] != host[:-1] + 1).nonzero().flatten() + 1, torch.tensor([len(host)])])
-    starts = torch.cat([torch.zeros(1, dtype=ends.dtype), ends[:-1]])
+    (ascending), each token attending to the cache up to its own position: one sequence ending
+    at the last token, each token at its own position (the prompt's first tokens in order, a
+    prefill's, need no positions)."""
+    n = len(positions)
+    last = int(positions[-1])
     return AttentionMetadata(
-        slot_mapping=slots, block_tables=table.expand(len(ends), -1).contiguous(),
-        query_start_loc=torch.cat([torch.zeros(1, dtype=ends.dtype), ends]).to(device, torch.int32),
-        seq_lens=(host[ends - 1] + 1).to(device, torch.int32), max_query_len=int((ends - starts).max()))
+        slot_mapping=slots, block_tables=table,
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=positions.device),
+        seq_lens=torch.tensor([last + 1], dtype=torch.int32, device=positions.device), max_query_len=n,
+        query_positions=None if last + 1 == n else positions.to(torch.int32))
 
 
 @torch.inference_mode()

@@ -43,6 +43,9 @@ class AttentionMetadata:
     """Longest run of new tokens of one sequence; 1 means a pure decode step."""
     relay: RelayMetadata | None = None
     """Relay groups of a decode step (None: every sequence takes the plain path)."""
+    query_positions: torch.Tensor | None = None
+    """[num_tokens] int32: each new token's own position, ascending within its sequence (a
+    blend's recompute of scattered tokens); None: a sequence's new tokens are its last ones."""
 
     @property
     def is_decode(self) -> bool:

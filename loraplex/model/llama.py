@@ -127,7 +127,7 @@ class Attention(nn.Module):
         else:
             out = self.ops.paged_attention(
                 q, kv_layer, meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale,
-                max_query_len=meta.max_query_len,
+                max_query_len=meta.max_query_len, query_positions=meta.query_positions,
             )
         out = out.reshape(num_tokens, self.q_size)
         return project(self.layer, "o", self.ops, out, self.o_weight, self.o_bias)

@@ -86,6 +86,53 @@ def test_prefill_without_lse_and_wide_group():
     assert rel_error(out, expected) < 1e-5
 
 
+def _scattered(dtype, device, seed=0):
+    """Two sequences whose new tokens are scattered positions of theirs (every key cached),
+    ascending, crossing blocks and key tiles, and a third whose new tokens are its last ones."""
+    positions = [[0, 3, 4, 5, 17, 40, 41, 63, 64, 90], [2, 9, 33], [25, 26, 27]]
+    seq_lens = [91, 40, 28]
+    query_lens = [len(p) for p in positions]
+    q, kv_layer, block_tables, qsl, lens = _batch(query_lens, [n - q for n, q in zip(seq_lens, query_lens)],
+                                                  6, 2, 16, 8, dtype, device, seed=seed)
+    flat = torch.tensor([p for ps in positions for p in ps], dtype=torch.int32, device=device)
+    return q, kv_layer, block_tables, qsl, lens, flat
+
+
+def test_reference_query_positions_attend_each_token_to_its_own_prefix():
+    q, kv_layer, block_tables, qsl, lens, positions = _scattered(torch.float32, "cpu")
+    out, lse = ref.paged_attention(q, kv_layer, block_tables, qsl, lens, 0.25, return_lse=True,
+                                   query_positions=positions)
+    for row in range(len(positions)):  # each token alone: a sequence of its position + 1 tokens
+        seq = int(torch.searchsorted(qsl, torch.tensor(row, dtype=torch.int32), right=True)) - 1
+        alone, alone_lse = ref.paged_attention(
+            q[row:row + 1], kv_layer, block_tables[seq:seq + 1],
+            torch.tensor([0, 1], dtype=torch.int32), positions[row:row + 1] + 1, 0.25, return_lse=True)
+        torch.testing.assert_close(out[row], alone[0], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(lse[row], alone_lse[0], atol=1e-6, rtol=1e-5)
+    # The last tokens' own positions give what the default placement gives.
+    last = torch.cat([torch.arange(int(n) - int(b - a), int(n)) for a, b, n in zip(qsl[:-1], qsl[1:], lens)])
+    torch.testing.assert_close(
+        ref.paged_attention(q, kv_layer, block_tables, qsl, lens, 0.25, query_positions=last.int()),
+        ref.paged_attention(q, kv_layer, block_tables, qsl, lens, 0.25))
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+@pytest.mark.parametrize("block_m,block_n", BOUNDARY_CONFIGS)
+def test_prefill_with_query_positions_matches_reference(dtype, block_m, block_n):
+    q, kv_layer, block_tables, qsl, lens, positions = _scattered(dtype, DEVICE, seed=3)
+    config = prefill_attention.PrefillConfig(block_m, block_n, num_warps=4, num_stages=2)
+    with poisoned_allocations(prefill_attention):
+        out, lse = prefill_attention._launch(q, kv_layer, block_tables, qsl, lens, 0.25, True, config,
+                                             positions)
+    expected, expected_lse = ref.paged_attention(q.float(), kv_layer.float(), block_tables, qsl, lens,
+                                                 0.25, return_lse=True, query_positions=positions)
+    assert rel_error(out, expected) < (1e-5 if dtype == torch.float32 else 2e-3)
+    torch.testing.assert_close(lse, expected_lse, atol=1e-4, rtol=1e-4)
+    checked = prefill_attention.paged_attention(q, kv_layer, block_tables, qsl, lens, 0.25,
+                                                query_positions=positions)
+    torch.testing.assert_close(checked, out)
+
+
 def test_wrapper_rejects_bad_inputs():
     q, kv_layer, block_tables, qsl, lens = _batch([2], [1], 2, 1, 16, 4, torch.float32, DEVICE)
     with pytest.raises(ValueError, match="query_start_loc"):
@@ -94,6 +141,9 @@ def test_wrapper_rejects_bad_inputs():
         prefill_attention.paged_attention(q, kv_layer, block_tables, qsl, lens.long(), 1.0)
     with pytest.raises(ValueError, match="head_dim"):
         prefill_attention.paged_attention(q[..., :8], kv_layer, block_tables, qsl, lens, 1.0)
+    with pytest.raises(ValueError, match="query_positions"):
+        prefill_attention.paged_attention(q, kv_layer, block_tables, qsl, lens, 1.0,
+                                          query_positions=torch.tensor([0, 1, 2], dtype=torch.int32))
 
 
 @gpu
@@ -124,6 +174,25 @@ def test_prefill_bf16_llama_shapes(config):
 def test_prefill_bf16_at_tile_and_block_boundaries(group, block_m, block_n):
     out, lse, expected, expected_lse = _prefill_at_boundaries(group, block_m, block_n,
                                                               torch.bfloat16, "cuda")
+    assert torch.isfinite(out).all()
+    assert cosine(out, expected) > 0.99
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=0)
+    torch.testing.assert_close(lse, expected_lse, atol=3e-2, rtol=1e-2)
+
+
+@gpu
+@skip_without_cuda
+def test_prefill_bf16_with_query_positions_at_llama_shapes():
+    """A fifth of a 4,096-token prompt's tokens, scattered, recomputed over its cached keys."""
+    g = torch.Generator().manual_seed(7)
+    positions = torch.randperm(4096, generator=g)[:820].sort().values.int().cuda()
+    q, kv_layer, block_tables, _, _ = _batch([820], [4096 - 820], 32, 8, 128, 16, torch.bfloat16, "cuda")
+    qsl = torch.tensor([0, 820], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([4096], dtype=torch.int32, device="cuda")
+    out, lse = prefill_attention.paged_attention(q, kv_layer, block_tables, qsl, lens, 128 ** -0.5,
+                                                 return_lse=True, query_positions=positions)
+    expected, expected_lse = ref.paged_attention(q.float(), kv_layer.float(), block_tables, qsl, lens,
+                                                 128 ** -0.5, return_lse=True, query_positions=positions)
     assert torch.isfinite(out).all()
     assert cosine(out, expected) > 0.99
     torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=0)
