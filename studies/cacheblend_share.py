@@ -42,9 +42,9 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
+from loraplex.benchmarks.blending import SYSTEM, agreement, logprob_errors, rouge_l  # noqa: F401 (cacheblend_select's too)
+
 SHARES = (0.0, 0.05, 0.10, 0.15, 0.20, 0.30, 1.0)
-SYSTEM = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-          "<|im_end|>\n")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -175,33 +175,6 @@ class Blender:
         return answer, first_logprob
 
 
-def lcs(a: list[int], b: list[int]) -> int:
-    previous = [0] * (len(b) + 1)
-    for x in a:
-        current = [0]
-        for j, y in enumerate(b):
-            current.append(previous[j] + 1 if x == y else max(previous[j + 1], current[j]))
-        previous = current
-    return previous[-1]
-
-
-def rouge_l(candidate: list[int], reference: list[int]) -> float:
-    if not candidate or not reference:
-        return float(candidate == reference)
-    common = lcs(candidate, reference)
-    if common == 0:
-        return 0.0
-    precision, recall = common / len(candidate), common / len(reference)
-    return 2 * precision * recall / (precision + recall)
-
-
-def agreement(candidate: list[int], reference: list[int]) -> float:
-    """Share of the reference's positions where the candidate has the same token."""
-    if not reference:
-        return float(not candidate)
-    return sum(a == b for a, b in zip(candidate, reference)) / len(reference)
-
-
 ENGINE_SHARES = (0.0, 0.2, 1.0)
 
 
@@ -219,18 +192,6 @@ def run_engine_request(llm, request_id: str, tokens: list[int], documents, max_t
             if first is None and output.token_ids:
                 first = time.perf_counter() - started
     return list(output.token_ids), [entry.logprob for entry in output.logprobs], first
-
-
-def logprob_errors(answer: list[int], logprobs: list[float], reference: list[int],
-                   reference_logprobs: list[float]) -> list[float]:
-    """|log-prob difference| of each answer token while the answers agree (and at the first
-    token where they part: the same position, another choice's probability)."""
-    errors = []
-    for token, logprob, ref_token, ref_logprob in zip(answer, logprobs, reference, reference_logprobs):
-        errors.append(abs(logprob - ref_logprob))
-        if token != ref_token:
-            break
-    return errors
 
 
 def engine_study(args, folder: Path, tokenizer, encode, documents: dict[str, list[int]],

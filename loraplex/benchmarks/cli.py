@@ -35,6 +35,8 @@ SCRIPTS = {
     "disaggregated": ("disaggregated_bench", "disaggregated prefill and decode on two GPUs against two "
                       "colocated replicas: goodput within TTFT and TPOT targets, the KV transfers' "
                       "bandwidth"),
+    "blending": ("blending", "registered documents blended into prompts (CacheBlend): answers against full "
+                 "prefill on the real model, time to first token at 4K prompt tokens on a Llama-3-8B shape"),
     "placement": ("placement_bench", "where prefill and decode run for a workload's TTFT and TPOT targets: "
                   "colocated or disaggregated P:D, each one's goodput from a step-time model (CPU)"),
     "regression": ("regression", "the headline benchmarks at reduced size, each figure against the one "
