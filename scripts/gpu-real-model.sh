@@ -10,7 +10,7 @@
 #   decode     decode throughput at batch 1, 64 and 256, without and with adapters (random,
 #              rank 16, one per request), beside transformers and transformers + PEFT
 #   blending   issue 25: 50 questions over 4 registered documents of 1,024 tokens, answers blended
-#              at shares 0, 0.2, 1 against full prefill (float32), and time to first token at 4K
+#              at shares 0 to 1 against full prefill (float32), and time to first token at 4K
 #              prompt tokens on a Llama-3-8B shape (bf16), full prefill against a blend
 # The GGUF file (98 MB) is larger than one device call may carry, so it goes in two calls on one
 # warm machine: `stash` carrying .device/gguf-a and .device/real-model, then the rest carrying
@@ -72,7 +72,7 @@ print('imported into $MODEL')" || exit 1
             ;;
         blending)
             mkdir -p "$OUT"
-            python3 -m loraplex.benchmarks blending --model "$MODEL" --out "$OUT" 2>&1 \
+            python3 -m loraplex.benchmarks blending --model "$MODEL" --shares 0,0.1,0.2,0.3,0.5,1 --out "$OUT" 2>&1 \
                 | tee "$OUT/blending.log" | grep -v "^question" | tail -30
             ;;
         *)

@@ -1,13 +1,16 @@
 """How long a worker process takes to load an adapter into a slot (a Llama-3-8B shape, rank 16,
 all seven projections: 84 MB in bf16), by how the driver holds the adapter: a fresh pinned copy
 each time (what the synthetic adapters' loader hands the engine), the same tensors again, and
-tensors in shared memory. The command's pickling through the worker's pipe is the suspect of
-the prefill side's slowness in `loraplex bench disaggregated` (issue 23). One GPU:
+tensors in shared memory, and packed on the driver as the worker's pool pages, in shared memory,
+sent without A and B (what `RemoteSlots.prepare` does on the adapter cache's load thread; its
+packing time is timed apart, off the load). The command's pickling through the worker's pipe is
+the suspect of the prefill side's slowness in `loraplex bench disaggregated` (issue 23). One GPU:
 
     OUT=/tmp python studies/adapter_load_workers.py"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -18,7 +21,7 @@ from pathlib import Path
 import torch
 
 from loraplex.benchmarks import synthetic
-from loraplex.engine.lora_weights import HostAdapter
+from loraplex.engine.lora_weights import HostAdapter, LoraSlotBuffers
 from loraplex.worker.commands import RunnerSpec
 from loraplex.worker.workers import TensorParallelWorkers
 
@@ -54,8 +57,19 @@ def main() -> None:
         for tensors in (shared.a, shared.b, shared.ranks):
             for t in tensors.values():
                 t.share_memory_()
+        packer = LoraSlotBuffers(config, 0, 16, torch.bfloat16, torch.device("cpu"))
+        packing: list[float] = []
+
+        def packed() -> HostAdapter:
+            host = _copy(base, pin=False)
+            started = time.perf_counter()
+            pages = packer.prepare(host)
+            pages.pages.share_memory_()
+            packing.append(time.perf_counter() - started)
+            return dataclasses.replace(host, a={}, b={}, packed={packer.pack_key: pages})
+
         kinds = {"fresh pinned copy": lambda: _copy(base, pin=cuda), "the same pinned tensors": lambda: base,
-                 "shared memory": lambda: shared}
+                 "shared memory": lambda: shared, "packed on the driver": packed}
         for kind, make in kinds.items():
             times = []
             for i in range(6):
@@ -66,6 +80,8 @@ def main() -> None:
             result[kind] = {"ms": [round(t * 1000, 1) for t in times],
                             "median_ms": round(statistics.median(times) * 1000, 1)}
             print(kind, result[kind], flush=True)
+        result["driver packing (off the load)"] = {"ms": [round(t * 1000, 1) for t in packing],
+                                                   "median_ms": round(statistics.median(packing) * 1000, 1)}
     (out / "adapter-load-workers.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
 

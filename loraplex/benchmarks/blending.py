@@ -249,7 +249,8 @@ def ttft(engine: LLMEngine, corpus: Corpus, reps: int, share: float, seed: int) 
             "times_s": {name: [round(t, 5) for t in values] for name, values in times.items()}}
 
 
-def _engine(model: str | Path, device: str, dtype: str, max_len: int, overrides: dict | None) -> LLMEngine:
+def make_engine(model: str | Path, device: str, dtype: str, max_len: int,
+                overrides: dict | None) -> LLMEngine:
     """The real model from its folder (`overrides` None), else a random Llama of the 8B shape
     with `overrides`; a prefix cache with room for a prompt's documents twice over."""
     from loraplex import LLM
@@ -309,10 +310,10 @@ def main(argv: list[str] | None = None) -> None:
         "goals": {"rouge_l": GOAL_ROUGE_L, "ttft_speedup": GOAL_TTFT_SPEEDUP}}
     if "quality" in parts:
         if args.smoke:
-            engine = _engine("tiny", args.device, "float32", max_len, TINY)
+            engine = make_engine("tiny", args.device, "float32", max_len, TINY)
             corpus = random_corpus(TINY["vocab_size"], args.doc_tokens, args.topics, args.seed)
         else:
-            engine = _engine(args.model, args.device, args.quality_dtype, max_len, None)
+            engine = make_engine(args.model, args.device, args.quality_dtype, max_len, None)
             corpus = text_corpus(args.model, args.doc_tokens, args.topics)
         started = time.perf_counter()
         measured = quality(engine, corpus, args.questions, args.shares, args.answer_tokens, args.seed)
@@ -325,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     if "ttft" in parts:
         overrides = TINY if args.smoke else {}
         dtype = "float32" if args.smoke else args.ttft_dtype
-        engine = _engine("synthetic", args.device, dtype, max_len, overrides)
+        engine = make_engine("synthetic", args.device, dtype, max_len, overrides)
         corpus = random_corpus(engine.model_config.vocab_size, args.doc_tokens, 2 * DOCUMENTS_PER_PROMPT,
                                args.seed)
         measured = ttft(engine, corpus, args.ttft_reps, DEFAULT_RECOMPUTE_SHARE, args.seed)

@@ -161,6 +161,21 @@ def _metadata(slots: torch.Tensor, table: torch.Tensor, positions: torch.Tensor)
         query_positions=None if last + 1 == n else positions.to(torch.int32))
 
 
+def metadata_by_runs(slots: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> AttentionMetadata:
+    """The same attention as `_metadata`, laid out without query positions: each run of
+    consecutive positions a sequence of its own, ending at its last token. It reads the prompt's
+    keys once per run (the blend's layout before the prefill attention took query positions):
+    the reference that the one-sequence layout is tested and timed against."""
+    host = positions.cpu()
+    ends = torch.cat([(host[1:] != host[:-1] + 1).nonzero().flatten() + 1, torch.tensor([len(host)])])
+    starts = torch.cat([torch.zeros(1, dtype=ends.dtype), ends[:-1]])
+    return AttentionMetadata(
+        slot_mapping=slots, block_tables=table.expand(len(ends), -1).contiguous(),
+        query_start_loc=torch.cat([torch.zeros(1, dtype=ends.dtype), ends]).to(positions.device, torch.int32),
+        seq_lens=(host[ends - 1] + 1).to(positions.device, torch.int32),
+        max_query_len=int((ends - starts).max()))
+
+
 @torch.inference_mode()
 def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, block_ids: list[int],
                   token_ids: list[int], reused: torch.Tensor | None, share: float,

@@ -13,7 +13,6 @@ from loraplex import LLM, SamplingParams
 from loraplex.engine import blending
 from loraplex.engine.blending import DocumentBlend, blend_prefill
 from loraplex.errors import InvalidRequestError
-from loraplex.model.context import AttentionMetadata
 from loraplex.types import StreamingWindow
 from tests.factories import (
     ALL_SEVEN,
@@ -156,19 +155,6 @@ def test_partial_share_reuses_documents(llm: LLM) -> None:
     assert max(abs(a - b) for a, b in zip(reused_logprobs, reference_logprobs)) > 1e-2
 
 
-def _metadata_by_runs(slots: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> AttentionMetadata:
-    """Each run of consecutive positions a sequence of its own, ending at its last token (the
-    attention's plain placement, no query positions): what the blend's one sequence with a
-    position for each token must equal."""
-    host = positions.cpu()
-    ends = torch.cat([(host[1:] != host[:-1] + 1).nonzero().flatten() + 1, torch.tensor([len(host)])])
-    starts = torch.cat([torch.zeros(1, dtype=ends.dtype), ends[:-1]])
-    return AttentionMetadata(
-        slot_mapping=slots, block_tables=table.expand(len(ends), -1).contiguous(),
-        query_start_loc=torch.cat([torch.zeros(1, dtype=ends.dtype), ends]).to(torch.int32),
-        seq_lens=(host[ends - 1] + 1).to(torch.int32), max_query_len=int((ends - starts).max()))
-
-
 @pytest.mark.parametrize("chunk", [3, 512])
 def test_scattered_tokens_attend_as_runs_of_their_own_would(llm: LLM, monkeypatch, chunk: int) -> None:
     """Past layer 1 the selected tokens attend as one sequence, each at its own position (one
@@ -177,7 +163,7 @@ def test_scattered_tokens_attend_as_runs_of_their_own_would(llm: LLM, monkeypatc
     monkeypatch.setattr(blending, "CHUNK_TOKENS", chunk)
     ids, logprobs = _run(llm, f"positions-{chunk}", "cab", 0.4)
     with monkeypatch.context() as patch:
-        patch.setattr(blending, "_metadata", _metadata_by_runs)
+        patch.setattr(blending, "_metadata", blending.metadata_by_runs)
         run_ids, run_logprobs = _run(llm, f"runs-{chunk}", "cab", 0.4)
     _, reused_logprobs = _run(llm, f"none-{chunk}", "cab", 0.0)
     assert ids == run_ids
