@@ -6,11 +6,13 @@ sent without A and B (what `RemoteSlots.prepare` does on the adapter cache's loa
 packing time is timed apart, off the load). The command's pickling through the worker's pipe is
 the suspect of the prefill side's slowness in `loraplex bench disaggregated` (issue 23). One GPU:
 
-    OUT=/tmp python studies/adapter_load_workers.py"""
+    OUT=/tmp python studies/adapter_load_workers.py
+
+Without a GPU it runs a tiny shape, or with LAYERS=N the Llama-3-8B shape cut to N layers (an
+adapter of N x 2.6 MB), to time the host's part of a load."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import statistics
@@ -22,6 +24,7 @@ import torch
 
 from loraplex.benchmarks import synthetic
 from loraplex.engine.lora_weights import HostAdapter, LoraSlotBuffers
+from loraplex.worker.adapters import packed_for_the_wire
 from loraplex.worker.commands import RunnerSpec
 from loraplex.worker.workers import TensorParallelWorkers
 
@@ -36,7 +39,9 @@ def _copy(host: HostAdapter, pin: bool) -> HostAdapter:
 def main() -> None:
     out = Path(os.environ.get("OUT", "."))
     cuda = torch.cuda.is_available()  # (without a GPU: a tiny shape, to try the script)
-    overrides = {} if cuda else {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    layers = os.environ.get("LAYERS")
+    overrides = {} if cuda else {"num_hidden_layers": int(layers)} if layers else {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
     folder = tempfile.mkdtemp()
     (Path(folder) / "config.json").write_text(json.dumps({**synthetic.LLAMA3_8B, **overrides}))
@@ -66,7 +71,7 @@ def main() -> None:
             pages = packer.prepare(host)
             pages.pages.share_memory_()
             packing.append(time.perf_counter() - started)
-            return dataclasses.replace(host, a={}, b={}, packed={packer.pack_key: pages})
+            return packed_for_the_wire(host, packer.pack_key)
 
         kinds = {"fresh pinned copy": lambda: _copy(base, pin=cuda), "the same pinned tensors": lambda: base,
                  "shared memory": lambda: shared, "packed on the driver": packed}

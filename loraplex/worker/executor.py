@@ -40,6 +40,7 @@ from loraplex.engine.sizing import MemoryPlan, kv_block_bytes, plan_memory
 from loraplex.engine_config import EngineConfig
 from loraplex.model.model_config import ModelConfig
 from loraplex.parallel.sharding import ShardLayout
+from loraplex.worker.adapters import packed_for_the_wire
 from loraplex.worker.commands import RunnerSpec
 from loraplex.worker.replies import RunnerCounters
 from loraplex.worker.workers import TensorParallelWorkers, check_workers
@@ -154,11 +155,11 @@ class RemoteSlots:
 
     def _sent(self, adapter: HostAdapter) -> HostAdapter:
         """What a load sends: the adapter less A and B where its pages are packed for the rank
-        (the rank's load reads neither then; DoRA's row norms do, so it goes whole)."""
+        (the rank's load reads neither then; DoRA's row norms do, so it goes whole), its small
+        tensors by value (packed_for_the_wire)."""
         if self._packer is None or adapter.family == "dora" or self._packer.pack_key not in adapter.packed:
             return adapter
-        key = self._packer.pack_key
-        return dataclasses.replace(adapter, a={}, b={}, packed={key: adapter.packed[key]})
+        return packed_for_the_wire(adapter, self._packer.pack_key)
 
     def load(self, slot: int, adapter: HostAdapter, pages: list[int]) -> None:
         """Queue `adapter` for `slot` and its pool `pages` (any thread); the next step sends it."""
