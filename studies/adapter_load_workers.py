@@ -1,10 +1,12 @@
 """How long a worker process takes to load an adapter into a slot (a Llama-3-8B shape, rank 16,
 all seven projections: 84 MB in bf16), by how the driver holds the adapter: a fresh pinned copy
-each time (what the synthetic adapters' loader hands the engine), the same tensors again, and
-tensors in shared memory, and packed on the driver as the worker's pool pages, in shared memory,
-sent without A and B (what `RemoteSlots.prepare` does on the adapter cache's load thread; its
-packing time is timed apart, off the load). The command's pickling through the worker's pipe is
-the suspect of the prefill side's slowness in `loraplex bench disaggregated` (issue 23). One GPU:
+each time (what the synthetic adapters' loader hands the engine), the same tensors again,
+tensors in shared memory; packed on the driver as the worker's pool pages, in shared memory,
+sent without A and B (`RemoteSlots.prepare` on the adapter cache's load thread; the packing
+timed apart, off the load); and those pages written into the worker's adapter ring, pinned
+there on a GPU (the write, which the adapter cache's copy thread makes, timed apart). The
+command's pickling through the worker's pipe was the suspect of the prefill side's slowness in
+`loraplex bench disaggregated` (issue 23). One GPU:
 
     OUT=/tmp python studies/adapter_load_workers.py
 
@@ -73,20 +75,36 @@ def main() -> None:
             packing.append(time.perf_counter() - started)
             return packed_for_the_wire(host, packer.pack_key)
 
+        ring = torch.zeros(2 * packer.prepare(_copy(base, pin=False)).pages.numel(), dtype=torch.uint8)
+        workers.map_adapter_ring(ring.share_memory_())
+        ring_writes: list[float] = []
+
+        def through_the_ring() -> HostAdapter:
+            host = _copy(base, pin=False)
+            pages = packer.prepare(host).pages
+            started = time.perf_counter()
+            ring[:pages.numel()].copy_(pages)
+            ring_writes.append(time.perf_counter() - started)
+            return packed_for_the_wire(host, packer.pack_key, pages_in_ring=True)
+
         kinds = {"fresh pinned copy": lambda: _copy(base, pin=cuda), "the same pinned tensors": lambda: base,
-                 "shared memory": lambda: shared, "packed on the driver": packed}
+                 "shared memory": lambda: shared, "packed on the driver": packed,
+                 "through the adapter ring": through_the_ring}
         for kind, make in kinds.items():
             times = []
             for i in range(6):
                 host = make()
+                in_ring = kind == "through the adapter ring"
                 started = time.perf_counter()
-                workers.load_adapter(1 + i % 4, host)
+                workers.load_adapter(1 + i % 4, host, ring=(0, len(ring) // 2) if in_ring else None)
                 times.append(time.perf_counter() - started)
             result[kind] = {"ms": [round(t * 1000, 1) for t in times],
                             "median_ms": round(statistics.median(times) * 1000, 1)}
             print(kind, result[kind], flush=True)
-        result["driver packing (off the load)"] = {"ms": [round(t * 1000, 1) for t in packing],
-                                                   "median_ms": round(statistics.median(packing) * 1000, 1)}
+        for name, times in (("driver packing (off the load)", packing),
+                            ("ring write (the driver's copy thread)", ring_writes)):
+            result[name] = {"ms": [round(t * 1000, 1) for t in times],
+                            "median_ms": round(statistics.median(times) * 1000, 1)}
     (out / "adapter-load-workers.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
 

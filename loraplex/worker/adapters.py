@@ -77,11 +77,13 @@ def _from_bytes(data: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) ->
     return torch.from_numpy(data).view(dtype).reshape(shape)
 
 
-def packed_for_the_wire(host: HostAdapter, key: tuple) -> HostAdapter:
+def packed_for_the_wire(host: HostAdapter, key: tuple, pages_in_ring: bool = False) -> HostAdapter:
     """What a load sends to a rank whose pool layout is `key` (host.packed[key] made already):
-    the packed pages (in shared memory: their handle crosses), without A and B, the small
-    tensors by value (Inline). Only for sending: its small tensors are Inline until unpickled."""
+    the packed pages (in shared memory: their handle crosses; none where the driver wrote them
+    into the rank's adapter ring, `pages_in_ring`), without A and B, the small tensors by value
+    (Inline). Only for sending: its small tensors are Inline until unpickled."""
     packed = host.packed[key]
+    pages = torch.empty(0, dtype=torch.uint8) if pages_in_ring else packed.pages
 
     def inline(tensors: dict[str, torch.Tensor] | None) -> dict | None:
         return None if tensors is None else {name: Inline(t) for name, t in tensors.items()}
@@ -89,7 +91,7 @@ def packed_for_the_wire(host: HostAdapter, key: tuple) -> HostAdapter:
     tables = {entry: (Inline(page), Inline(start)) for entry, (page, start) in packed.tables.items()}
     return dataclasses.replace(host, a={}, b={}, ranks=inline(host.ranks), magnitude=inline(host.magnitude),
                                out_scale=inline(host.out_scale), in_scale=inline(host.in_scale),
-                               packed={key: PackedAdapter(packed.pages, tables)})
+                               packed={key: PackedAdapter(pages, tables)})
 
 
 def dora_row_scales(

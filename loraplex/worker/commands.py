@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from loraplex.engine.lora_weights import HostAdapter
 from loraplex.engine.plan import StepPlan
 from loraplex.worker.replies import KvHandle
@@ -78,6 +80,20 @@ class LoadAdapter:
     slot: int
     adapter: HostAdapter
     pages: tuple[int, ...] | None = None
+    ring: tuple[int, int] | None = None
+    """(byte offset, bytes) of the adapter's packed pages in the rank's adapter ring
+    (MapAdapterRing), where the driver wrote them; the adapter then comes without them. The rank
+    answers once its copy out of the ring is done, so that the driver may write there again."""
+
+
+@dataclass(frozen=True)
+class MapAdapterRing:
+    """Keep `ring` (host memory the driver shares, uint8) as the rank's adapter ring and pin it
+    on a GPU: the driver writes packed adapters there and loads name where (LoadAdapter.ring),
+    so that a load is one copy from pinned memory, in place of a fresh shared segment mapped
+    and copied from pageable memory."""
+
+    ring: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -149,5 +165,5 @@ class Shutdown:
     """Leave the process group and exit."""
 
 
-Command = (LoadModel | MeasureMemory | LoadAdapter | RunStep | TimeCollectives | ShareKv | MapPeerKv
-           | PushKv | ReceiveKv | Shutdown)
+Command = (LoadModel | MeasureMemory | LoadAdapter | MapAdapterRing | RunStep | TimeCollectives | ShareKv
+           | MapPeerKv | PushKv | ReceiveKv | Shutdown)

@@ -37,6 +37,7 @@ from loraplex.engine.lora_weights import (
 )
 from loraplex.engine.plan import StepPlan, StepResult, TokenMasks
 from loraplex.engine.sizing import MemoryPlan, kv_block_bytes, plan_memory
+from loraplex.engine.staging import Runs
 from loraplex.engine_config import EngineConfig
 from loraplex.model.model_config import ModelConfig
 from loraplex.parallel.sharding import ShardLayout
@@ -121,11 +122,18 @@ class _SwapCounters:
         return self.swap
 
 
+ADAPTER_RING_ADAPTERS = 4
+"""Adapters of the largest rank that a one-rank worker's adapter ring holds at once (loads
+written and not yet copied out; one past it waits for room or takes the slower path)."""
+
+
 class RemoteSlots:
     """The adapter cache's slot buffers, on the workers."""
 
     def __init__(self, workers: TensorParallelWorkers, num_slots: int, shard: ModelConfig,
-                 dtype: torch.dtype, block_bytes: int, max_rank: int) -> None:
+                 dtype: torch.dtype, block_bytes: int, max_rank: int, ring_bytes: int = 0) -> None:
+        """`ring_bytes`: with one rank, an adapter ring of that size (rounded down to whole pool
+        pages) shared with it (MapAdapterRing); 0: none."""
         self.workers, self.num_slots = workers, num_slots
         self.blocks_per_page = adapter_page_blocks(shard, dtype, block_bytes)
         self.page_bytes = self.blocks_per_page * block_bytes
@@ -134,8 +142,18 @@ class RemoteSlots:
             shard, 0, max_rank, dtype, torch.device("cpu"), block_bytes=block_bytes)
         """With one rank: lays adapters out as its pool's pages, here (`prepare`)."""
         self.device = torch.device("cpu")  # the engine core copies nothing to a device itself
-        self._queued: list[tuple[int, HostAdapter, list[int]]] = []
+        self._queued: list[tuple[int, HostAdapter, list[int], tuple[int, int] | None]] = []
         self._lock = threading.Lock()
+        self._ring: torch.Tensor | None = None
+        self._ring_runs = Runs(0)
+        """Free pages of the ring (its own page-sized units)."""
+        num_ring_pages = ring_bytes // self.page_bytes if self._packer is not None else 0
+        if num_ring_pages:
+            self._ring = torch.zeros(num_ring_pages * self.page_bytes, dtype=torch.uint8).share_memory_()
+            workers.map_adapter_ring(self._ring)
+            self._ring_runs = Runs(num_ring_pages)
+        self.num_ring_loads = 0
+        """Loads whose pages went through the ring (the others: a shared segment each, or whole)."""
 
     def pages_for(self, adapter: HostAdapter) -> int:
         """Pool pages the adapter takes on every rank (the shard's dims; a rank's shard of an
@@ -153,25 +171,60 @@ class RemoteSlots:
             if not packed.pages.is_shared():
                 packed.pages.share_memory_()
 
+    def _is_packed(self, adapter: HostAdapter) -> bool:
+        """Whether a load sends the adapter's packed pages without A and B (the rank's load reads
+        neither then; DoRA's row norms do, so it goes whole)."""
+        return (self._packer is not None and adapter.family != "dora"
+                and self._packer.pack_key in adapter.packed)
+
     def _sent(self, adapter: HostAdapter) -> HostAdapter:
-        """What a load sends: the adapter less A and B where its pages are packed for the rank
-        (the rank's load reads neither then; DoRA's row norms do, so it goes whole), its small
-        tensors by value (packed_for_the_wire)."""
-        if self._packer is None or adapter.family == "dora" or self._packer.pack_key not in adapter.packed:
-            return adapter
-        return packed_for_the_wire(adapter, self._packer.pack_key)
+        """What a load sends outside the ring: packed (packed_for_the_wire) where it may be."""
+        return packed_for_the_wire(adapter, self._packer.pack_key) if self._is_packed(adapter) else adapter
 
     def load(self, slot: int, adapter: HostAdapter, pages: list[int]) -> None:
-        """Queue `adapter` for `slot` and its pool `pages` (any thread); the next step sends it."""
+        """Queue `adapter` for `slot` and its pool `pages` (the adapter cache's copy thread); the
+        next step sends it. Its packed pages are written into the ring here, where there is room."""
+        ring = self._write_to_ring(adapter)
         with self._lock:
-            self._queued.append((slot, adapter, pages))
+            self._queued.append((slot, adapter, pages, ring))
+
+    def _write_to_ring(self, adapter: HostAdapter) -> tuple[int, int] | None:
+        """(first ring page, pages) where the adapter's packed pages now are, or None (no ring,
+        not packed, or no room)."""
+        if self._ring is None or not self._is_packed(adapter):
+            return None
+        packed = self._packer.prepare(adapter).pages
+        count = packed.numel() // self.page_bytes
+        with self._lock:
+            first = self._ring_runs.take(count) if count else None
+        if first is None:
+            return None
+        self._ring[first * self.page_bytes:(first + count) * self.page_bytes].copy_(packed)
+        return first, count
+
+    def _free_ring(self, run: tuple[int, int]) -> None:
+        with self._lock:
+            self._ring_runs.give_back(*run)
+
+    @property
+    def ring_free_bytes(self) -> int:
+        with self._lock:
+            return self._ring_runs.num_free_blocks * self.page_bytes
 
     def send_queued(self) -> None:
         """Send the queued loads to the workers (the engine thread, before a step)."""
         with self._lock:
             queued, self._queued = self._queued, []
-        for slot, adapter, pages in queued:
-            self.workers.queue_adapter(slot, self._sent(adapter), pages)
+        for slot, adapter, pages, ring in queued:
+            if ring is None:
+                self.workers.queue_adapter(slot, self._sent(adapter), pages)
+                continue
+            first, count = ring
+            self.workers.queue_adapter(
+                slot, packed_for_the_wire(adapter, self._packer.pack_key, pages_in_ring=True), pages,
+                ring=(first * self.page_bytes, count * self.page_bytes),
+                on_done=lambda _answer, run=ring: self._free_ring(run))
+            self.num_ring_loads += 1
 
 
 @dataclass
@@ -227,7 +280,7 @@ class TensorParallelExecutor:
         logger.info("%d worker process%s (%s); each rank's %s", size, "es" if size > 1 else "",
                     workers.backend, memory.describe())
         slots = RemoteSlots(workers, memory.num_lora_slots, shard, dtype, memory.kv_block_bytes,
-                            config.lora.max_lora_rank)
+                            config.lora.max_lora_rank, ring_bytes=ADAPTER_RING_ADAPTERS * slot_bytes)
         return cls(workers, memory, RemoteRunner(workers, slots), slots, num_host_blocks)
 
     def close(self) -> None:

@@ -6,6 +6,7 @@ runner records; rank 0 returns the sampled tokens."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import pickle
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
-from loraplex.engine.lora_weights import HostAdapter, LoraSlotBuffers
+from loraplex.engine.lora_weights import HostAdapter, LoraSlotBuffers, PackedAdapter
 from loraplex.engine.model_runner import ModelRunner, measure_step_bytes
 from loraplex.engine.relay_groups import RelayRule
 from loraplex.engine.sizing import cuda_budget, kv_cache_view, resolve_dtype
@@ -34,6 +35,7 @@ from loraplex.worker.commands import (
     Command,
     LoadAdapter,
     LoadModel,
+    MapAdapterRing,
     MapPeerKv,
     MeasureMemory,
     PushKv,
@@ -54,6 +56,8 @@ from loraplex.worker.replies import (
     RunnerCounters,
     StepOutput,
 )
+
+logger = logging.getLogger(__name__)
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                     "NVSHMEM_DISABLE_NVLS": "1"}
@@ -119,6 +123,9 @@ class Worker:
         self.peer_staging: torch.Tensor | None = None
         """A peer worker's staging area, mapped (MapPeerKv, staging): what PushKv copies into."""
         self._direct_push = False  # pushes as one cudaMemcpyAsync (peer_copy.py)
+        self.adapter_ring: torch.Tensor | None = None
+        """Host memory the driver writes packed adapters into (MapAdapterRing; pinned on a GPU)."""
+        self._ring_pinned = False
         self.layout: ShardLayout | None = None
         self.model: ParallelLlamaForCausalLM | None = None
         self._model_key: tuple | None = None  # what the loaded shard was built from
@@ -132,7 +139,10 @@ class Worker:
         if self.runner is None:
             raise RuntimeError(f"{type(command).__name__} before LoadModel")
         if isinstance(command, LoadAdapter):
-            self.load_adapter(command.slot, command.adapter, command.pages)
+            self.load_adapter(command.slot, command.adapter, command.pages, command.ring)
+            return None
+        if isinstance(command, MapAdapterRing):
+            self.map_adapter_ring(command.ring)
             return None
         if isinstance(command, RunStep):
             return self.run_step(command)
@@ -215,18 +225,48 @@ class Worker:
         shapes["kv_cache"] = tuple(kv_cache.shape)
         return shapes
 
-    def load_adapter(self, slot: int, adapter: HostAdapter, pages: tuple[int, ...] | None = None) -> None:
-        """Copy the rank's shard of `adapter` into `slot`; a DoRA adapter's o and down scales
-        are then set from its row norms over every rank's columns."""
+    def map_adapter_ring(self, ring: torch.Tensor) -> None:
+        """Keep the driver's adapter ring, pinned (page-locked where it lies) on a GPU."""
+        self._unpin_adapter_ring()
+        self.adapter_ring = ring
+        if self.device.type == "cuda" and ring.numel():
+            error = torch.cuda.cudart().cudaHostRegister(ring.data_ptr(), ring.numel(), 0)
+            if int(error) != 0:  # (it still works, from pageable memory)
+                logger.warning("could not pin the adapter ring (%d bytes): cudaError %d", ring.numel(),
+                               int(error))
+            self._ring_pinned = int(error) == 0
+
+    def _unpin_adapter_ring(self) -> None:
+        if self.adapter_ring is not None and self._ring_pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.adapter_ring.data_ptr())
+        self._ring_pinned = False
+
+    def load_adapter(self, slot: int, adapter: HostAdapter, pages: tuple[int, ...] | None = None,
+                     ring: tuple[int, int] | None = None) -> None:
+        """Copy the rank's shard of `adapter` into `slot` (its packed pages from the adapter ring
+        at `ring`, where given: the copy is done when this returns); a DoRA adapter's o and down
+        scales are then set from its row norms over every rank's columns."""
         shard, lora = shard_host_adapter(adapter, self.layout), self.runner.lora
         if not 0 < slot <= lora.num_slots:  # (before its pages are counted)
             raise ValueError(f"slot {slot} out of range 1..{lora.num_slots}")
+        if ring is not None:
+            at, size = ring
+            if self.adapter_ring is None or at < 0 or at + size > self.adapter_ring.numel():
+                raise ValueError(f"adapter {adapter.digest} is at [{at}, {at + size}) of an adapter ring of "
+                                 f"{0 if self.adapter_ring is None else self.adapter_ring.numel()} bytes")
+            if lora.pack_key not in shard.packed:
+                raise ValueError(f"adapter {adapter.digest} came through the ring packed for another layout "
+                                 "than this rank's")
+            tables = shard.packed[lora.pack_key].tables
+            shard.packed[lora.pack_key] = PackedAdapter(self.adapter_ring[at:at + size], tables)
         if shard.packed and not shard.a and lora.pack_key not in shard.packed:  # (RemoteSlots._sent)
             raise ValueError(f"adapter {adapter.digest} came packed, without A and B, for another layout "
                              "than this rank's")
         if pages is None:  # the rank's adapters have a pool of their own
             pages = lora.own_pages_of(slot, lora.pages_for(shard))
         lora.load(slot, shard, list(pages))
+        if ring is not None and self.device.type == "cuda":  # the driver writes there again next
+            torch.cuda.current_stream(self.device).synchronize()
         if shard.family != "dora":
             return
         base_weights = self.runner.model.group_weights

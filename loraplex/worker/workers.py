@@ -32,6 +32,7 @@ from loraplex.parallel.sharding import check_tensor_parallel
 from loraplex.worker.commands import (
     LoadAdapter,
     LoadModel,
+    MapAdapterRing,
     MapPeerKv,
     MeasureMemory,
     PushKv,
@@ -136,22 +137,30 @@ class TensorParallelWorkers:
         check_workers(ModelConfig.load(spec.model), self.world_size, torch.device(spec.device))
         return self._call(MeasureMemory(spec, gpu_memory_utilization))
 
-    def load_adapter(self, slot: int, adapter: HostAdapter, pages: list[int] | None = None) -> None:
+    def load_adapter(self, slot: int, adapter: HostAdapter, pages: list[int] | None = None,
+                     ring: tuple[int, int] | None = None) -> None:
         """Copy an adapter (laid out for the full model) into `slot` on every rank, each its
         shard, in pool `pages` (None: the slot's own, where the ranks' adapters have a pool of
-        their own)."""
-        self._call(LoadAdapter(slot, adapter, None if pages is None else tuple(pages)))
+        their own); `ring` as for `queue_adapter`."""
+        self._call(LoadAdapter(slot, adapter, None if pages is None else tuple(pages), ring))
 
     def time_collectives(self, batch_sizes: tuple[int, ...], iterations: int = 50) -> list[dict[str, float]]:
         """Rank 0's timings of a decode step's collectives at each batch size (TimeCollectives)."""
         return self._call(TimeCollectives(tuple(batch_sizes), iterations))[0]
 
-    def queue_adapter(self, slot: int, adapter: HostAdapter, pages: list[int] | None = None) -> None:
+    def queue_adapter(self, slot: int, adapter: HostAdapter, pages: list[int] | None = None,
+                      ring: tuple[int, int] | None = None,
+                      on_done: Callable[[Any], None] | None = None) -> None:
         """Send a slot load to every rank and return at once: the ranks run it after the steps
         launched before it and before those launched after (their commands run in order); a
-        failure is raised by the next `collect`."""
-        self._guarded(self._send, LoadAdapter(slot, adapter, None if pages is None else tuple(pages)))
-        self._pending.append(False)
+        failure is raised by the next `collect`. `ring`: where in the adapter ring its packed
+        pages are (LoadAdapter.ring); `on_done` as for `queue`."""
+        self._guarded(self._send, LoadAdapter(slot, adapter, None if pages is None else tuple(pages), ring))
+        self._pending.append(on_done or False)
+
+    def map_adapter_ring(self, ring: torch.Tensor) -> None:
+        """Every rank keeps `ring` (shared host memory) as its adapter ring (MapAdapterRing)."""
+        self._call(MapAdapterRing(ring))
 
     def share_kv(self, staging_blocks: int = 0) -> KvHandle:
         """Rank 0's KV cache, or a staging area of `staging_blocks` it makes now, as another

@@ -179,6 +179,9 @@ def test_greedy_outputs_match_the_colocated_engine_for_every_family(case, async_
             hosts = [e.adapter for e in side.adapters._host.values() if e.adapter is not None]
             assert hosts and all(p.pages.is_shared() for h in hosts for p in h.packed.values())
             assert all(h.packed for h in hosts)
+            # their pages written into the worker's adapter ring, which every load gave back
+            slots = side.executor.slots
+            assert slots.num_ring_loads > 0 and slots.ring_free_bytes == slots._ring.numel()
         else:
             families = {side.lora.slot_family[slot] for slot in range(1, side.lora.num_slots + 1)}
             assert families >= {"lora", "dora", "ia3", "flora"}
