@@ -176,6 +176,41 @@ def metadata_by_runs(slots: torch.Tensor, table: torch.Tensor, positions: torch.
         max_query_len=int((ends - starts).max()))
 
 
+@dataclass(frozen=True)
+class _Pass:
+    """A forward pass over the tokens at `positions`, rows `rows` of the hidden states, with its
+    context: made once and run at every layer (no host sync a layer)."""
+
+    rows: slice
+    positions: torch.Tensor
+    context: ForwardContext
+
+
+def _passes(kv_cache: torch.Tensor, slots: torch.Tensor, table: torch.Tensor, positions: torch.Tensor,
+            lora: AdapterSlot | None, size: int) -> list[_Pass]:
+    """The tokens at `positions` (ascending) `size` at a time (those before a pass are in the
+    cache when it runs)."""
+    passes = []
+    for lo in range(0, len(positions), size):
+        chosen = positions[lo:lo + size]
+        passes.append(_Pass(slice(lo, lo + size), chosen,
+                            _context(kv_cache, _metadata(slots[chosen], table, chosen), lora)))
+    return passes
+
+
+def _layer(layer: torch.nn.Module, model: LlamaForCausalLM, passes: list[_Pass], hidden: torch.Tensor,
+           residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer on the passes' tokens, pass by pass."""
+    outputs = []
+    for p in passes:
+        with forward_context(p.context):
+            outputs.append(layer(p.positions, hidden[p.rows], None if residual is None else residual[p.rows],
+                                 model.cos_sin))
+    if len(outputs) == 1:
+        return outputs[0]
+    return torch.cat([h for h, _ in outputs]), torch.cat([r for _, r in outputs])
+
+
 @torch.inference_mode()
 def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, block_ids: list[int],
                   token_ids: list[int], reused: torch.Tensor | None, share: float,
@@ -194,17 +229,12 @@ def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, block_ids: li
     hidden = F.embedding(torch.tensor(token_ids, device=device), model.embed_tokens)
     residual = None
     selected = positions
+    passes = _passes(kv_cache, slots, table, positions, lora, n)  # every token at once
     is_blend = reused is not None and bool(reused.any())
     for index, layer in enumerate(model.layers):
         if index == 1 and is_blend and by == "deviation":
             before = kv_cache[table[0].long(), 1].clone()  # [blocks, 2, block_size, kv_heads, d]
-        if index <= 1 or len(selected) == n:
-            meta = _metadata(slots, table, positions)
-            with forward_context(_context(kv_cache, meta, lora)):
-                hidden, residual = layer(positions, hidden, residual, model.cos_sin)
-        else:
-            hidden, residual = _layer_chunks(layer, model, kv_cache, table, slots, selected, hidden, residual,
-                                             lora)
+        hidden, residual = _layer(layer, model, passes, hidden, residual)
         if index == 1 and is_blend:
             if by == "deviation":
                 after = kv_cache[table[0].long(), 1]
@@ -212,23 +242,10 @@ def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, block_ids: li
             else:
                 score = question_attention(model, kv_cache, table, slots, ~reused, hidden, residual, lora)
             selected = _select(score, reused, share)
-            hidden, residual = hidden[selected], residual[selected]
+            if len(selected) < n:
+                hidden, residual = hidden[selected], residual[selected]
+                passes = _passes(kv_cache, slots, table, selected, lora, CHUNK_TOKENS)
     return selected
-
-
-def _layer_chunks(layer: torch.nn.Module, model: LlamaForCausalLM, kv_cache: torch.Tensor,
-                  table: torch.Tensor, slots: torch.Tensor, selected: torch.Tensor, hidden: torch.Tensor,
-                  residual: torch.Tensor, lora: AdapterSlot | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer on the selected tokens, CHUNK_TOKENS at a time (those before a chunk are in the
-    cache)."""
-    outputs = []
-    for lo in range(0, len(selected), CHUNK_TOKENS):
-        rows = slice(lo, lo + CHUNK_TOKENS)
-        chosen = selected[rows]
-        meta = _metadata(slots[chosen], table, chosen)
-        with forward_context(_context(kv_cache, meta, lora)):
-            outputs.append(layer(chosen, hidden[rows], residual[rows], model.cos_sin))
-    return torch.cat([h for h, _ in outputs]), torch.cat([r for _, r in outputs])
 
 
 def question_attention(model: LlamaForCausalLM, kv_cache: torch.Tensor, table: torch.Tensor,
@@ -244,29 +261,27 @@ def question_attention(model: LlamaForCausalLM, kv_cache: torch.Tensor, table: t
     n = len(own)
     probe = own.nonzero().flatten()
     hidden, residual = hidden[probe], residual[probe]
+    passes = _passes(kv_cache, slots, table, probe, lora, CHUNK_TOKENS)
     rows = table[0].long()
+    later = torch.arange(n, device=kv_cache.device)[None, :] > probe[:, None]  # [probe, tokens]
     mass = torch.zeros(n, dtype=torch.float32, device=kv_cache.device)
     for layer in model.layers[2:]:
         attn = layer.attn
         h = hidden.float() + residual.float()  # the layer's input norm, as its fused_add_rms_norm
         normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + layer.eps)).to(hidden.dtype)
         normed = normed * layer.input_norm
-        hidden, residual = _layer_chunks(layer, model, kv_cache, table, slots, probe, hidden, residual, lora)
+        hidden, residual = _layer(layer, model, passes, hidden, residual)
         keys = kv_cache[rows, attn.layer, 0].flatten(0, 1)[:n].float()  # [tokens, kv_heads, d]
         keys = keys.repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=1)
-        for lo in range(0, len(probe), CHUNK_TOKENS):
-            chunk = probe[lo:lo + CHUNK_TOKENS]
-            meta = _metadata(slots[chunk], table, chunk)
-            with forward_context(_context(kv_cache, meta, lora)):
-                qkv = project(attn.layer, "qkv", attn.ops, normed[lo:lo + CHUNK_TOKENS], attn.qkv_weight,
-                              attn.qkv_bias)
-            q = qkv[:, :attn.q_size].view(len(chunk), attn.num_heads, attn.head_dim)
-            cos, sin = model.cos_sin[chunk].float().chunk(2, dim=-1)  # [chunk, d / 2]
+        for p in passes:
+            with forward_context(p.context):
+                qkv = project(attn.layer, "qkv", attn.ops, normed[p.rows], attn.qkv_weight, attn.qkv_bias)
+            q = qkv[:, :attn.q_size].view(len(p.positions), attn.num_heads, attn.head_dim)
+            cos, sin = model.cos_sin[p.positions].float().chunk(2, dim=-1)  # [chunk, d / 2]
             q1, q2 = q.float().chunk(2, dim=-1)
             q = torch.cat((q1 * cos[:, None] - q2 * sin[:, None], q2 * cos[:, None] + q1 * sin[:, None]), -1)
             scores = torch.einsum("qhd,khd->hqk", q, keys) * attn.scale  # [heads, chunk, tokens]
-            later = torch.arange(n, device=kv_cache.device)[None, :] > chunk[:, None]
-            weights = scores.masked_fill(later, float("-inf")).softmax(-1)
+            weights = scores.masked_fill(later[p.rows], float("-inf")).softmax(-1)
             mass += weights.sum((0, 1)) / (attn.num_heads * len(probe))
     return mass
 
