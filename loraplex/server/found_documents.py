@@ -7,9 +7,10 @@ Cheap on the request path: a tenant's document ids are read behind the registry 
 small query per `registry_cache_ttl_s`, none while cached), each document's tokens once (a
 document is never edited, so its id names its tokens for good), and a prompt is scanned once,
 looking its every run of KEY_TOKENS tokens up among the documents' first ones. A document is
-found where its tokens, tokenized alone, lie whole in the prompt's: where the chat template or
-the text around it merges its first or last token with a neighbour's, it is not found and is
-computed as the prompt's own."""
+found where its tokens, tokenized alone, lie whole in the prompt's, or all but its last, which
+a BPE tokenizer may merge with the text after it (a document ending in a space or a newline,
+before the template's newlines; that token is computed as the prompt's own). One whose first
+token merged with the text before it is not found, and is computed as the prompt's own."""
 
 from __future__ import annotations
 
@@ -57,8 +58,9 @@ class DocumentIndex:
         prompt = array("i", prompt_ids)
         spans, i = [], 0
         while i <= len(prompt_ids) - self.min_tokens:
-            end = next((i + len(tokens) for tokens in heads.get(tuple(prompt_ids[i:i + KEY_TOKENS]), ())
-                        if prompt[i:i + len(tokens)] == tokens), None)
+            end = next((i + length for tokens in heads.get(tuple(prompt_ids[i:i + KEY_TOKENS]), ())
+                        for length in (len(tokens), len(tokens) - 1)  # whole, or its last token merged
+                        if prompt[i:i + length] == tokens[:length]), None)
             if end is None:
                 i += 1
             else:

@@ -114,3 +114,28 @@ def test_mixed_adapter_batch_is_token_exact_with_transformers_peft(smollm2, hf_m
         distinct.add(tuple(tokens))
     assert len(distinct) == len(outputs)  # the adapters change the answers
     assert any(output.finish_reason == "stop" for output in outputs)
+
+
+def test_documents_are_found_in_a_templated_prompt_though_bpe_merged_their_edges(tokenizer):
+    """SmolLM2's BPE merges a document's trailing space or newline with the newlines that follow
+    it in the prompt: the server still finds each named document, less that token."""
+    from types import SimpleNamespace
+
+    from loraplex.server.documents import find_document, find_run, with_documents
+
+    texts = ["Orders ship within two business days. ", "Returns are accepted for thirty days.\n",
+             "Tracking numbers arrive by email."]
+    records = tuple(SimpleNamespace(text=text) for text in texts)
+    messages = with_documents([{"role": "user", "content": "When does my order ship?"}], records)
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                           return_dict=True)["input_ids"]
+    start = 0
+    for text in texts:
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        span = find_document(prompt, tokens, start)
+        assert span is not None, text
+        merged = text[-1].isspace()
+        assert (find_run(prompt, tokens, start) is None) == merged  # the edge merged: not found whole
+        length = span[1] - span[0]
+        assert length == len(tokens) - merged and prompt[span[0]:span[1]] == tokens[:length]
+        start = span[1]
