@@ -322,8 +322,8 @@ def _transfers_since(before: TransferStats, after: TransferStats) -> dict[str, A
     if not count:
         return {"transfers": 0}
     seconds = after.seconds - before.seconds
-    return {"transfers": count, "bytes": num_bytes, "gb_per_s": round(num_bytes / seconds / 1e9, 2),
-            "mean_mb": round(num_bytes / count / 1e6, 1)}
+    return {"transfers": count, "bytes": num_bytes, "seconds": seconds,
+            "gb_per_s": round(num_bytes / seconds / 1e9, 2), "mean_mb": round(num_bytes / count / 1e6, 1)}
 
 
 def _summary(result: dict[str, Any]) -> dict[str, Any]:
@@ -339,8 +339,8 @@ def _summary(result: dict[str, Any]) -> dict[str, Any]:
                  if row.get("kv_transfers", {}).get("transfers")]
     if transfers:
         num_bytes = sum(t["bytes"] for t in transfers)
-        seconds = sum(t["bytes"] / (t["gb_per_s"] * 1e9) for t in transfers)
-        summary["kv_transfer_gb_per_s"] = round(num_bytes / seconds / 1e9, 2)
+        seconds = sum(t["seconds"] for t in transfers)  # (a row's GB/s is rounded: 0.0 on a slow CPU)
+        summary["kv_transfer_gb_per_s"] = float(f"{num_bytes / seconds / 1e9:.3g}")  # (a CPU run's too)
         if "gpu_to_gpu" in result:
             summary["kv_transfer_share_of_gpu_to_gpu"] = round(
                 summary["kv_transfer_gb_per_s"] / result["gpu_to_gpu"]["gb_per_s"], 3)

@@ -124,13 +124,15 @@ def _cases() -> Iterator[tuple]:
                  GROUP_P2=4, BLOCK_N=cfg.block_n, BLOCK_D=128, UPCAST=False),
             cfg.num_warps, cfg.num_stages)
     cfg = prefill.prefill_config(4, 128)
-    yield (f"prefill {cfg}", prefill._prefill_kernel, dict(
-        q_ptr=BF16, kv_ptr=BF16, block_tables_ptr=I32, query_start_loc_ptr=I32, seq_lens_ptr=I32,
-        out_ptr=BF16, lse_ptr=F32, stride_q_tok=4096, stride_q_head=128, **KV_STRIDES,
-        stride_bt_seq=512, stride_out_tok=4096, stride_out_head=128, stride_lse_tok=32,
-        scale_log2=0.127, num_seqs=4, group=4, head_dim=128),
-        dict(PAGE_SIZE=16, RETURN_LSE=True, BLOCK_Q=cfg.block_m // 4, GROUP_P2=4,
-             BLOCK_N=cfg.block_n, BLOCK_D=128, UPCAST=False), cfg.num_warps, cfg.num_stages)
+    for has_positions in (False, True):  # (a blend's recompute: each token at its own position)
+        yield (f"prefill {cfg} positions={has_positions}", prefill._prefill_kernel, dict(
+            q_ptr=BF16, kv_ptr=BF16, block_tables_ptr=I32, query_start_loc_ptr=I32, seq_lens_ptr=I32,
+            positions_ptr=I32, out_ptr=BF16, lse_ptr=F32, stride_q_tok=4096, stride_q_head=128,
+            **KV_STRIDES, stride_bt_seq=512, stride_out_tok=4096, stride_out_head=128, stride_lse_tok=32,
+            scale_log2=0.127, num_seqs=4, group=4, head_dim=128),
+            dict(PAGE_SIZE=16, RETURN_LSE=True, BLOCK_Q=cfg.block_m // 4, GROUP_P2=4,
+                 HAS_POSITIONS=has_positions, BLOCK_N=cfg.block_n, BLOCK_D=128, UPCAST=False),
+            cfg.num_warps, cfg.num_stages)
     yield from _lora_cases()
     # with IA3's gate/up and down-input vectors: dense rows and flags, or at pool offsets
     for has_scale, offsets in ((False, False), (True, False), (True, True)):
