@@ -27,8 +27,8 @@ export PYTHONUNBUFFERED=1
 for stage in "$@"; do
     echo "=== $stage ($(date -u +%H:%M:%S))"
     case $stage in
-        prepare)  # here, not on the device: the carried files from the installed package and quick start
-            data=${QUICKSTART_DATA:?set QUICKSTART_DATA to a data dir where the quick start was built}
+        prepare)  # here, not on the device: the carried files from the installed package and quick
+            # start (its adapters, for accuracy; without QUICKSTART_DATA none: enough for blending)
             gguf=$(python3 -c "from loraplex.quickstart.assets import SMOLLM2; from loraplex.quickstart.source import installed_gguf; print(installed_gguf(SMOLLM2))")
             CARRY=.device/real-model
             rm -rf "$CARRY" .device/gguf-a .device/gguf-b && mkdir -p "$CARRY/wheels"
@@ -36,7 +36,11 @@ for stage in "$@"; do
             head -c $((size / 2)) "$gguf" > .device/gguf-a
             tail -c +$((size / 2 + 1)) "$gguf" > .device/gguf-b
             sha256sum < "$gguf" | cut -d' ' -f1 > "$CARRY/gguf.sha256"
-            cp -r "$data/quickstart/adapters" "$CARRY/adapters"
+            if [ -n "${QUICKSTART_DATA:-}" ]; then
+                cp -r "$QUICKSTART_DATA/quickstart/adapters" "$CARRY/adapters"
+            else
+                echo "QUICKSTART_DATA is not set: no adapters carried (the accuracy stage needs them)"
+            fi
             pip download -q --no-deps -d "$CARRY/wheels" gguf
             du -sh .device/gguf-a .device/gguf-b "$CARRY"
             ;;
