@@ -122,20 +122,23 @@ def test_one_rank_loads_go_through_the_adapter_ring_while_it_has_room():
     assert slots.ring_free_bytes == 2 * adapter_bytes
 
 
-def test_a_worker_loads_the_same_adapter_from_the_ring_as_from_its_pages():
-    """The worker's side: pages from the adapter ring land in the pool as pages sent whole do;
-    an offset past the ring, or pages packed for another layout, are refused."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_worker_loads_the_same_adapter_from_the_ring_as_from_its_pages(device):
+    """The worker's side: pages from the adapter ring (pinned where they lie, on a GPU) land in
+    the pool as pages sent whole do; an offset past the ring, or pages packed for another
+    layout, are refused."""
     c = config()
-    buffers = LoraSlotBuffers(c, 2, 2, torch.float32, torch.device("cpu"))
-    worker = Worker(SimpleNamespace(rank=0, world_size=1))
+    buffers = LoraSlotBuffers(c, 2, 2, torch.float32, torch.device(device))
+    worker = Worker(SimpleNamespace(rank=0, world_size=1), torch.device(device))
     worker.layout = SimpleNamespace(world_size=1)
     worker.runner = SimpleNamespace(lora=buffers)
     host = _host(c, "lora")
     packed = buffers.prepare(host)
     ring = torch.zeros(packed.pages.numel() + 3 * buffers.page_bytes, dtype=torch.uint8)
     at = 2 * buffers.page_bytes
-    ring[at:at + packed.pages.numel()] = packed.pages
-    worker.map_adapter_ring(ring)
+    ring[at:at + packed.pages.numel()] = packed.pages.cpu()
+    worker.map_adapter_ring(ring.share_memory_())
+    assert worker._ring_pinned == (device == "cuda")
 
     def through_the_pipe():
         sent = packed_for_the_wire(host, buffers.pack_key, pages_in_ring=True)
@@ -154,3 +157,5 @@ def test_a_worker_loads_the_same_adapter_from_the_ring_as_from_its_pages():
     other.packed = {("another layout",): next(iter(other.packed.values()))}
     with pytest.raises(ValueError, match="another layout"):
         worker.load_adapter(2, other, tuple(pages), ring=(at, packed.pages.numel()))
+    worker.map_adapter_ring(torch.zeros(0, dtype=torch.uint8))  # a new ring: the old one unpinned
+    assert not worker._ring_pinned
