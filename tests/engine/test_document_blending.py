@@ -11,7 +11,7 @@ import torch
 
 from loraplex import LLM, SamplingParams
 from loraplex.engine import blending
-from loraplex.engine.blending import DocumentBlend, blend_prefill
+from loraplex.engine.blending import DocumentBlend, blend_prefill, copy_document_kv
 from loraplex.errors import InvalidRequestError
 from loraplex.types import StreamingWindow
 from tests.factories import (
@@ -169,6 +169,33 @@ def test_scattered_tokens_attend_as_runs_of_their_own_would(llm: LLM, monkeypatc
     assert ids == run_ids
     assert logprobs == pytest.approx(run_logprobs, abs=1e-5)
     assert max(abs(a - b) for a, b in zip(reused_logprobs, run_logprobs)) > 1e-2  # the 40% mattered
+
+
+def test_a_documents_kv_moved_to_its_place_has_full_prefills_first_layer(llm: LLM) -> None:
+    """A layer-0 key depends on its token and position alone: a document's KV computed alone and
+    moved to its place in a prompt (its keys rotated on by the offset, copy_document_kv) holds
+    exactly the layer-0 keys and values of the prompt's full prefill there; past layer 0 it
+    does not (the document never attended to what precedes it: what the recompute is for)."""
+    engine = llm.engine
+    head, doc = HEAD + QUESTION[:2], DOCS["a"][:20]  # 7 tokens before it: not at a block's start
+    prompt, start = head + doc, len(head)
+    blocks = [engine.blocks.allocate(-(-n // BLOCK_SIZE)) for n in (len(doc), len(prompt), len(prompt))]
+    alone, full, moved = blocks
+    try:
+        blend_prefill(engine.model, engine.kv_cache, alone, doc, None, 1.0)
+        blend_prefill(engine.model, engine.kv_cache, full, prompt, None, 1.0)
+        copy_document_kv(engine.kv_cache, alone, moved, start, len(doc), engine.model.cos_sin)
+
+        def kv(table: list[int], layer: int) -> torch.Tensor:  # [2, doc tokens, kv_heads, d]
+            positions = torch.arange(start, len(prompt))
+            return engine.kv_cache[torch.tensor(table)[positions // BLOCK_SIZE], layer, :,
+                                   positions % BLOCK_SIZE].transpose(0, 1)
+
+        torch.testing.assert_close(kv(moved, 0), kv(full, 0), atol=1e-5, rtol=1e-5)
+        assert (kv(moved, 2) - kv(full, 2)).abs().max() > 1e-3
+    finally:
+        for table in blocks:
+            engine.blocks.free(table)
 
 
 def test_the_blend_recomputes_what_the_question_attends_to(llm: LLM, base) -> None:
