@@ -76,7 +76,7 @@ print('imported into $MODEL')" || exit 1
             ;;
         blending)
             mkdir -p "$OUT"
-            python3 -m loraplex.benchmarks blending --model "$MODEL" --shares 0,0.1,0.2,0.3,0.5,1 --out "$OUT" 2>&1 \
+            python3 -m loraplex.benchmarks blending --model "$MODEL" --shares 0,0.2,0.5,0.8,0.9,1 --out "$OUT" 2>&1 \
                 | tee "$OUT/blending.log" | grep -v "^question" | tail -30
             ;;
         *)
