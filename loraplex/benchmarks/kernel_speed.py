@@ -232,6 +232,35 @@ def bench_prefill(query_lens: list[int], context_lens: list[int],
                   **asdict(config))
 
 
+def bench_scattered_prefill(prompt_len: int, share: float, by_runs: bool = False) -> Result:
+    """A blend's recompute (loraplex/engine/blending.py): `share` of a prompt's tokens, scattered,
+    every key cached, as one sequence with each token's own position (query_positions), or
+    `by_runs`: a sequence for each run of consecutive tokens (the layout before)."""
+    from loraplex.engine.blending import metadata_by_runs
+
+    generator = torch.Generator().manual_seed(0)
+    positions = torch.randperm(prompt_len, generator=generator)[:round(share * prompt_len)].sort().values
+    kv_layer, tables = paged_cache([prompt_len])
+    positions = positions.to(DEVICE)
+    n = len(positions)
+    q = randn(n, HEADS, HEAD_DIM)
+    if by_runs:
+        meta = metadata_by_runs(torch.zeros(n, dtype=torch.int64, device=DEVICE), tables, positions)
+        tables, qsl, lens, query_positions = meta.block_tables, meta.query_start_loc, meta.seq_lens, None
+    else:
+        qsl = torch.tensor([0, n], dtype=torch.int32, device=DEVICE)
+        lens = torch.tensor([int(positions[-1]) + 1], dtype=torch.int32, device=DEVICE)
+        query_positions = positions.to(torch.int32)
+    flops = 4.0 * HEADS * HEAD_DIM * float((positions + 1).sum())  # each token at p attends to p + 1 keys
+    nbytes = kv_bytes([prompt_len]) + 2 * n * HEADS * HEAD_DIM * 2
+    config = prefill_attention.prefill_config(HEADS // KV_HEADS, HEAD_DIM)
+    run = lambda _: prefill_attention._launch(q, kv_layer, tables, qsl, lens, HEAD_DIM ** -0.5, True,
+                                              config, query_positions)
+    t = time_per_call(run, [None], min_calls=8)
+    layout = f"{len(lens)} sequences (a run each)" if by_runs else "one sequence, query positions"
+    return result("paged_attention", f"{n} of {prompt_len} tokens scattered, {layout}", t, nbytes, flops)
+
+
 # ---------------------------------------------------------------- LoRA
 
 
@@ -437,6 +466,7 @@ def main_cases(lora_baseline: ModuleType | None = None) -> list[Case]:
         case(bench_rotary, 64), case(bench_rotary, 4096),
         case(bench_decode, 256, 1024), case(bench_decode, 8, 8192), case(bench_decode, 1, 8192),
         case(bench_prefill, [2048], [0]), case(bench_prefill, [512, 512], [4096, 1024]),
+        case(bench_scattered_prefill, 4096, 0.2), case(bench_scattered_prefill, 4096, 0.2, True),
         *[c for lc in LORA_CASES[1:] for c in lora_case(lc)],
         *lora_case(LORA_CASES[0], which="shrink"),
         *lora_case(LORA_CASES[0], which="expand"),
