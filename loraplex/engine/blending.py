@@ -55,8 +55,10 @@ tokens): ranked by the question's attention, 20% takes the answer's log-prob err
 (ranked by deviation) to 0.07, and 10% errs no more than 20% by deviation (0.12)."""
 RECOMPUTE_BY = ("question", "deviation")
 CHUNK_TOKENS = 512
-"""Selected tokens a forward pass takes at once past layer 1 (one sequence, each token at its own
-position): bounds the CPU reference's scores to heads x CHUNK_TOKENS x prompt length."""
+"""Selected tokens a forward pass takes at once past layer 1 with the reference ops (one
+sequence, each token at its own position), and own tokens a probe pass takes: bounds the
+scores they hold to heads x CHUNK_TOKENS x prompt length. The kernels hold no such scores: they
+take every selected token in one pass (launches a layer once, not once a chunk)."""
 
 
 @dataclass(frozen=True)
@@ -244,7 +246,8 @@ def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, block_ids: li
             selected = _select(score, reused, share)
             if len(selected) < n:
                 hidden, residual = hidden[selected], residual[selected]
-                passes = _passes(kv_cache, slots, table, selected, lora, CHUNK_TOKENS)
+                size = CHUNK_TOKENS if model.ops.name == "reference" else len(selected)
+                passes = _passes(kv_cache, slots, table, selected, lora, size)
     return selected
 
 
