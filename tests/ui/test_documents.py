@@ -24,7 +24,7 @@ def test_add_a_document_from_a_file_view_and_delete_it(admin_page, server: LiveS
     source = tmp_path / "tea-guide.txt"
     source.write_text(TEXT)
     page.get_by_label("File").set_input_files(str(source))
-    expect(page.get_by_label("Text")).to_have_value(TEXT)
+    expect(page.get_by_label("Text", exact=True)).to_have_value(TEXT)
     expect(page.get_by_label("Name", exact=True)).to_have_value("tea-guide")
     page.get_by_role("button", name="Add document").click()
     row = page.locator('tr[data-key="demo/tea-guide"]')
@@ -41,7 +41,7 @@ def test_add_a_document_from_a_file_view_and_delete_it(admin_page, server: LiveS
     expect(dialog).to_be_hidden()
 
     page.get_by_label("Name", exact=True).fill("tea-guide")
-    page.get_by_label("Text").fill("again")
+    page.get_by_label("Text", exact=True).fill("again")
     page.get_by_role("button", name="Add document").click()
     name = page.get_by_label("Name", exact=True)
     expect(name).to_have_attribute("aria-invalid", "true")

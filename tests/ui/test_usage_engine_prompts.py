@@ -116,7 +116,7 @@ def test_add_a_system_prompt_and_view_it_with_its_token_count(admin_page, server
     page.get_by_label("Name", exact=True).fill("ui-tea")
     adapter.select_option("pirate")
     text = "You are a helpful assistant who answers questions about tea.\nKeep answers short."
-    page.get_by_label("Text").fill(text)
+    page.get_by_label("Text", exact=True).fill(text)
     page.get_by_role("button", name="Add prompt").click()
     row = page.locator('tr[data-key="demo/ui-tea"]')
     expect(row).to_be_visible()
@@ -136,7 +136,7 @@ def test_add_a_system_prompt_and_view_it_with_its_token_count(admin_page, server
     expect(view).to_be_focused()
 
     page.get_by_label("Name", exact=True).fill("ui-tea")
-    page.get_by_label("Text").fill("again")
+    page.get_by_label("Text", exact=True).fill("again")
     page.get_by_role("button", name="Add prompt").click()
     name = page.get_by_label("Name", exact=True)
     expect(name).to_have_attribute("aria-invalid", "true")
