@@ -24,6 +24,7 @@ def test_the_smoke_run_measures_quality_and_time_to_first_token(tmp_path):
     assert timing["prompt_tokens"] == 4 * 32 + 16 + 24
     assert all(len(times) == 2 and min(times) > 0 for times in timing["times_s"].values())
     assert timing["speedup_documents_cached"] > 0
+    assert 0 < timing["median_blend_s_documents_cached"] < timing["median_ttft_s"]["blend_documents_cached"]
 
 
 def test_bad_arguments_are_refused(capsys):
