@@ -26,6 +26,7 @@ do, and the documents' KV is kept under the adapter's digest: another adapter co
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,7 +44,7 @@ from loraplex.model.context import (
     LoraMetadata,
     forward_context,
 )
-from loraplex.model.llama import LlamaForCausalLM, project
+from loraplex.model.llama import LlamaForCausalLM
 
 DEFAULT_RECOMPUTE_SHARE = 0.2
 """Share of reused document tokens computed again. studies/results/cacheblend-share-cpu.json
@@ -258,9 +259,9 @@ def question_attention(model: LlamaForCausalLM, kv_cache: torch.Tensor, table: t
     tokens ([num_tokens] bool: the template, the question, what is no reused document's) past
     layer 1, averaged over heads and own tokens, summed over layers: a probe pass of the own
     tokens (hidden, residual [num_tokens, hidden] after layer 1) through the remaining layers,
-    attending to the cache as it stands (the documents' reused KV). The probe writes the own
-    tokens' KV, which the blend's pass writes again. (An IA3 adapter's query scaling is left out
-    of the weights.)"""
+    attending to the cache as it stands (the documents' reused KV), each layer's queries taken
+    from its own attention call (ForwardContext.queries). The probe writes the own tokens' KV,
+    which the blend's pass writes again."""
     n = len(own)
     probe = own.nonzero().flatten()
     hidden, residual = hidden[probe], residual[probe]
@@ -269,23 +270,17 @@ def question_attention(model: LlamaForCausalLM, kv_cache: torch.Tensor, table: t
     later = torch.arange(n, device=kv_cache.device)[None, :] > probe[:, None]  # [probe, tokens]
     mass = torch.zeros(n, dtype=torch.float32, device=kv_cache.device)
     for layer in model.layers[2:]:
-        attn = layer.attn
-        h = hidden.float() + residual.float()  # the layer's input norm, as its fused_add_rms_norm
-        normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + layer.eps)).to(hidden.dtype)
-        normed = normed * layer.input_norm
-        hidden, residual = _layer(layer, model, passes, hidden, residual)
+        attn, queries = layer.attn, []
+        layer_passes = [dataclasses.replace(p, context=dataclasses.replace(p.context, queries=queries))
+                        for p in passes]
+        hidden, residual = _layer(layer, model, layer_passes, hidden, residual)
         keys = kv_cache[rows, attn.layer, 0].flatten(0, 1)[:n].float()  # [tokens, kv_heads, d]
-        keys = keys.repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=1)
-        for p in passes:
-            with forward_context(p.context):
-                qkv = project(attn.layer, "qkv", attn.ops, normed[p.rows], attn.qkv_weight, attn.qkv_bias)
-            q = qkv[:, :attn.q_size].view(len(p.positions), attn.num_heads, attn.head_dim)
-            cos, sin = model.cos_sin[p.positions].float().chunk(2, dim=-1)  # [chunk, d / 2]
-            q1, q2 = q.float().chunk(2, dim=-1)
-            q = torch.cat((q1 * cos[:, None] - q2 * sin[:, None], q2 * cos[:, None] + q1 * sin[:, None]), -1)
-            scores = torch.einsum("qhd,khd->hqk", q, keys) * attn.scale  # [heads, chunk, tokens]
+        group = attn.num_heads // attn.num_kv_heads
+        for p, q in zip(passes, queries):
+            q = q.float().view(len(p.positions), attn.num_kv_heads, group, attn.head_dim)
+            scores = torch.einsum("pkgd,nkd->kgpn", q, keys) * attn.scale  # [kv_heads, group, chunk, tokens]
             weights = scores.masked_fill(later[p.rows], float("-inf")).softmax(-1)
-            mass += weights.sum((0, 1)) / (attn.num_heads * len(probe))
+            mass += weights.sum((0, 1, 2)) / (attn.num_heads * len(probe))
     return mass
 
 

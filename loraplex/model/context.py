@@ -117,6 +117,9 @@ class ForwardContext:
     attention: AttentionMetadata
     lora: LoraMetadata | None
     """None when no token of the batch has an adapter."""
+    queries: list[torch.Tensor] | None = None
+    """Where each attention layer puts its queries, rotated, [num_tokens, num_heads, head_dim]
+    (a blend's probe reads them: loraplex/engine/blending.py); None: nowhere."""
 
 
 _CONTEXT: ContextVar[ForwardContext | None] = ContextVar("loraplex_forward_context", default=None)

@@ -117,6 +117,8 @@ class Attention(nn.Module):
             w = context.lora.buffers.group(self.layer, "qkv")
             ia3 = (context.lora.token_slots, w.vectors, w.fused_scale_at)
         q = self.ops.rotary_store_kv(positions, q, k, v, cos_sin, kv_layer, meta.slot_mapping, *ia3)
+        if context.queries is not None:
+            context.queries.append(q)
         if meta.is_decode and meta.relay is not None:
             relay = meta.relay
             out = self.ops.relay_decode_attention(q, kv_layer, meta.block_tables, meta.seq_lens,
