@@ -193,7 +193,7 @@ class RemoteSlots:
         not packed, or no room)."""
         if self._ring is None or not self._is_packed(adapter):
             return None
-        packed = self._packer.prepare(adapter).pages
+        packed = adapter.packed[self._packer.pack_key].pages
         count = packed.numel() // self.page_bytes
         with self._lock:
             first = self._ring_runs.take(count) if count else None

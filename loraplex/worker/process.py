@@ -249,19 +249,16 @@ class Worker:
         shard, lora = shard_host_adapter(adapter, self.layout), self.runner.lora
         if not 0 < slot <= lora.num_slots:  # (before its pages are counted)
             raise ValueError(f"slot {slot} out of range 1..{lora.num_slots}")
-        if ring is not None:
+        if (ring is not None or (shard.packed and not shard.a)) and lora.pack_key not in shard.packed:
+            raise ValueError(f"adapter {adapter.digest} came packed, without A and B, for another layout "
+                             "than this rank's")  # (RemoteSlots._sent)
+        if ring is not None:  # its packed pages are in the ring
             at, size = ring
             if self.adapter_ring is None or at < 0 or at + size > self.adapter_ring.numel():
                 raise ValueError(f"adapter {adapter.digest} is at [{at}, {at + size}) of an adapter ring of "
                                  f"{0 if self.adapter_ring is None else self.adapter_ring.numel()} bytes")
-            if lora.pack_key not in shard.packed:
-                raise ValueError(f"adapter {adapter.digest} came through the ring packed for another layout "
-                                 "than this rank's")
             tables = shard.packed[lora.pack_key].tables
             shard.packed[lora.pack_key] = PackedAdapter(self.adapter_ring[at:at + size], tables)
-        if shard.packed and not shard.a and lora.pack_key not in shard.packed:  # (RemoteSlots._sent)
-            raise ValueError(f"adapter {adapter.digest} came packed, without A and B, for another layout "
-                             "than this rank's")
         if pages is None:  # the rank's adapters have a pool of their own
             pages = lora.own_pages_of(slot, lora.pages_for(shard))
         lora.load(slot, shard, list(pages))
