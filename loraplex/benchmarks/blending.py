@@ -28,6 +28,7 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,8 +131,8 @@ class Corpus:
 
     documents: dict[str, list[int]]
     head: list[int]
-    question: Any  # (topic name) -> the question's tokens and the assistant turn's opening
-    stop: int | None
+    question: Callable[[str], list[int]]
+    """(The topic asked about) -> the question's tokens and the assistant turn's opening."""
 
     def prompt(self, names: list[str], asked: str) -> tuple[list[int], tuple[tuple[int, int], ...]]:
         tokens, spans = list(self.head), []
@@ -159,8 +160,7 @@ def text_corpus(model_dir: Path, doc_tokens: int, num_topics: int) -> Corpus:
                  + encode("\n\n") for name in topics[:num_topics]}
     return Corpus(documents, encode(SYSTEM + "<|im_start|>user\nRead these documents.\n\n"),
                   lambda asked: encode(f"In one sentence, what does the document about '{asked}' explain?"
-                                       "<|im_end|>\n<|im_start|>assistant\n"),
-                  tokenizer.token_to_id("<|im_end|>"))
+                                       "<|im_end|>\n<|im_start|>assistant\n"))
 
 
 def random_corpus(vocab_size: int, doc_tokens: int, num_topics: int, seed: int = 0) -> Corpus:
@@ -172,7 +172,7 @@ def random_corpus(vocab_size: int, doc_tokens: int, num_topics: int, seed: int =
 
     documents = {f"doc{i}": draw(doc_tokens) for i in range(num_topics)}
     asks = {name: draw(24) for name in documents}
-    return Corpus(documents, draw(16), lambda asked: asks[asked], None)
+    return Corpus(documents, draw(16), lambda asked: asks[asked])
 
 
 def quality(engine: LLMEngine, corpus: Corpus, questions: int, shares: tuple[float, ...],
